@@ -1,0 +1,31 @@
+# Two entry points: `make demo` runs the pipeline on generated data, `make test` runs the tests.
+# Both create and use the local virtual environment .venv (Python 3.11+).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/snakemake
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check workflow/ctseg tests bench
+	$(BIN)/snakefmt --check Snakefile workflow/rules
+	$(BIN)/snakemake --lint
+
+bench: $(STAMP)
+	$(BIN)/python bench/preprocess.py --quick
+
+clean:
+	rm -rf results .snakemake

@@ -1,0 +1,70 @@
+"""Fixtures shared by the tests: a private copy of the workflow and a way to run snakemake on it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# The smallest dataset that still has several chunks and blocks per axis.
+TINY_CONFIG = {
+    "dataset": "demo",
+    "demo": {"n_train": 2, "n_test": 1, "shape": [40, 48, 40], "scroll_ids": [7, 8], "seed": 3},
+    "convert": {
+        "chunks": [16, 16, 16],
+        "shards": None,
+        "codec": {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"},
+        "memory_budget_mb": 1,
+    },
+    "targets": {
+        "clip_distance": 4,
+        "skeleton_method": "medial_surface",
+        "tube_dilations": 2,
+        "block": [32, 32, 32],
+        "max_samples": 500,
+        "seed": 0,
+        "workers": 1,
+    },
+}
+
+
+def copy_workflow(dest: Path, config: dict | None = None) -> Path:
+    """Copy the workflow definition (not results, not data) so each test owns its directory."""
+    shutil.copy2(REPO / "Snakefile", dest / "Snakefile")
+    for folder in ("workflow/rules", "workflow/schemas", "workflow/profiles", "workflow/report"):
+        if (REPO / folder).exists():
+            shutil.copytree(REPO / folder, dest / folder)
+    shutil.copytree(REPO / "config", dest / "config")
+    if config is not None:
+        (dest / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    return dest
+
+
+def run_snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
+
+
+@pytest.fixture
+def workflow_dir(tmp_path: Path) -> Path:
+    return copy_workflow(tmp_path, TINY_CONFIG)

@@ -1,0 +1,120 @@
+"""The real workflow, run with `snakemake` on a private copy and a tiny generated dataset."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import tifffile
+import zarr
+from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
+
+from ctseg.targets import targets_reference
+
+
+def test_precompute_targets_end_to_end(workflow_dir: Path):
+    # No --cores: the default profile must supply it.
+    proc = run_snakemake(workflow_dir, "precompute_targets")
+    assert "Nothing to be done" not in proc.stderr
+
+    demo = workflow_dir / "resources" / "demo"
+    train = pd.read_csv(demo / "train.csv", dtype={"id": str})
+    test = pd.read_csv(demo / "test.csv", dtype={"id": str})
+    assert len(train) == TINY_CONFIG["demo"]["n_train"]
+    assert len(test) == TINY_CONFIG["demo"]["n_test"]
+
+    results = workflow_dir / "results"
+    target_cfg = TINY_CONFIG["targets"]
+    for record_id in train["id"]:
+        image_tif = tifffile.imread(demo / "train_images" / f"{record_id}.tif")
+        label_tif = tifffile.imread(demo / "train_labels" / f"{record_id}.tif")
+        image = zarr.open_array(str(results / "zarr" / "images" / f"{record_id}.zarr"), mode="r")
+        label = zarr.open_array(str(results / "zarr" / "labels" / f"{record_id}.zarr"), mode="r")
+        np.testing.assert_array_equal(image[:], image_tif)
+        np.testing.assert_array_equal(label[:], label_tif)
+        assert image.chunks == (16, 16, 16)
+        assert len(image.attrs["source_sha256"]) == 64
+
+        targets = zarr.open_group(str(results / "targets" / f"{record_id}.zarr"), mode="r")
+        reference = targets_reference(
+            label_tif,
+            clip_distance=target_cfg["clip_distance"],
+            skeleton_method=target_cfg["skeleton_method"],
+            tube_dilations=target_cfg["tube_dilations"],
+        )
+        np.testing.assert_array_equal(targets["foreground"][:], label_tif == 1)
+        np.testing.assert_array_equal(targets["ignore"][:], label_tif == 2)
+        np.testing.assert_array_equal(
+            targets["sdt"][:], reference["sdt"].astype(np.float16), err_msg="sdt"
+        )
+        np.testing.assert_array_equal(targets["skeleton"][:], reference["skeleton"])
+        np.testing.assert_array_equal(targets["tube"][:], reference["tube"])
+        locations = targets["fg_locations"][:]
+        assert 0 < len(locations) <= target_cfg["max_samples"]
+        assert (label_tif[tuple(locations.T)] == 1).all()
+
+    # Test volumes are converted, and the demo keeps their labels for evaluation.
+    for record_id in test["id"]:
+        assert (results / "zarr" / "images" / f"{record_id}.zarr").is_dir()
+        assert (results / "zarr" / "labels" / f"{record_id}.zarr").is_dir()
+
+    # Every rule wrote its log and its benchmark.
+    assert (results / "logs" / "demo_data.log").exists()
+    for rule in ("convert_image", "convert_label", "targets"):
+        assert any((results / "logs" / rule).iterdir()), rule
+        assert any((results / "benchmarks" / rule).iterdir()), rule
+
+    # No temporary leftovers beside the outputs.
+    leftovers = [p for p in results.rglob(".*tmp-*")]
+    assert leftovers == []
+
+    # A second run has nothing to do.
+    again = run_snakemake(workflow_dir, "precompute_targets", "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("target", ["all", "demo_data", "precompute_targets"])
+def test_named_targets_dry_run(workflow_dir: Path, target: str):
+    proc = run_snakemake(workflow_dir, "-n", target)
+    assert "Job stats" in proc.stdout + proc.stderr
+
+
+def test_bad_config_rejected_by_schema(workflow_dir: Path):
+    unknown = run_snakemake(workflow_dir, "-n", "--config", "bogus_key=1", check=False)
+    assert unknown.returncode != 0
+    assert "bogus_key" in unknown.stdout + unknown.stderr
+
+    wrong_type = run_snakemake(
+        workflow_dir, "-n", "--config", "targets={clip_distance: far}", check=False
+    )
+    assert wrong_type.returncode != 0
+    assert "far" in wrong_type.stdout + wrong_type.stderr
+
+
+def test_user_dataset_with_bad_id_fails_before_running(tmp_path: Path):
+    workdir = copy_workflow(tmp_path, dict(TINY_CONFIG, dataset="mine"))
+    root = workdir / "resources" / "mine"
+    (root / "train_images").mkdir(parents=True)
+    (root / "train.csv").write_text("id,scroll_id\n../escape,1\n")
+    proc = run_snakemake(workdir, "-n", check=False)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "train.csv" in output and "bad id" in output
+
+
+def test_lint_and_format_are_clean(tmp_path: Path):
+    lint = subprocess.run(
+        [str(BIN / "snakemake"), "--lint"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    fmt = subprocess.run(
+        [str(BIN / "snakefmt"), "--check", "Snakefile", "workflow/rules"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr

@@ -1,0 +1,141 @@
+"""`ctseg <step>`: one subcommand per pipeline step. The Snakemake rules call these.
+
+Each subcommand parses its arguments, calls one function of the module named for the step and
+turns a `CtsegError` into a one-line message and exit status 2, so the rule's log names the
+file and the problem instead of ending in a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ctseg.io import CtsegError
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in text.replace("x", ",").split(",") if p]
+    if len(parts) == 1:
+        parts = parts * 3
+    if len(parts) != 3 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"expected Z,Y,X positive integers, got {text!r}")
+    return tuple(parts)  # type: ignore[return-value]
+
+
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({exc})") from exc
+
+
+def cmd_demo_data(args: argparse.Namespace) -> None:
+    from ctseg.demo_data import generate_demo
+
+    generate_demo(
+        Path(args.out),
+        n_train=args.n_train,
+        n_test=args.n_test,
+        shape=args.shape,
+        scroll_ids=args.scroll_ids,
+        seed=args.seed,
+    )
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from ctseg.convert import convert_volume
+    from ctseg.store import open_volume
+
+    expect_shape = None
+    if args.like is not None:
+        expect_shape = tuple(open_volume(args.like).shape)
+    attrs = convert_volume(
+        Path(args.source),
+        Path(args.dest),
+        kind=args.kind,
+        chunks=args.chunks,
+        codec=args.codec,
+        shards=args.shards,
+        memory_budget_mb=args.memory_budget_mb,
+        expect_shape=expect_shape,
+        like_source=args.like,
+    )
+    print(json.dumps(attrs, indent=1))
+
+
+def cmd_targets(args: argparse.Namespace) -> None:
+    from ctseg.targets import compute_targets
+
+    summary = compute_targets(
+        Path(args.label),
+        Path(args.dest),
+        clip_distance=args.clip_distance,
+        skeleton_method=args.skeleton_method,
+        tube_dilations=args.tube_dilations,
+        block_shape=args.block,
+        max_samples=args.max_samples,
+        seed=args.seed,
+        codec=args.codec,
+        workers=args.workers,
+    )
+    print(json.dumps(summary, indent=1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctseg", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo-data", help="generate the synthetic dataset in the Kaggle layout")
+    p.add_argument("--out", required=True, help="dataset directory, e.g. resources/demo")
+    p.add_argument("--n-train", type=int, default=4)
+    p.add_argument("--n-test", type=int, default=2)
+    p.add_argument("--shape", type=_shape, default=(96, 96, 96), help="Z,Y,X voxels")
+    p.add_argument("--scroll-ids", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo_data)
+
+    p = sub.add_parser("convert", help="TIFF (multi-page or directory of slices) to Zarr v3")
+    p.add_argument("source", help="a 3D .tif/.tiff or a directory of 2D slice TIFFs")
+    p.add_argument("dest", help="the .zarr store to write")
+    p.add_argument("--kind", choices=["image", "label"], default="image")
+    p.add_argument("--like", default=None, help="image .zarr whose shape the label must match")
+    p.add_argument("--chunks", type=_shape, default=(64, 64, 64))
+    p.add_argument("--shards", type=_shape, default=None)
+    p.add_argument("--codec", type=_json, default=None, help="codec mapping as JSON")
+    p.add_argument("--memory-budget-mb", type=float, default=256.0)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("targets", help="precompute training targets from a label store")
+    p.add_argument("label", help="label .zarr written by `ctseg convert --kind label`")
+    p.add_argument("dest", help="the targets .zarr group to write")
+    p.add_argument("--clip-distance", type=float, default=8.0)
+    p.add_argument(
+        "--skeleton-method", choices=["medial_surface", "lee3d"], default="medial_surface"
+    )
+    p.add_argument("--tube-dilations", type=int, default=2)
+    p.add_argument("--block", type=_shape, default=(128, 128, 128))
+    p.add_argument("--max-samples", type=int, default=20000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", type=_json, default=None)
+    p.add_argument("--workers", type=int, default=1)
+    p.set_defaults(func=cmd_targets)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except CtsegError as exc:
+        print(f"ctseg {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Zarr v3 layout shared by every step: how arrays are created, compressed and opened.
+
+Layout (the results contract):
+- ``results/zarr/images/<id>.zarr`` and ``results/zarr/labels/<id>.zarr``: one 3D array each,
+  attributes ``source``, ``source_sha256``, ``shape``, ``dtype``, ``mean``, ``std``,
+  ``p0_5``, ``p99_5``.
+- ``results/targets/<id>.zarr``: a group with 3D arrays ``ignore``, ``foreground``,
+  ``skeleton``, ``tube`` (uint8, 0/1) and ``sdt`` (float16, clipped signed distance, positive
+  outside the foreground), all on the label's chunk grid, plus ``fg_locations`` (int32, N x 3,
+  z/y/x of sampled foreground voxels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.codecs
+
+DEFAULT_CODEC: dict[str, Any] = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
+TARGET_VOLUMES = ("ignore", "foreground", "skeleton", "tube", "sdt")
+
+
+def make_compressors(codec: Mapping[str, Any] | None) -> Any:
+    """Translate the config's codec mapping into zarr v3 compressor objects."""
+    spec = dict(DEFAULT_CODEC if codec is None else codec)
+    name = spec.pop("name", "blosc")
+    if name == "blosc":
+        return zarr.codecs.BloscCodec(
+            cname=spec.get("cname", "lz4"),
+            clevel=int(spec.get("clevel", 5)),
+            shuffle=spec.get("shuffle", "shuffle"),
+        )
+    if name == "zstd":
+        return zarr.codecs.ZstdCodec(level=int(spec.get("level", 3)))
+    if name == "gzip":
+        return zarr.codecs.GzipCodec(level=int(spec.get("level", 5)))
+    if name == "none":
+        return None
+    raise ValueError(f"unknown codec {name!r}; expected blosc, zstd, gzip or none")
+
+
+def create_volume(
+    path: str | Path,
+    shape: Sequence[int],
+    dtype: Any,
+    chunks: Sequence[int],
+    codec: Mapping[str, Any] | None = None,
+    shards: Sequence[int] | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> zarr.Array:
+    """Create a 3D array store; chunks are clipped to the shape so tiny volumes still work."""
+    chunks = tuple(min(int(c), int(s)) for c, s in zip(chunks, shape, strict=True))
+    shard_shape = None
+    if shards is not None:
+        # A shard must be a whole number of chunks; round it up to one.
+        shard_shape = tuple(
+            max(c, (min(int(s), int(n)) // c) * c)
+            for s, c, n in zip(shards, chunks, shape, strict=True)
+        )
+    return zarr.create_array(
+        store=str(path),
+        shape=tuple(int(s) for s in shape),
+        chunks=chunks,
+        shards=shard_shape,
+        dtype=np.dtype(dtype),
+        compressors=make_compressors(codec),
+        fill_value=0,
+        zarr_format=3,
+        attributes=dict(attributes or {}),
+        overwrite=True,
+    )
+
+
+def create_in_group(
+    group: zarr.Group,
+    name: str,
+    shape: Sequence[int],
+    dtype: Any,
+    chunks: Sequence[int],
+    codec: Mapping[str, Any] | None = None,
+) -> zarr.Array:
+    chunks = tuple(min(int(c), max(int(s), 1)) for c, s in zip(chunks, shape, strict=True))
+    return group.create_array(
+        name,
+        shape=tuple(int(s) for s in shape),
+        chunks=chunks,
+        dtype=np.dtype(dtype),
+        compressors=make_compressors(codec),
+        fill_value=0,
+        overwrite=True,
+    )
+
+
+def open_volume(path: str | Path) -> zarr.Array:
+    return zarr.open_array(str(path), mode="r")
+
+
+def open_targets(path: str | Path) -> zarr.Group:
+    return zarr.open_group(str(path), mode="r")

@@ -1,0 +1,18 @@
+rule demo_data:
+    output:
+        train_csv="resources/demo/train.csv",
+        test_csv="resources/demo/test.csv",
+        images=[row["image"] for row in DEMO_RECORDS.values()],
+        labels=[row["label"] for row in DEMO_RECORDS.values()],
+    log:
+        "results/logs/demo_data.log",
+    params:
+        shape=shape_arg(config["demo"]["shape"]),
+        scroll_ids=" ".join(str(s) for s in config["demo"]["scroll_ids"]),
+        n_train=config["demo"]["n_train"],
+        n_test=config["demo"]["n_test"],
+        seed=config["demo"]["seed"],
+    shell:
+        "ctseg demo-data --out resources/demo --n-train {params.n_train} "
+        "--n-test {params.n_test} --shape {params.shape} "
+        "--scroll-ids {params.scroll_ids} --seed {params.seed} > {log} 2>&1"

@@ -1,0 +1,69 @@
+rule convert_image:
+    input:
+        image_source,
+    output:
+        directory("results/zarr/images/{id}.zarr"),
+    log:
+        "results/logs/convert_image/{id}.log",
+    benchmark:
+        "results/benchmarks/convert_image/{id}.tsv"
+    params:
+        chunks=shape_arg(config["convert"]["chunks"]),
+        shards=convert_shards_arg(),
+        codec=json.dumps(config["convert"]["codec"]),
+        budget=config["convert"]["memory_budget_mb"],
+    shell:
+        "ctseg convert {input:q} {output:q} --kind image --chunks {params.chunks} "
+        "{params.shards} --codec {params.codec:q} --memory-budget-mb {params.budget} "
+        "> {log} 2>&1"
+
+
+rule convert_label:
+    input:
+        label=label_source,
+        image="results/zarr/images/{id}.zarr",
+    output:
+        directory("results/zarr/labels/{id}.zarr"),
+    log:
+        "results/logs/convert_label/{id}.log",
+    benchmark:
+        "results/benchmarks/convert_label/{id}.tsv"
+    params:
+        chunks=shape_arg(config["convert"]["chunks"]),
+        shards=convert_shards_arg(),
+        codec=json.dumps(config["convert"]["codec"]),
+        budget=config["convert"]["memory_budget_mb"],
+    shell:
+        "ctseg convert {input.label:q} {output:q} --kind label --like {input.image:q} "
+        "--chunks {params.chunks} {params.shards} --codec {params.codec:q} "
+        "--memory-budget-mb {params.budget} > {log} 2>&1"
+
+
+rule targets:
+    input:
+        "results/zarr/labels/{id}.zarr",
+    output:
+        directory("results/targets/{id}.zarr"),
+    log:
+        "results/logs/targets/{id}.log",
+    benchmark:
+        "results/benchmarks/targets/{id}.tsv"
+    threads: config["targets"]["workers"]
+    params:
+        clip=config["targets"]["clip_distance"],
+        method=config["targets"]["skeleton_method"],
+        tube=config["targets"]["tube_dilations"],
+        block=shape_arg(config["targets"]["block"]),
+        max_samples=config["targets"]["max_samples"],
+        seed=config["targets"]["seed"],
+        codec=json.dumps(config["convert"]["codec"]),
+    shell:
+        "ctseg targets {input:q} {output:q} --clip-distance {params.clip} "
+        "--skeleton-method {params.method} --tube-dilations {params.tube} "
+        "--block {params.block} --max-samples {params.max_samples} --seed {params.seed} "
+        "--codec {params.codec:q} --workers {threads} > {log} 2>&1"
+
+
+rule precompute_targets:
+    input:
+        preprocessed_outputs(),
