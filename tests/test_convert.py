@@ -1,0 +1,545 @@
+"""Tests for `ctseg.convert`: exact round trips, exact statistics, bounded memory, and a clear
+error with nothing left behind for every kind of bad input."""
+
+from __future__ import annotations
+
+import logging
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import zarr.codecs
+
+from ctseg.cli import main as cli_main
+from ctseg.convert import _slab_depth, convert_volume, read_header
+from ctseg.io import CtsegError, sha256_file, sha256_files
+from ctseg.store import open_volume
+
+SHAPE = (40, 50, 60)
+CHUNKS = (16, 16, 16)
+# A budget of one chunk row (16 x 50 x 60 bytes), so a 40-slice volume takes three slabs.
+SMALL_BUDGET_MB = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _quiet_tifffile():
+    # tifffile logs what it finds in the damaged files these tests write; pytest shows it anyway.
+    logging.getLogger("tifffile").setLevel(logging.ERROR)
+
+
+def random_volume(shape=SHAPE, dtype=np.uint8, seed=0, high=None) -> np.ndarray:
+    info = np.iinfo(dtype)
+    high = info.max if high is None else high
+    return np.random.default_rng(seed).integers(0, high, shape, dtype=dtype, endpoint=True)
+
+
+def labels_volume(shape=SHAPE, seed=1) -> np.ndarray:
+    return np.random.default_rng(seed).choice(np.uint8([0, 1, 2]), shape, p=[0.37, 0.05, 0.58])
+
+
+def write_tiff(path: Path, data: np.ndarray, **kwargs) -> Path:
+    # Without it tifffile stores a volume of 3 or 4 slices as one planar RGB(A) image.
+    kwargs.setdefault("photometric", "minisblack")
+    tifffile.imwrite(path, data, **kwargs)
+    return path
+
+
+def write_slices(directory: Path, data: np.ndarray, name: str = "slice_{}.tif") -> list[Path]:
+    directory.mkdir()
+    paths = [directory / name.format(z) for z in range(len(data))]
+    for path, plane in zip(paths, data, strict=True):
+        tifffile.imwrite(path, plane)
+    return paths
+
+
+def convert(source: Path, dest: Path, **kwargs) -> dict:
+    kwargs.setdefault("kind", "image")
+    kwargs.setdefault("chunks", CHUNKS)
+    kwargs.setdefault("memory_budget_mb", SMALL_BUDGET_MB)
+    return convert_volume(source, dest, **kwargs)
+
+
+def assert_nothing_left(dest: Path) -> None:
+    assert not dest.exists()
+    leftovers = [p.name for p in dest.parent.iterdir() if p.name.startswith(f".{dest.name}")]
+    assert leftovers == []
+
+
+def assert_stats_match_numpy(attrs: dict, data: np.ndarray) -> None:
+    assert attrs["mean"] == pytest.approx(data.mean(dtype=np.float64), rel=1e-12)
+    assert attrs["std"] == pytest.approx(data.std(dtype=np.float64), rel=1e-12)
+    assert attrs["p0_5"] == pytest.approx(np.percentile(data, 0.5, method="linear"), rel=1e-12)
+    assert attrs["p99_5"] == pytest.approx(np.percentile(data, 99.5, method="linear"), rel=1e-12)
+
+
+# --- round trips and attributes -----------------------------------------------------------------
+
+
+def test_uint8_round_trip_is_exact_and_attributes_are_complete(tmp_path):
+    data = random_volume()
+    source = write_tiff(tmp_path / "vol.tif", data)
+    dest = tmp_path / "vol.zarr"
+
+    attrs = convert(source, dest)
+
+    arr = open_volume(dest)
+    np.testing.assert_array_equal(arr[:], data)
+    assert arr.dtype == np.uint8
+    assert dict(arr.attrs) == attrs
+    assert attrs["source"] == str(source)
+    assert attrs["source_sha256"] == sha256_file(source)
+    assert attrs["shape"] == list(SHAPE)
+    assert attrs["dtype"] == "uint8"
+    assert attrs["kind"] == "image"
+    assert "label_counts" not in attrs
+    assert_stats_match_numpy(attrs, data)
+
+
+def test_uint16_round_trip_is_exact(tmp_path):
+    data = random_volume(dtype=np.uint16, seed=3)
+    data[0, 0, 0], data[-1, -1, -1] = 0, 65535
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    attrs = convert(source, tmp_path / "vol.zarr")
+
+    arr = open_volume(tmp_path / "vol.zarr")
+    assert arr.dtype == np.uint16
+    np.testing.assert_array_equal(arr[:], data)
+    assert attrs["dtype"] == "uint16"
+    assert_stats_match_numpy(attrs, data)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "high", "seed"),
+    [
+        ((3, 7, 11), np.uint8, 255, 0),  # 231 voxels: both percentiles interpolate
+        ((5, 9, 13), np.uint8, 3, 1),  # few distinct values: ties around the percentiles
+        ((4, 6, 17), np.uint16, 65535, 2),
+        ((1, 1, 1), np.uint8, 255, 3),
+        ((2, 3, 5), np.uint16, 9, 4),
+    ],
+)
+def test_statistics_equal_numpy_on_the_whole_array(tmp_path, shape, dtype, high, seed):
+    data = random_volume(shape, dtype, seed, high)
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    attrs = convert(source, tmp_path / "vol.zarr", chunks=(2, 4, 4))
+
+    assert_stats_match_numpy(attrs, data)
+
+
+def test_statistics_are_exact_when_streamed_over_many_slabs(tmp_path):
+    # A skewed histogram, streamed one chunk row at a time, must give numpy's numbers.
+    data = (random_volume(seed=5) // 40) ** 2
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    attrs = convert(source, tmp_path / "vol.zarr", chunks=(4, 16, 16), memory_budget_mb=0.01)
+
+    assert_stats_match_numpy(attrs, data)
+
+
+def test_a_last_slab_of_one_slice_round_trips(tmp_path):
+    # 33 slices in slabs of 16: the last read is a single page, which tifffile returns as 2D.
+    data = random_volume((33, 20, 24), seed=4)
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    convert(source, tmp_path / "vol.zarr", chunks=(16, 8, 8), memory_budget_mb=0.01)
+
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+
+
+def test_slice_directory_round_trip_in_natural_order(tmp_path):
+    data = random_volume((12, 20, 24))
+    slices = write_slices(tmp_path / "slices", data)
+    # Beside the slices: a macOS resource fork and a note, both ignored.
+    (tmp_path / "slices" / "._slice_3.tif").write_bytes(b"\x00\x05\x16\x07 not a tiff")
+    (tmp_path / "slices" / "notes.txt").write_text("scan notes")
+
+    attrs = convert(tmp_path / "slices", tmp_path / "vol.zarr", chunks=(4, 8, 8))
+
+    # slice_10 sorts before slice_2 by plain string order; natural order keeps z.
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+    assert attrs["shape"] == [12, 20, 24]
+    assert attrs["source_sha256"] == sha256_files(slices)
+    assert read_header(tmp_path / "slices") == ((12, 20, 24), np.dtype(np.uint8))
+    assert_stats_match_numpy(attrs, data)
+
+
+def test_labels_are_counted(tmp_path):
+    labels = labels_volume()
+    source = write_tiff(tmp_path / "lab.tif", labels)
+
+    attrs = convert(source, tmp_path / "lab.zarr", kind="label", expect_shape=SHAPE)
+
+    np.testing.assert_array_equal(open_volume(tmp_path / "lab.zarr")[:], labels)
+    assert attrs["kind"] == "label"
+    assert attrs["label_counts"] == {str(v): int((labels == v).sum()) for v in (0, 1, 2)}
+    assert_stats_match_numpy(attrs, labels)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, metadata=None), id="no-metadata"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, imagej=True), id="imagej"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, compression="zlib"), id="zlib"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, tile=(16, 16)), id="tiled"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, bigtiff=True), id="bigtiff"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, byteorder=">"), id="big-endian"),
+    ],
+)
+def test_tiff_layouts_round_trip(tmp_path, write):
+    data = random_volume((10, 33, 40), np.uint16, seed=7)
+    write(tmp_path / "vol.tif", data)
+
+    convert(tmp_path / "vol.tif", tmp_path / "vol.zarr", chunks=(4, 16, 16))
+
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+
+
+def test_pages_written_one_by_one_are_one_volume(tmp_path):
+    # Each page written separately with shape metadata becomes its own tifffile series.
+    data = random_volume((6, 20, 24))
+    with tifffile.TiffWriter(tmp_path / "vol.tif") as writer:
+        for plane in data:
+            writer.write(plane, contiguous=False)
+
+    convert(tmp_path / "vol.tif", tmp_path / "vol.zarr", chunks=(4, 8, 8))
+
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+
+
+def test_read_header(tmp_path):
+    source = write_tiff(tmp_path / "vol.tif", random_volume(dtype=np.uint16))
+    assert read_header(source) == (SHAPE, np.dtype(np.uint16))
+
+
+# --- store configuration -------------------------------------------------------------------------
+
+
+def test_chunks_and_default_codec_reach_the_store(tmp_path):
+    source = write_tiff(tmp_path / "vol.tif", random_volume())
+
+    convert(source, tmp_path / "vol.zarr", chunks=(8, 16, 32))
+
+    arr = open_volume(tmp_path / "vol.zarr")
+    assert arr.chunks == (8, 16, 32)
+    assert arr.shards is None
+    (codec,) = arr.compressors
+    assert isinstance(codec, zarr.codecs.BloscCodec)
+    assert codec.cname.value == "lz4"
+
+
+def test_codec_and_shards_reach_the_store(tmp_path):
+    data = random_volume()
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    convert(
+        source,
+        tmp_path / "vol.zarr",
+        chunks=(8, 16, 16),
+        shards=(16, 32, 32),
+        codec={"name": "zstd", "level": 7},
+    )
+
+    arr = open_volume(tmp_path / "vol.zarr")
+    assert arr.chunks == (8, 16, 16)
+    assert arr.shards == (16, 32, 32)
+    (codec,) = arr.compressors
+    assert isinstance(codec, zarr.codecs.ZstdCodec)
+    assert codec.level == 7
+    np.testing.assert_array_equal(arr[:], data)
+
+
+def test_chunks_larger_than_the_volume_are_clipped(tmp_path):
+    data = random_volume((5, 6, 7))
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    convert(source, tmp_path / "vol.zarr", chunks=(64, 64, 64))
+
+    arr = open_volume(tmp_path / "vol.zarr")
+    assert arr.chunks == (5, 6, 7)
+    np.testing.assert_array_equal(arr[:], data)
+
+
+def test_an_existing_output_is_replaced(tmp_path):
+    dest = tmp_path / "vol.zarr"
+    convert(write_tiff(tmp_path / "a.tif", random_volume(seed=1)), dest)
+    second = random_volume(seed=2)
+
+    convert(write_tiff(tmp_path / "b.tif", second), dest)
+
+    np.testing.assert_array_equal(open_volume(dest)[:], second)
+    # No temporary siblings and no set-aside old copy.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tif", "b.tif", "vol.zarr"]
+
+
+# --- bounded memory ------------------------------------------------------------------------------
+
+
+def test_slab_depth_is_whole_write_units_within_the_budget():
+    shape, mb = (320, 320, 320), 2**20
+    row = 64 * 320 * 320  # one 64-deep chunk row of uint8: 6.25 MiB
+    assert _slab_depth(shape, 1, 64, 1 * mb) == 64  # never less than one row
+    assert _slab_depth(shape, 1, 64, 4 * row) == 128  # half the budget goes to the slab
+    assert _slab_depth(shape, 2, 64, 4 * row) == 64
+    assert _slab_depth(shape, 1, 64, 1024 * mb) == 320  # the whole volume in one slab
+    assert _slab_depth((40, 50, 60), 1, 16, 1024 * mb) == 48  # rounded up to whole rows
+
+
+def _traced_peak(source: Path, dest: Path, budget_mb: float) -> int:
+    tracemalloc.start()
+    try:
+        convert_volume(source, dest, kind="image", chunks=(16, 64, 64), memory_budget_mb=budget_mb)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_peak_memory_follows_the_budget_not_the_volume(tmp_path):
+    # 16 MiB of uint8; one 16-deep chunk row is 1 MiB. numpy reports its buffers to tracemalloc,
+    # so the traced peak covers the slab, the histogram's temporaries and zarr's chunk copies
+    # (not blosc's C buffers, which are a few chunks at most).
+    data = random_volume((256, 256, 256), seed=9)
+    source = write_tiff(tmp_path / "big.tif", data)
+    volume_bytes = data.nbytes
+    del data
+
+    small = _traced_peak(source, tmp_path / "small.zarr", budget_mb=2)
+    large = _traced_peak(source, tmp_path / "large.zarr", budget_mb=64)
+
+    assert small < 0.4 * volume_bytes, f"peak {small / 2**20:.1f} MiB with a 2 MiB budget"
+    # The measurement is honest: with room for it, the whole volume is one slab in memory.
+    assert large >= volume_bytes
+    a, b = open_volume(tmp_path / "small.zarr"), open_volume(tmp_path / "large.zarr")
+    assert a.attrs["mean"] == b.attrs["mean"]
+    assert a.attrs["p99_5"] == b.attrs["p99_5"]
+
+
+# --- bad input: a clear error, and nothing left at dest ------------------------------------------
+
+
+def expect_error(source: Path, dest: Path, *patterns: str, **kwargs) -> str:
+    with pytest.raises(CtsegError) as info:
+        convert(source, dest, **kwargs)
+    message = str(info.value)
+    for pattern in patterns:
+        assert pattern in message, message
+    assert_nothing_left(dest)
+    return message
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        pytest.param(lambda p, d: tifffile.imwrite(p, d), id="shaped"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, metadata=None), id="no-metadata"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, compression="zlib"), id="zlib"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, tile=(16, 16)), id="tiled"),
+    ],
+)
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+def test_truncated_tiff_is_detected(tmp_path, write, keep):
+    full = tmp_path / "full.tif"
+    write(full, random_volume())
+    raw = full.read_bytes()
+    source = tmp_path / "vol.tif"
+    source.write_bytes(raw[: int(len(raw) * keep)])
+
+    message = expect_error(source, tmp_path / "vol.zarr", str(source))
+    assert "truncated" in message or "corrupt" in message
+
+
+def test_truncation_without_metadata_does_not_pass_as_2d(tmp_path):
+    # tifffile alone reads this file as one 50x60 page and only logs the broken page chain.
+    full = write_tiff(tmp_path / "full.tif", random_volume(), metadata=None)
+    source = tmp_path / "vol.tif"
+    source.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+
+    expect_error(source, tmp_path / "vol.zarr", str(source), "truncated TIFF")
+
+
+def test_truncated_pixel_data_is_found_from_the_headers(tmp_path):
+    # Each page's directory comes before its pixels, so cutting the file's tail leaves every
+    # directory intact and only the last strip runs past the end of the file.
+    source = tmp_path / "vol.tif"
+    with tifffile.TiffWriter(source) as writer:
+        for plane in random_volume((6, 50, 60)):
+            writer.write(plane, contiguous=False, metadata=None)
+    source.write_bytes(source.read_bytes()[:-100])
+
+    with pytest.raises(CtsegError, match=r"truncated TIFF: page 5 needs bytes"):
+        read_header(source)  # before any pixel is read
+    expect_error(source, tmp_path / "vol.zarr", str(source), "truncated")
+
+
+def test_truncated_slice_in_a_directory_is_detected(tmp_path):
+    paths = write_slices(tmp_path / "slices", random_volume((6, 50, 60)))
+    paths[4].write_bytes(paths[4].read_bytes()[:1500])
+
+    expect_error(tmp_path / "slices", tmp_path / "vol.zarr", str(paths[4]))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(np.random.default_rng(0).bytes(4000), id="garbage"),
+        pytest.param(b"II*\x00" + np.random.default_rng(1).bytes(4000), id="garbage-after-header"),
+        pytest.param(b"", id="empty-file"),
+    ],
+)
+def test_corrupt_tiff(tmp_path, content):
+    source = tmp_path / "vol.tif"
+    source.write_bytes(content)
+
+    expect_error(source, tmp_path / "vol.zarr", str(source), "TIFF")
+
+
+def test_2d_image_is_rejected(tmp_path):
+    source = write_tiff(tmp_path / "vol.tif", random_volume((50, 60)))
+
+    expect_error(source, tmp_path / "vol.zarr", str(source), "2D", "(50, 60)")
+
+
+@pytest.mark.parametrize(
+    ("shape", "kwargs", "pattern"),
+    [
+        ((4, 5, 16, 16), {}, "4 dimensions"),
+        ((5, 16, 16, 3), {"photometric": "rgb"}, "samples per pixel"),
+        ((16, 16, 3), {"photometric": "rgb"}, "samples per pixel"),
+    ],
+    ids=["4d", "rgb-stack", "rgb-image"],
+)
+def test_wrong_dimensionality_is_rejected(tmp_path, shape, kwargs, pattern):
+    source = write_tiff(tmp_path / "vol.tif", random_volume(shape), **kwargs)
+
+    expect_error(source, tmp_path / "vol.zarr", str(source), pattern)
+
+
+def test_shape_mismatch_names_both_files_and_shapes(tmp_path):
+    source = write_tiff(tmp_path / "lab.tif", labels_volume())
+    like = tmp_path / "img.zarr"
+
+    expect_error(
+        source,
+        tmp_path / "lab.zarr",
+        str(source),
+        str(like),
+        "(40, 50, 60)",
+        "(40, 50, 61)",
+        kind="label",
+        expect_shape=(40, 50, 61),
+        like_source=like,
+    )
+
+
+def test_label_values_outside_0_1_2_are_named(tmp_path):
+    labels = labels_volume()
+    labels[35, 10, 10], labels[36, 0, 0] = 3, 7  # in the last slab: earlier ones are written
+    source = write_tiff(tmp_path / "lab.tif", labels)
+
+    message = expect_error(source, tmp_path / "lab.zarr", str(source), "3, 7", kind="label")
+    assert "outside {0, 1, 2}" in message
+
+
+def test_zero_size_volume_is_rejected(tmp_path):
+    source = tmp_path / "vol.tif"
+    with pytest.warns(UserWarning, match="zero-size"):
+        tifffile.imwrite(source, np.zeros((0, 16, 16), np.uint8))
+
+    expect_error(source, tmp_path / "vol.zarr", str(source), "zero-size")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int16, np.uint32])
+def test_unsupported_dtype_is_rejected(tmp_path, dtype):
+    source = write_tiff(tmp_path / "vol.tif", np.ones(SHAPE, dtype))
+
+    expect_error(source, tmp_path / "vol.zarr", str(source), np.dtype(dtype).name, "uint8")
+
+
+def test_missing_source(tmp_path):
+    source = tmp_path / "nope.tif"
+
+    expect_error(source, tmp_path / "vol.zarr", str(source), "no such file")
+
+
+def test_slice_directory_without_tiffs(tmp_path):
+    (tmp_path / "slices").mkdir()
+    (tmp_path / "slices" / "readme.txt").write_text("no slices here")
+
+    expect_error(tmp_path / "slices", tmp_path / "vol.zarr", "slices", "no .tif")
+
+
+def test_slice_directory_with_different_shapes(tmp_path):
+    write_slices(tmp_path / "slices", random_volume((5, 20, 24)))
+    tifffile.imwrite(tmp_path / "slices" / "slice_5.tif", random_volume((21, 24)))
+
+    expect_error(
+        tmp_path / "slices", tmp_path / "vol.zarr", "slice_0.tif", "slice_5.tif", "(21, 24)"
+    )
+
+
+def test_slice_directory_with_a_3d_slice(tmp_path):
+    write_slices(tmp_path / "slices", random_volume((5, 20, 24)))
+    tifffile.imwrite(tmp_path / "slices" / "slice_5.tif", random_volume((2, 20, 24)))
+
+    expect_error(tmp_path / "slices", tmp_path / "vol.zarr", "slice_5.tif", "one 2D page")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"codec": {"name": "lzma"}},
+        {"chunks": (0, 16, 16)},
+        {"shards": (16, 16)},
+        {"memory_budget_mb": 0},
+        {"kind": "mask"},
+    ],
+)
+def test_bad_settings_are_rejected_before_reading(tmp_path, kwargs):
+    source = write_tiff(tmp_path / "vol.tif", random_volume())
+
+    expect_error(source, tmp_path / "vol.zarr", **kwargs)
+
+
+def test_a_failed_conversion_keeps_the_previous_output(tmp_path):
+    dest = tmp_path / "lab.zarr"
+    good = labels_volume()
+    convert(write_tiff(tmp_path / "good.tif", good), dest, kind="label")
+    bad = good.copy()
+    bad[-1, -1, -1] = 9
+
+    with pytest.raises(CtsegError, match="9"):
+        convert(write_tiff(tmp_path / "bad.tif", bad), dest, kind="label")
+
+    np.testing.assert_array_equal(open_volume(dest)[:], good)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# --- through the command line --------------------------------------------------------------------
+
+
+def test_cli_converts_and_reports_errors(tmp_path, capsys):
+    image = write_tiff(tmp_path / "img.tif", random_volume())
+    label = write_tiff(tmp_path / "lab.tif", labels_volume((40, 50, 61)))
+
+    assert cli_main(["convert", str(image), str(tmp_path / "img.zarr"), "--chunks", "16"]) == 0
+    status = cli_main(
+        [
+            "convert",
+            str(label),
+            str(tmp_path / "lab.zarr"),
+            "--kind",
+            "label",
+            "--like",
+            str(tmp_path / "img.zarr"),
+        ]
+    )
+
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "does not match" in err and "img.zarr" in err and "(40, 50, 61)" in err
+    assert open_volume(tmp_path / "img.zarr").chunks == (16, 16, 16)
+    assert_nothing_left(tmp_path / "lab.zarr")

@@ -1,0 +1,442 @@
+"""`ctseg convert`: a TIFF volume to a Zarr v3 array, streamed by slabs of z slices.
+
+The source is a multi-page 3D TIFF (one 2D page per z slice) or a directory of 2D slice TIFFs
+in natural order of file name. The array is written once, slab by slab, each slab a whole number
+of chunk (or shard) rows, so peak memory follows ``memory_budget_mb`` and not the volume. The
+intensity statistics come from an exact histogram that is accumulated on the way, so they cost
+no second pass. Percentiles use numpy's default definition (``np.percentile(method="linear")``).
+
+Nothing silently wrong: a truncated or corrupt TIFF, a volume that is not 3D, an unsupported
+dtype, a shape that disagrees with the image or label values outside {0, 1, 2} raise
+`CtsegError` naming the file, and `atomic_path` leaves nothing behind at ``dest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import tifffile
+from tqdm import tqdm
+
+from ctseg.io import CtsegError, atomic_path, sha256_file, sha256_files
+from ctseg.store import create_volume, make_compressors
+
+Shape3 = tuple[int, int, int]
+SlabReader = Callable[[int, int, np.ndarray], None]
+
+TIFF_SUFFIXES = (".tif", ".tiff")
+LABEL_VALUES = (0, 1, 2)
+PERCENTILES = {"p0_5": 0.5, "p99_5": 99.5}
+
+# Share of the memory budget the slab itself may take. The rest is for the histogram's
+# temporary (np.bincount casts its input to intp, 8 bytes per voxel) and zarr's chunk buffers.
+SLAB_SHARE = 0.5
+HISTOGRAM_SHARE = 0.125
+# Larger histogram pieces are no faster (measured), only bigger.
+MAX_HISTOGRAM_PIECE = 1 << 17
+
+
+@dataclass(frozen=True)
+class _Source:
+    path: Path
+    files: tuple[Path, ...]  # the one multi-page file, or the slice files in z order
+    shape: Shape3
+    dtype: np.dtype
+    pages_are_series: bool = False  # a multi-page file whose pages tifffile sees as 1-page series
+    is_slice_directory: bool = False
+
+
+# --- header checks ---------------------------------------------------------------------------
+
+
+def read_header(source: Path) -> tuple[Shape3, np.dtype]:
+    """Shape and dtype without reading pixel data; validates dimensionality.
+
+    Raises `CtsegError` on problems: a missing, truncated or corrupt file, a volume that is not
+    3D, an unsupported dtype, a zero size, or slices that disagree.
+    """
+    src = _inspect(Path(source))
+    return src.shape, src.dtype
+
+
+def _natural_key(name: str) -> tuple[list[str | int], str]:
+    # slice_2 before slice_10; the raw name breaks ties such as slice_01 and slice_1.
+    parts: list[str | int] = [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+    return parts, name
+
+
+def _slice_files(directory: Path) -> list[Path]:
+    # Hidden files are skipped: macOS leaves "._slice_0001.tif" resource forks beside the slices.
+    files = [
+        p
+        for p in directory.iterdir()
+        if p.suffix.lower() in TIFF_SUFFIXES and not p.name.startswith(".") and p.is_file()
+    ]
+    return sorted(files, key=lambda p: _natural_key(p.name))
+
+
+@contextlib.contextmanager
+def _tifffile_errors(path: Path) -> Iterator[None]:
+    """Turn what tifffile logs and then tolerates (a broken page chain, a bad tag) into errors.
+
+    tifffile recovers from a truncated page chain by logging an error and returning the pages
+    it could reach, which for a file without shape metadata would be a shorter, valid-looking
+    volume.
+    """
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("tifffile")
+    logger.addHandler(handler)
+
+    def logged_error() -> CtsegError:
+        return CtsegError(f"{path}: corrupt or truncated TIFF: {records[0].getMessage()}")
+
+    try:
+        yield
+    except Exception as exc:
+        # A logged structural error is the cause of whatever failed after it (a truncated file
+        # can look 2D), so it is reported first.
+        if records:
+            raise logged_error() from exc
+        if isinstance(exc, CtsegError):
+            raise
+        # tifffile raises many types for damaged files.
+        raise CtsegError(f"{path}: corrupt or unreadable TIFF: {exc}") from exc
+    else:
+        if records:
+            raise logged_error()
+    finally:
+        logger.removeHandler(handler)
+
+
+def _check_dtype(path: Path, dtype: np.dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype.kind != "u" or dtype.itemsize not in (1, 2):
+        raise CtsegError(f"{path}: unsupported dtype {dtype}; expected uint8 or uint16")
+    return dtype.newbyteorder("=")
+
+
+def _ifd_end(tif: tifffile.TiffFile, page: Any) -> int:
+    """Offset one past the page's directory (its tags and its next-directory offset)."""
+    fmt = tif.tiff
+    handle = tif.filehandle
+    handle.seek(page.offset)
+    raw = handle.read(fmt.tagnosize)
+    if len(raw) < fmt.tagnosize:
+        return handle.size + 1
+    (tagno,) = struct.unpack(fmt.tagnoformat, raw)
+    return page.offset + fmt.tagnosize + tagno * fmt.tagsize + fmt.offsetsize
+
+
+def _check_page_data(path: Path, tif: tifffile.TiffFile, page: Any, z: int) -> None:
+    """Reject pages whose directory, strips or tiles run past the end of the file or are missing.
+
+    tifffile fills missing or short segments with zeros, and reads a directory cut short by the
+    end of the file as far as it goes, so a truncated file would otherwise read back as a volume
+    with a black tail, or with no complaint at all.
+    """
+    if page is None:
+        raise CtsegError(f"{path}: corrupt or truncated TIFF: page {z} cannot be read")
+    file_size = tif.filehandle.size
+    if _ifd_end(tif, page) > file_size:
+        raise CtsegError(f"{path}: truncated TIFF: the directory of page {z} is cut off")
+    offsets, counts = page.dataoffsets, page.databytecounts
+    if not offsets or len(offsets) != len(counts):
+        raise CtsegError(f"{path}: corrupt TIFF: page {z} has no image data")
+    for offset, count in zip(offsets, counts, strict=True):
+        if count <= 0 or offset <= 0:
+            raise CtsegError(f"{path}: corrupt TIFF: page {z} has a missing strip or tile")
+        if offset + count > file_size:
+            raise CtsegError(
+                f"{path}: truncated TIFF: page {z} needs bytes up to {offset + count} "
+                f"but the file has {file_size}"
+            )
+    keyframe = page.keyframe
+    if keyframe.compression == 1 and sum(counts) < keyframe.nbytes:
+        raise CtsegError(
+            f"{path}: truncated TIFF: page {z} holds {sum(counts)} bytes of uncompressed "
+            f"data, {keyframe.nbytes} expected"
+        )
+
+
+def _describe_ndim(shape: tuple[int, ...]) -> str:
+    if len(shape) == 2:
+        return f"is a 2D image {shape} (a single page); expected a 3D volume (z, y, x)"
+    return f"has {len(shape)} dimensions {shape}; expected a 3D volume (z, y, x) of grey values"
+
+
+def _stack_layout(path: Path, tif: tifffile.TiffFile) -> tuple[tuple[int, ...], Any, list, bool]:
+    """Shape, dtype, the pages in z order, and whether each page is its own series."""
+    series = tif.series
+    if not series:
+        raise CtsegError(f"{path}: corrupt TIFF: no image data")
+    if len(series) == 1:
+        return tuple(int(n) for n in series[0].shape), series[0].dtype, list(series[0].pages), False
+    # Pages written one at a time with shape metadata each form their own series; that is still
+    # a stack of z slices, as long as every series is one 2D page of the same shape and type.
+    kinds = {(s.shape, s.dtype) for s in series}
+    if len(kinds) != 1 or any(len(s.pages) != 1 or len(s.shape) != 2 for s in series):
+        shapes = sorted({str(s.shape) for s in series})
+        raise CtsegError(
+            f"{path}: holds {len(series)} images of different shapes, types or dimensions "
+            f"({', '.join(shapes)}); expected one 3D volume"
+        )
+    return (len(series), *series[0].shape), series[0].dtype, [s.pages[0] for s in series], True
+
+
+def _inspect_file(path: Path) -> _Source:
+    """Validate a multi-page TIFF's structure from its headers alone."""
+    with _tifffile_errors(path), tifffile.TiffFile(path) as tif:
+        tif.pages.useframes = True  # light page objects: offsets and shape are all we need
+        shape, dtype, pages, pages_are_series = _stack_layout(path, tif)
+        if pages and pages[0] is not None and len(pages[0].shape) != 2:
+            raise CtsegError(
+                f"{path}: pages have shape {pages[0].shape} (several samples per pixel, "
+                "e.g. RGB); expected 2D grey slices"
+            )
+        if len(shape) != 3:
+            raise CtsegError(f"{path}: {_describe_ndim(shape)}")
+        _check_nonempty(path, shape)
+        dtype = _check_dtype(path, dtype)
+        if len(pages) != shape[0]:
+            raise CtsegError(
+                f"{path}: truncated or corrupt TIFF: {len(pages)} readable pages, "
+                f"{shape[0]} expected for shape {shape}"
+            )
+        for z, page in enumerate(pages):
+            _check_page_data(path, tif, page, z)
+            if page.shape != shape[1:]:
+                raise CtsegError(f"{path}: page {z} has shape {page.shape}, expected {shape[1:]}")
+    return _Source(path, (path,), shape, dtype, pages_are_series)  # type: ignore[arg-type]
+
+
+def _inspect_slice(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    with _tifffile_errors(path), tifffile.TiffFile(path) as tif:
+        pages = tif.pages
+        if len(pages) != 1:
+            raise CtsegError(f"{path}: a slice file must hold one 2D page, found {len(pages)}")
+        page = pages.first
+        if len(page.shape) != 2:
+            raise CtsegError(f"{path}: slice has shape {page.shape}; expected a 2D grey image")
+        _check_page_data(path, tif, page, 0)
+        return tuple(page.shape), _check_dtype(path, page.dtype)
+
+
+def _inspect_directory(directory: Path) -> _Source:
+    files = _slice_files(directory)
+    if not files:
+        raise CtsegError(f"{directory}: no .tif/.tiff slice files in this directory")
+    plane, dtype = _inspect_slice(files[0])
+    for path in files[1:]:
+        other_plane, other_dtype = _inspect_slice(path)
+        if (other_plane, other_dtype) != (plane, dtype):
+            raise CtsegError(
+                f"{directory}: slices differ: {files[0].name} is {plane} {dtype}, "
+                f"{path.name} is {other_plane} {other_dtype}"
+            )
+    shape: Shape3 = (len(files), plane[0], plane[1])
+    _check_nonempty(directory, shape)
+    return _Source(directory, tuple(files), shape, dtype, is_slice_directory=True)
+
+
+def _check_nonempty(path: Path, shape: tuple[int, ...]) -> None:
+    if math.prod(shape) == 0:
+        raise CtsegError(f"{path}: zero-size volume {shape}")
+
+
+def _inspect(source: Path) -> _Source:
+    if source.is_dir():
+        return _inspect_directory(source)
+    if not source.exists():
+        raise CtsegError(f"{source}: no such file or directory")
+    return _inspect_file(source)
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _open_reader(src: _Source) -> Iterator[SlabReader]:
+    """Yield ``read(z0, z1, out)``, which fills ``out`` with slices z0..z1-1."""
+    if src.is_slice_directory:
+
+        def read_slices(z0: int, z1: int, out: np.ndarray) -> None:
+            for z in range(z0, z1):
+                path = src.files[z]
+                with _tifffile_errors(path):
+                    tifffile.imread(path, out=out[z - z0])
+
+        yield read_slices
+        return
+
+    path = src.files[0]
+    with _tifffile_errors(path):
+        tif = tifffile.TiffFile(path)
+    # Errors raised by the caller's block (zarr, label checks) pass through unchanged.
+    with tif:
+        tif.pages.useframes = True
+        series = None if src.pages_are_series else 0
+
+        def read_pages(z0: int, z1: int, out: np.ndarray) -> None:
+            with _tifffile_errors(path):
+                # A view: tifffile reshapes `out` in place, to 2D when the range is one page.
+                tif.asarray(key=range(z0, z1), series=series, out=out.view())
+
+        yield read_pages
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+
+class _Histogram:
+    """Exact value counts, accumulated slab by slab, from which the statistics follow."""
+
+    def __init__(self, dtype: np.dtype, piece_elements: int) -> None:
+        self.counts = np.zeros(1 << (8 * dtype.itemsize), dtype=np.int64)
+        self.piece = min(max(1, piece_elements), MAX_HISTOGRAM_PIECE)
+
+    def add(self, slab: np.ndarray) -> np.ndarray:
+        """Count a slab; returns the slab's own counts (used to find bad label values)."""
+        flat = slab.reshape(-1)
+        counts = np.zeros_like(self.counts)
+        # In pieces: bincount's intp copy of a whole slab would be 8x the slab.
+        for start in range(0, flat.size, self.piece):
+            counts += np.bincount(flat[start : start + self.piece], minlength=counts.size)
+        self.counts += counts
+        return counts
+
+    def stats(self) -> dict[str, float]:
+        values = np.flatnonzero(self.counts)
+        counts = self.counts[values]
+        # Python integers: the sum of squares of a large uint16 volume overflows int64.
+        n = sum(int(c) for c in counts)
+        s1 = sum(int(v) * int(c) for v, c in zip(values, counts, strict=True))
+        s2 = sum(int(v) * int(v) * int(c) for v, c in zip(values, counts, strict=True))
+        stats = {"mean": s1 / n, "std": math.sqrt((n * s2 - s1 * s1) / (n * n))}
+        for key, q in PERCENTILES.items():
+            stats[key] = self.percentile(q)
+        return stats
+
+    def percentile(self, q: float) -> float:
+        """`np.percentile(volume, q, method="linear")`, reproduced step for step from counts."""
+        cumulative = np.cumsum(self.counts)
+        n = int(cumulative[-1])
+        index = (n - 1) * (q / 100)
+        below = min(math.floor(index), n - 1)
+        above = min(below + 1, n - 1)
+        a, b = (int(np.searchsorted(cumulative, k, side="right")) for k in (below, above))
+        gamma = index - below
+        # numpy's _lerp: interpolating from the nearer end keeps the result exact near b.
+        if gamma >= 0.5:
+            return float(b - (b - a) * (1 - gamma))
+        return float(a + (b - a) * gamma)
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def _slab_depth(shape: Shape3, itemsize: int, unit_depth: int, budget_bytes: float) -> int:
+    """Slices per slab: whole write units (chunk or shard rows) within the budget, at least one."""
+    row_bytes = unit_depth * shape[1] * shape[2] * itemsize
+    units = max(1, int(budget_bytes * SLAB_SHARE // row_bytes))
+    return min(units * unit_depth, math.ceil(shape[0] / unit_depth) * unit_depth)
+
+
+def _check_grid(name: str, value: Any) -> None:
+    try:
+        valid = len(value) == 3 and all(int(v) >= 1 for v in value)
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise CtsegError(f"{name} must be three positive integers (z, y, x), got {value!r}")
+
+
+def _check_settings(chunks: Any, shards: Any, codec: Any, memory_budget_mb: float) -> None:
+    _check_grid("chunks", chunks)
+    if shards is not None:
+        _check_grid("shards", shards)
+    if not memory_budget_mb > 0:
+        raise CtsegError(f"memory_budget_mb must be positive, got {memory_budget_mb!r}")
+    try:
+        make_compressors(codec)
+    except (ValueError, TypeError) as exc:
+        raise CtsegError(f"bad codec {codec!r}: {exc}") from exc
+
+
+def _check_labels(src: _Source, counts: np.ndarray, z0: int, z1: int) -> None:
+    bad = [int(v) for v in np.flatnonzero(counts) if v not in LABEL_VALUES]
+    if bad:
+        shown = ", ".join(str(v) for v in bad[:20]) + (" ..." if len(bad) > 20 else "")
+        raise CtsegError(
+            f"{src.path}: label values outside {{0, 1, 2}}: {shown} "
+            f"(first found in slices {z0}..{z1 - 1})"
+        )
+
+
+def convert_volume(
+    source: Path,
+    dest: Path,
+    *,
+    kind: Literal["image", "label"],
+    chunks: Shape3 = (64, 64, 64),
+    codec: Mapping[str, Any] | None = None,
+    shards: Shape3 | None = None,
+    memory_budget_mb: float = 256.0,
+    expect_shape: Shape3 | None = None,
+    like_source: str | Path | None = None,
+) -> dict[str, Any]:
+    """Convert a TIFF volume to a Zarr v3 array at ``dest``. Returns the attributes written."""
+    source, dest = Path(source), Path(dest)
+    if kind not in ("image", "label"):
+        raise CtsegError(f"kind must be 'image' or 'label', got {kind!r}")
+    _check_settings(chunks, shards, codec, memory_budget_mb)
+    src = _inspect(source)
+    if expect_shape is not None:
+        expected = tuple(int(n) for n in expect_shape)
+        if expected != src.shape:
+            like = like_source if like_source is not None else "the expected shape"
+            raise CtsegError(f"{source}: shape {src.shape} does not match {like} shape {expected}")
+
+    digest = sha256_file(source) if not src.is_slice_directory else sha256_files(list(src.files))
+    attrs: dict[str, Any] = {
+        "source": str(source),
+        "source_sha256": digest,
+        "shape": list(src.shape),
+        "dtype": src.dtype.name,
+        "kind": kind,
+    }
+    budget = memory_budget_mb * 2**20
+    with atomic_path(dest) as tmp:
+        arr = create_volume(tmp, src.shape, src.dtype, chunks, codec, shards, attrs)
+        unit_depth = (arr.shards or arr.chunks)[0]
+        depth = _slab_depth(src.shape, src.dtype.itemsize, unit_depth, budget)
+        histogram = _Histogram(src.dtype, int(budget * HISTOGRAM_SHARE) // 8)
+        buffer = np.empty((min(depth, src.shape[0]), *src.shape[1:]), dtype=src.dtype)
+        with (
+            _open_reader(src) as read,
+            tqdm(total=src.shape[0], unit="slice", desc=f"convert {source.name}") as progress,
+        ):
+            for z0 in range(0, src.shape[0], depth):
+                z1 = min(z0 + depth, src.shape[0])
+                slab = buffer[: z1 - z0]
+                read(z0, z1, slab)
+                counts = histogram.add(slab)
+                if kind == "label":
+                    _check_labels(src, counts, z0, z1)
+                arr[z0:z1] = slab
+                progress.update(z1 - z0)
+        attrs.update(histogram.stats())
+        if kind == "label":
+            attrs["label_counts"] = {str(v): int(histogram.counts[v]) for v in LABEL_VALUES}
+        arr.attrs.update(attrs)
+    return attrs
