@@ -12,6 +12,6 @@ include: "workflow/rules/preprocess.smk"
 
 
 rule all:
+    default_target: True
     input:
         preprocessed_outputs(),
-    default_target: True

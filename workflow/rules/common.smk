@@ -7,7 +7,6 @@ from ctseg.demo_data import demo_records
 from ctseg.io import CtsegError
 from ctseg.records import read_records
 
-
 validate(config, schema="../schemas/config.schema.yaml")
 
 ID_REGEX = "[A-Za-z0-9_.-]+"
@@ -22,7 +21,9 @@ wildcard_constraints:
 def load_demo_records():
     """The demo's records follow from its config alone, so its outputs are known before it runs."""
     rows = demo_records(
-        config["demo"]["n_train"], config["demo"]["n_test"], config["demo"]["scroll_ids"]
+        config["demo"]["n_train"],
+        config["demo"]["n_test"],
+        config["demo"]["scroll_ids"],
     )
     for row in rows:
         split = row["split"]
@@ -51,7 +52,8 @@ def ids(split=None, labelled=None):
     return [
         record_id
         for record_id, row in RECORDS.items()
-        if (split is None or row["split"] == split) and (labelled is None or bool(row["label"]) == labelled)
+        if (split is None or row["split"] == split)
+        and (labelled is None or bool(row["label"]) == labelled)
     ]
 
 

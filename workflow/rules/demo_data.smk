@@ -6,6 +6,8 @@ rule demo_data:
         labels=[row["label"] for row in DEMO_RECORDS.values()],
     log:
         "results/logs/demo_data.log",
+    conda:
+        "../../environment.yml"
     params:
         shape=shape_arg(config["demo"]["shape"]),
         scroll_ids=" ".join(str(s) for s in config["demo"]["scroll_ids"]),

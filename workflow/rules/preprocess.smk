@@ -7,6 +7,8 @@ rule convert_image:
         "results/logs/convert_image/{id}.log",
     benchmark:
         "results/benchmarks/convert_image/{id}.tsv"
+    conda:
+        "../../environment.yml"
     params:
         chunks=shape_arg(config["convert"]["chunks"]),
         shards=convert_shards_arg(),
@@ -28,6 +30,8 @@ rule convert_label:
         "results/logs/convert_label/{id}.log",
     benchmark:
         "results/benchmarks/convert_label/{id}.tsv"
+    conda:
+        "../../environment.yml"
     params:
         chunks=shape_arg(config["convert"]["chunks"]),
         shards=convert_shards_arg(),
@@ -48,6 +52,8 @@ rule targets:
         "results/logs/targets/{id}.log",
     benchmark:
         "results/benchmarks/targets/{id}.tsv"
+    conda:
+        "../../environment.yml"
     threads: config["targets"]["workers"]
     params:
         clip=config["targets"]["clip_distance"],

@@ -1,0 +1,240 @@
+"""Preprocessing benchmark: convert and precompute_targets against their baselines, same run.
+
+    python bench/preprocess.py            # 256^3 for the speed ratios, 256^3 vs 384^3 for RSS
+    python bench/preprocess.py --quick    # 256^3 for the speed ratios, 128^3 vs 256^3 for RSS
+
+Figures:
+- convert MB/s (TIFF -> Zarr, whole step) vs the configured codec compressing the same bytes in
+  memory, chunk by chunk: the ceiling for this step.
+- precompute_targets time and peak RSS vs the naive whole-volume method the seeds' workers used:
+  scipy.ndimage.distance_transform_edt inside and outside, skimage.morphology.skeletonize on the
+  whole volume, then the tube dilation.
+- peak RSS of convert and precompute at two volume sizes: bounded memory shows as a flat line.
+
+Each measurement runs in a fresh child process; peak RSS is sampled over the child and all its
+descendants together (so worker processes count), and time is measured inside the child,
+excluding interpreter start-up and imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+
+CODEC = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
+CHUNKS = (64, 64, 64)
+CLIP = 8.0
+TUBE = 2
+
+
+# ---------------------------------------------------------------- child-side measurements
+def child_convert(source: str, dest: str) -> float:
+    from ctseg.convert import convert_volume
+
+    start = time.perf_counter()
+    convert_volume(Path(source), Path(dest), kind="image", chunks=CHUNKS, codec=CODEC)
+    return time.perf_counter() - start
+
+
+def child_codec(source: str) -> float:
+    """The configured codec alone, on the same bytes already in memory."""
+    import numpy as np
+    import tifffile
+    from numcodecs import Blosc
+
+    volume = tifffile.imread(source)
+    codec = Blosc(cname=CODEC["cname"], clevel=CODEC["clevel"], shuffle=Blosc.SHUFFLE)
+    chunks = [
+        np.ascontiguousarray(volume[z : z + 64, y : y + 64, x : x + 64])
+        for z in range(0, volume.shape[0], 64)
+        for y in range(0, volume.shape[1], 64)
+        for x in range(0, volume.shape[2], 64)
+    ]
+    start = time.perf_counter()
+    for chunk in chunks:
+        codec.encode(chunk)
+    return time.perf_counter() - start
+
+
+def child_precompute(label_store: str, dest: str, workers: str) -> float:
+    from ctseg.targets import compute_targets
+
+    start = time.perf_counter()
+    compute_targets(
+        Path(label_store),
+        Path(dest),
+        clip_distance=CLIP,
+        skeleton_method="medial_surface",
+        tube_dilations=TUBE,
+        workers=int(workers),
+        codec=CODEC,
+    )
+    return time.perf_counter() - start
+
+
+def child_naive(label_tif: str) -> float:
+    """What run-time target code does: whole volume in RAM, float64 EDTs, 3D skeleton."""
+    import numpy as np
+    import tifffile
+    from scipy import ndimage
+    from skimage.morphology import skeletonize
+
+    label = tifffile.imread(label_tif)
+    start = time.perf_counter()
+    foreground = label == 1
+    inside = ndimage.distance_transform_edt(foreground)
+    outside = ndimage.distance_transform_edt(~foreground)
+    sdt = np.clip(outside - inside, -CLIP, CLIP).astype(np.float16)
+    skeleton = skeletonize(foreground)
+    tube = ndimage.binary_dilation(skeleton, iterations=TUBE)
+    del sdt, tube
+    return time.perf_counter() - start
+
+
+CHILDREN = {
+    "convert": child_convert,
+    "codec": child_codec,
+    "precompute": child_precompute,
+    "naive": child_naive,
+}
+
+
+# ---------------------------------------------------------------- parent-side driver
+def measure(mode: str, *args: str) -> dict:
+    """Run one measurement in a child; return its seconds and the peak RSS of its process tree."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", mode, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                tree = [root, *root.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            except psutil.Error:
+                pass
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, _ = proc.communicate()
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} child failed with status {proc.returncode}")
+    return {"seconds": json.loads(out.strip().splitlines()[-1])["seconds"], "rss_mb": peak / 2**20}
+
+
+def make_volume(workdir: Path, size: int) -> tuple[Path, Path]:
+    from ctseg.convert import convert_volume
+    from ctseg.demo_data import generate_demo
+
+    dataset = workdir / f"demo{size}"
+    if not dataset.exists():
+        generate_demo(
+            dataset, n_train=1, n_test=0, shape=(size, size, size), scroll_ids=[1], seed=size
+        )
+    image = next((dataset / "train_images").glob("*.tif"))
+    label = dataset / "train_labels" / image.name
+    label_store = workdir / f"label{size}.zarr"
+    if not label_store.exists():
+        convert_volume(label, label_store, kind="label", chunks=CHUNKS, codec=CODEC)
+    return image, label
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller second size; under 2 min")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        mode, *rest = args.child
+        print(json.dumps({"seconds": CHILDREN[mode](*rest)}))
+        return
+
+    sizes = (128, 256) if args.quick else (256, 384)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        workdir = Path(tmp)
+        print(f"machine: {machine()}; workers for precompute: {args.workers}")
+        volumes = {size: make_volume(workdir, size) for size in sorted({256, *sizes})}
+
+        image, label = volumes[256]
+        mb = image.stat().st_size / 2**20
+        convert = measure("convert", str(image), str(workdir / "c256.zarr"))
+        codec = measure("codec", str(image))
+        ours = measure(
+            "precompute", str(workdir / "label256.zarr"), str(workdir / "t256.zarr"),
+            str(args.workers),
+        )
+        naive = measure("naive", str(label))
+
+        convert_mb_s = mb / convert["seconds"]
+        codec_mb_s = mb / codec["seconds"]
+        print(f"\n256^3 uint8 volume ({mb:.1f} MB)")
+        print(f"  convert           {convert_mb_s:8.1f} MB/s   peak RSS {convert['rss_mb']:7.1f} MB")
+        print(f"  codec in memory   {codec_mb_s:8.1f} MB/s")
+        print(f"  precompute        {ours['seconds']:8.2f} s      peak RSS {ours['rss_mb']:7.1f} MB")
+        print(f"  naive whole-vol   {naive['seconds']:8.2f} s      peak RSS {naive['rss_mb']:7.1f} MB")
+
+        rss = {}
+        print("\npeak RSS by volume size (MB)")
+        for size in sizes:
+            image_s, _ = volumes[size]
+            rss[("convert", size)] = (
+                convert if size == 256 else measure("convert", str(image_s), str(workdir / f"c{size}.zarr"))
+            )["rss_mb"]
+            rss[("precompute", size)] = (
+                ours
+                if size == 256
+                else measure(
+                    "precompute", str(workdir / f"label{size}.zarr"),
+                    str(workdir / f"t{size}.zarr"), str(args.workers),
+                )
+            )["rss_mb"]
+            print(
+                f"  {size}^3   convert {rss[('convert', size)]:7.1f}   "
+                f"precompute {rss[('precompute', size)]:7.1f}"
+            )
+
+    small, large = sizes
+    growth = max(
+        rss[("convert", large)] / rss[("convert", small)],
+        rss[("precompute", large)] / rss[("precompute", small)],
+    )
+    print(
+        f"\nRESULT preprocess convert_vs_codec={convert_mb_s / codec_mb_s:.2f} "
+        f"precompute_speedup={naive['seconds'] / ours['seconds']:.1f} "
+        f"precompute_rss_ratio={ours['rss_mb'] / naive['rss_mb']:.3f} "
+        f"rss_growth={growth:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

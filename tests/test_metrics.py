@@ -1,0 +1,370 @@
+"""The competition metric on hand-built volumes whose answers are known."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import tifffile
+
+from ctseg import metrics
+from ctseg.io import CtsegError
+from ctseg.metrics import (
+    axis_cuts,
+    betti_numbers,
+    cldice,
+    medial_surface,
+    octant_slices,
+    score_files,
+    score_volume,
+    tile_feature_counts,
+    topo_counts,
+)
+
+N = 32  # small enough that the whole file runs in seconds
+
+
+def _sheet(n: int = N, z: int = 10, thickness: int = 2, margin: int = 4) -> np.ndarray:
+    """A flat sheet parallel to the yx plane, spanning all four z-lower octants."""
+    vol = np.zeros((n, n, n), dtype=np.uint8)
+    vol[z : z + thickness, margin : n - margin, margin : n - margin] = 1
+    return vol
+
+
+def _grid(size: int, center: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    z, y, x = np.indices((size, size, size), dtype=float)
+    return z - center, y - center, x - center
+
+
+def _torus(size: int = 20, big: float = 5.0, small: float = 2.0) -> np.ndarray:
+    z, y, x = _grid(size, (size - 1) / 2)
+    return (np.hypot(y, x) - big) ** 2 + z**2 <= small**2
+
+
+def _ball(size: int = 20, radius: float = 7.0) -> np.ndarray:
+    z, y, x = _grid(size, (size - 1) / 2)
+    return z**2 + y**2 + x**2 <= radius**2
+
+
+def _shell(size: int = 20, outer: float = 7.0, inner: float = 4.0) -> np.ndarray:
+    z, y, x = _grid(size, (size - 1) / 2)
+    r2 = z**2 + y**2 + x**2
+    return (r2 <= outer**2) & (r2 >= inner**2)
+
+
+def _in_octant(obj: np.ndarray, n: int = 40, corner: tuple[int, int, int] = (0, 0, 0)):
+    """Place `obj` inside one octant of an n^3 volume so the tiling does not cut it."""
+    vol = np.zeros((n, n, n), dtype=np.uint8)
+    s = obj.shape[0]
+    vol[corner[0] : corner[0] + s, corner[1] : corner[1] + s, corner[2] : corner[2] + s] = obj
+    return vol
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, float) and math.isnan(x):
+            if not (isinstance(y, float) and math.isnan(y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+# --- empty cases ---------------------------------------------------------------------------
+
+
+def test_both_empty_scores_one_everywhere():
+    empty = np.zeros((N, N, N), dtype=np.uint8)
+    r = score_volume(empty, empty)
+    for key in ("surface_dice", "voi_score", "topo_score", "dice", "cldice"):
+        assert r[key] == 1.0, key
+    assert r["score"] == pytest.approx(1.0)  # 0.30 + 0.35 + 0.35 is 1 - 1e-16 in floats
+    assert r["voi_total"] == 0.0
+    # Every topology dimension is dropped (no features on either side): NaN by convention.
+    assert all(math.isnan(r[f"topo_f1_{k}"]) for k in range(3))
+
+
+def test_empty_prediction_against_one_sheet():
+    """The reference's documented values: only SurfaceDice (and Dice) see an empty prediction.
+
+    VOI on the union compares one GT label with one (all-background) prediction label, so it is
+    0; the sheet is a single component in each tile, so no topology feature exists and Topo
+    is 1. Score = 0.30 * 1 + 0.35 * 0 + 0.35 * 1 = 0.65.
+    """
+    gt = _sheet()
+    empty = np.zeros_like(gt)
+    r = score_volume(empty, gt)
+    assert r["surface_dice"] == 0.0
+    assert r["dice"] == 0.0 and r["cldice"] == 0.0
+    assert r["voi_total"] == 0.0 and r["voi_score"] == 1.0
+    assert r["topo_score"] == 1.0
+    assert r["score"] == pytest.approx(0.65)
+    # Swapped roles give the same values.
+    assert _same(score_volume(gt, empty) | {"topo_method": None}, r | {"topo_method": None})
+
+
+def test_empty_prediction_against_two_sheets_is_a_merge():
+    gt = np.maximum(_sheet(z=4), _sheet(z=10))
+    r = score_volume(np.zeros_like(gt), gt)
+    assert r["voi_merge"] > 0 and r["voi_split"] == 0.0
+    # Two components per z-lower tile: 4 GT dim-0 features, none predicted.
+    assert (r["topo_p0"], r["topo_g0"], r["topo_f1_0"]) == (0, 4, 0.0)
+
+
+# --- identical masks -------------------------------------------------------------------------
+
+
+def _feature_rich_volume() -> np.ndarray:
+    """A torus, a hollow shell and two blobs in three different octants: features in 0, 1, 2."""
+    vol = _in_octant(_torus())
+    vol = np.maximum(vol, _in_octant(_shell(), corner=(20, 0, 0)))
+    vol[22:25, 22:25, 22:25] = 1
+    vol[30:34, 30:34, 30:34] = 1
+    return vol
+
+
+def test_identical_masks_score_one():
+    gt = _feature_rich_volume()
+    r = score_volume(gt.copy(), gt)
+    assert r["surface_dice"] == 1.0
+    assert r["voi_total"] == 0.0 and r["voi_score"] == 1.0
+    assert r["dice"] == 1.0 and r["cldice"] == 1.0
+    assert r["topo_score"] == 1.0
+    assert r["score"] == pytest.approx(1.0)
+    for k, expected in zip(range(3), (1, 1, 1), strict=True):
+        assert r[f"topo_m{k}"] == r[f"topo_p{k}"] == r[f"topo_g{k}"] == expected
+        assert r[f"topo_f1_{k}"] == 1.0
+
+
+# --- SurfaceDice -----------------------------------------------------------------------------
+
+
+def test_surface_dice_shift_within_tolerance():
+    gt = _sheet()
+    assert score_volume(np.roll(gt, 1, axis=0), gt)["surface_dice"] == 1.0
+    assert score_volume(np.roll(gt, 2, axis=0), gt)["surface_dice"] == 1.0
+
+
+def test_surface_dice_shift_beyond_tolerance():
+    """A 2-thick sheet shifted by 3 keeps its near faces 1 voxel apart, so about half the
+    surface still matches (measured 0.537); shifted by 5 nothing is within 2 voxels."""
+    gt = _sheet()
+    shifted3 = score_volume(np.roll(gt, 3, axis=0), gt)["surface_dice"]
+    assert 0.4 < shifted3 < 0.6
+    assert score_volume(np.roll(gt, 5, axis=0), gt)["surface_dice"] == 0.0
+
+
+# --- Betti numbers and TopoScore -------------------------------------------------------------
+
+
+def test_betti_numbers_of_known_shapes():
+    assert betti_numbers(_torus()) == (1, 1, 0)
+    assert betti_numbers(_shell()) == (1, 0, 1)
+    assert betti_numbers(_ball()) == (1, 0, 0)
+    assert betti_numbers(np.zeros((5, 5, 5), bool)) == (0, 0, 0)
+    two = np.zeros((10, 10, 10), bool)
+    two[1:3, 1:3, 1:3] = two[6:9, 6:9, 6:9] = True
+    assert betti_numbers(two) == (2, 0, 0)
+    # Diagonal neighbours are separate components for the 6-connected foreground.
+    diag = np.zeros((4, 4, 4), bool)
+    diag[1, 1, 1] = diag[2, 2, 2] = True
+    assert betti_numbers(diag) == (2, 0, 0)
+
+
+def test_tile_counts_drop_the_essential_component():
+    assert tile_feature_counts(_torus()) == (0, 1, 0)
+    assert tile_feature_counts(_shell()) == (0, 0, 1)
+    assert tile_feature_counts(np.zeros((4, 4, 4), bool)) == (0, 0, 0)
+
+
+def test_missing_handle_lowers_topo():
+    torus, ball = _in_octant(_torus()), _in_octant(_ball())
+    r = score_volume(ball, torus)  # GT has a handle, prediction does not
+    assert (r["topo_m1"], r["topo_p1"], r["topo_g1"]) == (0, 0, 1)
+    assert r["topo_f1_1"] == 0.0
+    assert math.isnan(r["topo_f1_0"]) and math.isnan(r["topo_f1_2"])
+    assert r["topo_score"] == 0.0  # the only active dimension scores 0
+
+    spurious = score_volume(torus, ball)  # g_1 = 0: the pseudo-count rule 0.5 / (p + 0.5)
+    assert spurious["topo_f1_1"] == pytest.approx(1 / 3)
+    assert spurious["topo_score"] == pytest.approx(1 / 3)
+
+
+def test_tiling_hides_a_handle_cut_by_the_octant_planes():
+    """A property of the reference: a centred torus falls apart into 8 contractible pieces."""
+    z, y, x = _grid(N, (N - 1) / 2)
+    torus = (np.hypot(y, x) - 9) ** 2 + z**2 <= 9
+    assert betti_numbers(torus) == (1, 1, 0)
+    counts, _ = topo_counts(torus, torus, "betti_counts")
+    assert counts.sum() == 0
+
+
+def test_topo_weights_renormalise_over_active_dims():
+    score, f1 = metrics.topo_score_from_counts(np.array([[1, 2, 2], [0, 0, 0], [0, 0, 1]]))
+    assert f1[0] == 0.5 and math.isnan(f1[1]) and f1[2] == 0.0
+    assert score == pytest.approx((0.34 * 0.5 + 0.33 * 0.0) / 0.67)
+
+
+def test_topo_method_reporting(monkeypatch):
+    monkeypatch.setattr(metrics, "_load_betti_matching", lambda: None)
+    gt = _sheet()
+    assert score_volume(gt, gt)["topo_method"] == "betti_counts"
+    with pytest.raises(ImportError, match="betti_matching"):
+        score_volume(gt, gt, topo_method="betti_matching")
+    with pytest.raises(ValueError, match="topo_method"):
+        score_volume(gt, gt, topo_method="nope")  # type: ignore[arg-type]
+
+
+def test_betti_matching_adapter_with_a_stub(monkeypatch):
+    """The Betti-Matching-3D path: inverted float64 inputs, p = m + unmatched_pred, etc."""
+    seen = []
+
+    def compute_matching(pred_inv, gt_inv):
+        seen.append((pred_inv.dtype, pred_inv.min(), pred_inv.max()))
+        return SimpleNamespace(
+            num_matched=np.array([1, 0, 0]),
+            num_unmatched_input1=np.array([2, 0, 0]),
+            num_unmatched_input2=np.array([0, 1, 0]),
+        )
+
+    stub = SimpleNamespace(compute_matching=compute_matching)
+    monkeypatch.setattr(metrics, "_load_betti_matching", lambda: stub)
+    pred = np.zeros((4, 4, 4), np.uint8)
+    pred[0, 0, 0] = 1
+    counts, used = topo_counts(pred.astype(bool), pred.astype(bool))
+    assert used == "betti_matching"
+    assert len(seen) == 8 and seen[0] == (np.float64, 0.0, 1.0)  # tile 0 holds the voxel
+    # Summed over 8 tiles: m0 = 8, p0 = 8 * 3, g0 = 8; g1 = 8.
+    assert counts.tolist() == [[8, 24, 8], [0, 0, 8], [0, 0, 0]]
+
+
+# --- VOI -------------------------------------------------------------------------------------
+
+
+def test_split_sheet_is_a_split_and_the_reverse_a_merge():
+    gt = _sheet()
+    cut = gt.copy()
+    cut[:, :, 12] = 0  # one plane removed: no 26-neighbours across the gap
+    forward = score_volume(cut, gt)
+    assert forward["voi_split"] > 0 and forward["voi_merge"] == pytest.approx(0.0, abs=1e-12)
+    assert forward["voi_score"] < 1.0
+    assert forward["voi_score"] == 1.0 / (1.0 + 0.3 * forward["voi_total"])
+
+    reverse = score_volume(gt, cut)
+    assert reverse["voi_merge"] == pytest.approx(forward["voi_split"])
+    assert reverse["voi_split"] == pytest.approx(forward["voi_merge"], abs=1e-12)
+
+
+def test_voi_alpha_is_a_parameter():
+    gt = _sheet()
+    cut = gt.copy()
+    cut[:, :, 12] = 0
+    r = score_volume(cut, gt, voi_alpha=1.0)
+    assert r["voi_score"] == 1.0 / (1.0 + r["voi_total"])
+
+
+# --- input handling --------------------------------------------------------------------------
+
+
+def test_ignore_label_hides_everything_under_it():
+    gt = _feature_rich_volume()
+    gt[:, :, 26:] = np.where(gt[:, :, 26:] == 1, 1, 2)  # a slab of unlabeled voxels
+    pred = np.where(gt == 1, 1, 0).astype(np.uint8)
+    baseline = score_volume(pred, gt)
+
+    rng = np.random.default_rng(0)
+    noisy = pred.copy()
+    ignored = gt == 2
+    noisy[ignored] = rng.integers(0, 3, size=int(ignored.sum()), dtype=np.uint8)
+    assert _same(score_volume(noisy, gt), baseline)
+    # GT == 2 counts as background for the GT itself: a GT of only 2 equals an empty GT.
+    all_ignored = np.full_like(gt, 2)
+    assert score_volume(pred, all_ignored)["score"] == pytest.approx(1.0)
+
+
+def test_nan_in_prediction_counts_as_background():
+    gt = _sheet()
+    pred = gt.astype(np.float32)
+    pred[10, 8:12, 8:12] = np.nan  # inside the sheet: lost foreground
+    pred[20, 3, 3] = np.nan  # in background: stays background
+    as_zero = np.nan_to_num(pred, nan=0.0)
+    assert _same(score_volume(pred, gt), score_volume(as_zero, gt))
+    assert score_volume(pred, gt)["dice"] < 1.0
+
+
+def test_non_binary_prediction_values_are_foreground():
+    gt = _sheet()
+    assert score_volume(gt.astype(np.float32) * 0.3, gt)["score"] == pytest.approx(1.0)
+
+
+def test_shape_mismatch_is_a_value_error_naming_both_shapes():
+    with pytest.raises(ValueError, match=r"\(4, 5, 6\).*\(4, 5, 7\)"):
+        score_volume(np.zeros((4, 5, 6)), np.zeros((4, 5, 7)))
+    with pytest.raises(ValueError, match="3D"):
+        score_volume(np.zeros((4, 5)), np.zeros((4, 5)))
+
+
+def test_octant_tiling_on_odd_shapes():
+    assert axis_cuts(5) == [(0, 3), (3, 5)]  # the first half gets the extra voxel
+    assert axis_cuts(1) == [(0, 1)]
+    for n in (5, 8, 33):
+        sizes = [len(part) for part in np.array_split(np.arange(n), 2)]
+        assert [b - a for a, b in axis_cuts(n)] == sizes
+    shape = (5, 6, 7)
+    tiles = list(octant_slices(shape))
+    assert len(tiles) == 8
+    cover = np.zeros(shape, dtype=int)
+    for tile in tiles:
+        cover[tile] += 1
+    assert (cover == 1).all()
+    for axis in range(3):
+        sizes = {t[axis].stop - t[axis].start for t in tiles}
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_score_weights_are_exact():
+    gt = _feature_rich_volume()
+    pred = np.roll(gt, 3, axis=2)
+    pred[30:34, 30:34, 30:34] = 0
+    r = score_volume(pred, gt)
+    assert 0 < r["score"] < 1
+    assert r["score"] == 0.30 * r["topo_score"] + 0.35 * r["surface_dice"] + 0.35 * r["voi_score"]
+
+
+# --- clDice ----------------------------------------------------------------------------------
+
+
+def test_medial_surface_of_a_slab_is_thin_in_its_normal_direction():
+    slab = _sheet(thickness=5).astype(bool)
+    skeleton = medial_surface(slab)
+    assert skeleton.any() and (skeleton <= slab).all()
+    # The cross-sections along y and x put the surface on the middle plane z = 12.
+    assert skeleton[12].sum() > 0.8 * slab[12].sum()
+
+
+def test_cldice_drops_for_spurious_prediction():
+    gt = _sheet().astype(bool)
+    pred = gt.copy()
+    pred[20:24, 4:28, 4:28] = True  # a second, wrong sheet
+    value = cldice(pred, gt)
+    assert 0 < value < 1
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+def test_score_files(tmp_path):
+    gt = _sheet()
+    tifffile.imwrite(tmp_path / "gt.tif", gt)
+    tifffile.imwrite(tmp_path / "pred.tif", gt)
+    tifffile.imwrite(tmp_path / "small.tif", gt[:-1])
+    assert score_files(tmp_path / "pred.tif", tmp_path / "gt.tif")["score"] == pytest.approx(1.0)
+    with pytest.raises(CtsegError, match=r"small\.tif.*gt\.tif"):
+        score_files(tmp_path / "small.tif", tmp_path / "gt.tif")
+    with pytest.raises(CtsegError, match=r"missing\.tif"):
+        score_files(tmp_path / "missing.tif", tmp_path / "gt.tif")
