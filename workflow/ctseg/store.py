@@ -15,7 +15,8 @@ Scratch layout (written by `ctseg.stage`, read by `ctseg.data`), under ``<scratc
 - format ``raw``: uncompressed ``.npy`` files read through ``np.load(mmap_mode="r")``:
   ``<id>/image.npy`` (uint8 or uint16), ``<id>/masks.npy`` (uint8 bit flags, see
   `MASK_BITS`), ``<id>/sdt.npy`` (float16), ``<id>/fg_locations.npy`` (int32, N x 3) and
-  ``<id>/meta.json`` (the image attributes: shape, dtype, mean, std, p0_5, p99_5).
+  ``<id>/meta.json`` (the image attributes: shape, dtype, mean, std, p0_5, p99_5, and under
+  ``targets`` the targets group attributes such as clip_distance and halo).
   Packing the four binary targets into one byte keeps a patch read to three arrays.
 """
 

@@ -1,0 +1,648 @@
+"""ctseg.stage: choosing the subset, and copying it to scratch verified, atomic and resumable."""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import zarr
+
+from ctseg.io import CtsegError, sha256_file
+from ctseg.stage import expand_scratch, select_records, stage_records, write_split
+from ctseg.store import (
+    MASK_BITS,
+    create_in_group,
+    create_volume,
+    open_targets,
+    open_volume,
+    unpack_mask,
+)
+
+SHAPE = (20, 24, 28)
+CHUNKS = (8, 8, 8)
+IDS = ["r0", "r1", "r2"]
+ARRAYS = ("image", "ignore", "foreground", "skeleton", "tube", "sdt", "fg_locations")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def make_record(
+    source: Path, record_id: str, seed: int, shape=SHAPE, chunks=CHUNKS, n_locations=37
+) -> dict:
+    """One record of a preprocessed store, as convert and precompute_targets would leave it."""
+    rng = np.random.default_rng(seed)
+    image = rng.integers(0, 256, shape, dtype=np.uint8)
+    image[:8] = 0  # whole chunks at the fill value are never written: raw must still fill them
+    foreground = (rng.random(shape) < 0.3).astype(np.uint8)
+    arrays = {
+        "image": image,
+        "ignore": (rng.random(shape) < 0.1).astype(np.uint8),
+        "foreground": foreground,
+        "skeleton": foreground & (rng.random(shape) < 0.3),
+        "tube": foreground | (rng.random(shape) < 0.05),
+        "sdt": rng.normal(0, 4, shape).astype(np.float16),
+        "fg_locations": rng.integers(0, min(shape), (n_locations, 3)).astype(np.int32),
+    }
+    attrs = {
+        "source": f"train_images/{record_id}.tif",
+        "source_sha256": "0" * 64,
+        "shape": list(shape),
+        "dtype": "uint8",
+        "mean": float(image.mean()),
+        "std": float(image.std()),
+        "p0_5": 0.0,
+        "p99_5": 254.0,
+    }
+    create_volume(
+        source / f"zarr/images/{record_id}.zarr", shape, "uint8", chunks, attributes=attrs
+    )[:] = image
+    group = zarr.open_group(str(source / f"targets/{record_id}.zarr"), mode="w", zarr_format=3)
+    target_attrs = {"clip_distance": 4, "skeleton_method": "medial_surface", "tube_dilations": 2}
+    group.attrs.update(target_attrs)
+    for name in ARRAYS[1:6]:
+        create_in_group(group, name, shape, arrays[name].dtype, chunks)[:] = arrays[name]
+    locations = create_in_group(group, "fg_locations", (n_locations, 3), np.int32, (16, 3))
+    if n_locations:
+        locations[:] = arrays["fg_locations"]
+    return {**arrays, "attrs": attrs, "target_attrs": target_attrs}
+
+
+def make_store(source: Path, ids: list[str], chunks=CHUNKS) -> dict:
+    # The last record has no foreground samples: an N=0 array must survive both formats.
+    return {
+        rid: make_record(source, rid, seed, chunks=chunks, n_locations=0 if rid == "r2" else 37)
+        for seed, rid in enumerate(ids)
+    }
+
+
+@pytest.fixture(scope="module")
+def store_template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    # zarr writes cost ~2 ms a chunk; build once per module.
+    source = tmp_path_factory.mktemp("template") / "store"
+    return source, make_store(source, IDS)
+
+
+@pytest.fixture
+def store(store_template) -> tuple[Path, dict]:
+    """The shared preprocessed store with IDS (never modify it), and each record's arrays."""
+    source, expected = store_template
+    return source, copy.deepcopy(expected)
+
+
+@pytest.fixture
+def private_store(store_template, tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of the store that a test may change."""
+    template, expected = store_template
+    source = tmp_path / "store"
+    shutil.copytree(template, source)
+    return source, copy.deepcopy(expected)
+
+
+def read_back(dest: Path, record_id: str, fmt: str) -> dict:
+    record = dest / record_id
+    if fmt == "raw":
+        masks = np.load(record / "masks.npy", mmap_mode="r")
+        arrays = {name: unpack_mask(masks, name).astype(np.uint8) for name in MASK_BITS}
+        for name in ("image", "sdt", "fg_locations"):
+            arrays[name] = np.load(record / f"{name}.npy", mmap_mode="r")
+        arrays["attrs"] = json.loads((record / "meta.json").read_text())
+        arrays["target_attrs"] = arrays["attrs"].pop("targets")
+        return arrays
+    targets = open_targets(record / "targets.zarr")
+    image = open_volume(record / "image.zarr")
+    arrays = {name: targets[name][:] for name in ARRAYS[1:]}
+    return {
+        "image": image[:],
+        **arrays,
+        "attrs": image.attrs.asdict(),
+        "target_attrs": targets.attrs.asdict(),
+    }
+
+
+def assert_same_record(actual: dict, expected: dict) -> None:
+    for name in ARRAYS:
+        assert actual[name].dtype == expected[name].dtype, name
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+    assert actual["attrs"] == expected["attrs"]
+    assert actual["target_attrs"] == expected["target_attrs"]
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def data_files(record: Path) -> dict[str, bytes]:
+    return {name: data for name, data in tree(record).items() if name != "manifest.json"}
+
+
+def leftovers(dest: Path) -> list[str]:
+    return [p.name for p in dest.iterdir() if p.name.startswith(".")]
+
+
+# --------------------------------------------------------------------------- select_records
+
+
+def records_table(n: int = 10) -> pd.DataFrame:
+    ids = [f"id{i:02d}" for i in range(n)]
+    return pd.DataFrame({"id": ids, "scroll_id": [34117 if i % 2 else 35360 for i in range(n)]})
+
+
+SUBSET = {"ids": None, "scroll_ids": None, "fraction": 1.0}
+SPLIT = {"val_ids": None, "val_fraction": 0.2, "seed": 0}
+
+
+def test_select_records_is_sorted_deterministic_and_independent_of_row_order() -> None:
+    records = records_table()
+    table = select_records(records, SUBSET, SPLIT)
+    assert list(table.columns) == ["id", "scroll_id", "split"]
+    assert list(table["id"]) == sorted(records["id"])
+    assert (table["split"] == "val").sum() == 2
+    shuffled = records.sample(frac=1.0, random_state=5)
+    pd.testing.assert_frame_equal(select_records(shuffled, SUBSET, SPLIT), table)
+    val_sets = {
+        tuple(select_records(records, SUBSET, {**SPLIT, "seed": s}).query("split == 'val'")["id"])
+        for s in range(8)
+    }
+    assert len(val_sets) > 1, "the seed must decide the split"
+
+
+def test_select_records_subset_by_ids_scroll_ids_and_fraction() -> None:
+    records = records_table()
+    by_ids = select_records(records, {**SUBSET, "ids": ["id07", "id03"]}, SPLIT)
+    assert list(by_ids["id"]) == ["id03", "id07"]
+    by_scroll = select_records(records, {**SUBSET, "scroll_ids": ["34117"]}, SPLIT)
+    assert set(by_scroll["scroll_id"]) == {34117} and len(by_scroll) == 5
+    half = select_records(records, {**SUBSET, "fraction": 0.5}, SPLIT)
+    assert len(half) == 5
+    assert len(select_records(records_table(5), {**SUBSET, "fraction": 0.5}, SPLIT)) == 3
+    assert half.equals(select_records(records, {**SUBSET, "fraction": 0.5}, SPLIT))
+    # The subset must not move when only the validation share changes.
+    other_split = select_records(
+        records, {**SUBSET, "fraction": 0.5}, {**SPLIT, "val_fraction": 0.4}
+    )
+    assert list(other_split["id"]) == list(half["id"])
+
+
+def test_select_records_val_ids_win_over_val_fraction() -> None:
+    table = select_records(records_table(), SUBSET, {**SPLIT, "val_ids": ["id04"]})
+    assert list(table.loc[table["split"] == "val", "id"]) == ["id04"]
+
+
+def test_select_records_keeps_one_train_and_one_val() -> None:
+    two = select_records(records_table(2), SUBSET, {**SPLIT, "val_fraction": 0.01})
+    assert sorted(two["split"]) == ["train", "val"]
+    two = select_records(records_table(2), SUBSET, {**SPLIT, "val_fraction": 0.9})
+    assert sorted(two["split"]) == ["train", "val"]
+    one = select_records(records_table(1), SUBSET, {**SPLIT, "val_fraction": 0.5})
+    assert list(one["split"]) == ["train"]
+
+
+@pytest.mark.parametrize(
+    ("subset", "split", "named"),
+    [
+        ({"ids": ["id01", "nope"]}, {}, "nope"),
+        ({"scroll_ids": [99999]}, {}, "99999"),
+        ({}, {"val_ids": ["ghost"]}, "ghost"),
+        ({"ids": ["id01"]}, {"val_ids": ["id02"]}, "id02"),
+        ({"ids": ["id01"]}, {"val_ids": ["id01"]}, "at least one train"),
+        ({"fraction": 0}, {}, "subset.fraction"),
+        ({"fraction": 1.5}, {}, "subset.fraction"),
+        ({"ids": ["id01"], "scroll_ids": [34117]}, {}, "not both"),
+        ({}, {"val_fraction": 1.0}, "split.val_fraction"),
+    ],
+)
+def test_select_records_rejects_bad_choices(subset: dict, split: dict, named: str) -> None:
+    with pytest.raises(CtsegError, match=named):
+        select_records(records_table(), {**SUBSET, **subset}, {**SPLIT, **split})
+
+
+def test_write_split_writes_csv_atomically(tmp_path: Path) -> None:
+    table = select_records(records_table(), SUBSET, SPLIT)
+    path = tmp_path / "results" / "exp" / "split.csv"
+    write_split(table, path)
+    back = pd.read_csv(path, dtype={"id": str})
+    pd.testing.assert_frame_equal(back, table)
+    assert os.listdir(path.parent) == ["split.csv"]
+
+
+def test_expand_scratch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CTSEG_TEST_SCRATCH", str(tmp_path))
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert expand_scratch("$CTSEG_TEST_SCRATCH/exp") == tmp_path / "exp"
+    assert expand_scratch("${CTSEG_TEST_SCRATCH}/exp") == tmp_path / "exp"
+    assert expand_scratch("~/scratch") == Path("/home/someone/scratch")
+    monkeypatch.delenv("CTSEG_UNSET_VAR", raising=False)
+    with pytest.raises(CtsegError, match="CTSEG_UNSET_VAR"):
+        expand_scratch("/tmp/$CTSEG_UNSET_VAR/x")
+
+
+# --------------------------------------------------------------------------- stage_records
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zarr"])
+def test_stage_reproduces_source_arrays(store, tmp_path: Path, fmt: str) -> None:
+    source, expected = store
+    dest = tmp_path / "scratch"
+    summary = stage_records(str(source), IDS, dest, fmt=fmt, workers=2)
+    assert summary["records_copied"] == 3 and summary["records_skipped"] == 0
+    # The estimate is exact, so the free-space check is neither too strict nor too loose.
+    assert summary["bytes_copied"] == summary["bytes_needed"] > 0
+    for rid in IDS:
+        assert_same_record(read_back(dest, rid, fmt), expected[rid])
+    assert leftovers(dest) == []
+
+
+def test_raw_and_zarr_formats_read_back_identical(store, tmp_path: Path) -> None:
+    source, _ = store
+    stage_records(str(source), IDS, tmp_path / "raw", fmt="raw")
+    stage_records(str(source), IDS, tmp_path / "zarr", fmt="zarr")
+    for rid in IDS:
+        assert_same_record(
+            read_back(tmp_path / "raw", rid, "raw"), read_back(tmp_path / "zarr", rid, "zarr")
+        )
+        image = np.load(tmp_path / "raw" / rid / "image.npy", mmap_mode="r")
+        assert isinstance(image, np.memmap)
+
+
+def test_raw_slabs_thinner_than_a_chunk_still_assemble_exactly(
+    store, tmp_path: Path, monkeypatch
+) -> None:
+    """Planes wider than the memory budget are read a few rows at a time."""
+    source, expected = store
+    monkeypatch.setattr("ctseg.stage.SLAB_BYTES", 1)
+    stage_records(str(source), ["r0"], tmp_path / "scratch", fmt="raw")
+    assert_same_record(read_back(tmp_path / "scratch", "r0", "raw"), expected["r0"])
+
+
+def test_zarr_format_copies_store_files_byte_for_byte(store, tmp_path: Path) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), ["r1"], dest, fmt="zarr")
+    assert tree(dest / "r1" / "image.zarr") == tree(source / "zarr/images/r1.zarr")
+    assert tree(dest / "r1" / "targets.zarr") == tree(source / "targets/r1.zarr")
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zarr"])
+def test_manifests_list_every_file_with_size_and_sha256(store, tmp_path: Path, fmt: str) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest, fmt=fmt, storage_options={"secret_token": "xyz"})
+    text = (dest / "manifest.json").read_text()
+    assert "xyz" not in text, "storage options may hold credentials; keep them out"
+    manifest = json.loads(text)
+    assert manifest["format"] == fmt and manifest["source"] == str(source)
+    assert manifest["ids"] == IDS
+    on_disk = {
+        str(p.relative_to(dest))
+        for p in dest.rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    }
+    assert {f["path"] for f in manifest["files"]} == on_disk
+    for entry in manifest["files"]:
+        path = dest / entry["path"]
+        assert path.stat().st_size == entry["size"]
+        assert sha256_file(path) == entry["sha256"]
+    record = json.loads((dest / "r0" / "manifest.json").read_text())
+    assert (
+        record["format"] == fmt
+        and record["fingerprint"] == manifest["records"]["r0"]["fingerprint"]
+    )
+    assert [f"r0/{e['path']}" for e in record["files"]] == [
+        f["path"] for f in manifest["files"] if f["path"].startswith("r0/")
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zarr"])
+def test_second_run_copies_nothing(store, tmp_path: Path, fmt: str) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest, fmt=fmt)
+    before = tree(dest)
+    summary = stage_records(str(source), IDS, dest, fmt=fmt)
+    assert summary["bytes_copied"] == 0 and summary["files_copied"] == 0
+    assert summary["records_skipped"] == len(IDS) and summary["records_copied"] == 0
+    assert tree(dest) == before
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "drop_manifest"])
+@pytest.mark.parametrize("verify", ["size", "sha256"])
+def test_damaged_record_is_restaged(store, tmp_path: Path, damage: str, verify: str) -> None:
+    source, expected = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest, fmt="raw")
+    target = dest / "r1" / ("manifest.json" if damage == "drop_manifest" else "sdt.npy")
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-10])
+    else:
+        target.unlink()
+    summary = stage_records(str(source), IDS, dest, fmt="raw", verify=verify)
+    assert summary["records_copied"] == 1 and summary["records_skipped"] == 2
+    assert_same_record(read_back(dest, "r1", "raw"), expected["r1"])
+
+
+def test_same_size_corruption_needs_sha256_verification(store, tmp_path: Path) -> None:
+    source, expected = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest, fmt="raw")
+    path = dest / "r0" / "image.npy"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    # The cheap check trusts sizes (documented trade-off) ...
+    assert stage_records(str(source), IDS, dest, fmt="raw", verify="size")["records_copied"] == 0
+    # ... the default rereads and catches it.
+    assert stage_records(str(source), IDS, dest, fmt="raw")["records_copied"] == 1
+    assert_same_record(read_back(dest, "r0", "raw"), expected["r0"])
+
+
+def test_format_change_restages_and_replaces(store, tmp_path: Path) -> None:
+    source, expected = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest, fmt="raw")
+    summary = stage_records(str(source), IDS, dest, fmt="zarr")
+    assert summary["records_copied"] == 3
+    assert sorted(p.name for p in (dest / "r0").iterdir()) == [
+        "image.zarr",
+        "manifest.json",
+        "targets.zarr",
+    ]
+    assert_same_record(read_back(dest, "r0", "zarr"), expected["r0"])
+    assert leftovers(dest) == []
+
+
+def test_changed_source_restages_only_that_record(private_store, tmp_path: Path) -> None:
+    source, expected = private_store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest, fmt="raw")
+    # Upstream re-ran on r1 with new data: chunk sizes change.
+    expected["r1"] = make_record(source, "r1", seed=99)
+    # Upstream rewrote only r2's attributes (same chunk files): the metadata text changes.
+    image = zarr.open_array(str(source / "zarr/images/r2.zarr"), mode="r+")
+    image.attrs["mean"] = 123.0
+    expected["r2"]["attrs"]["mean"] = 123.0
+    summary = stage_records(str(source), IDS, dest, fmt="raw")
+    assert summary["records_copied"] == 2 and summary["records_skipped"] == 1
+    for rid in IDS:
+        assert_same_record(read_back(dest, rid, "raw"), expected[rid])
+
+
+def test_not_enough_space_fails_before_writing(store, tmp_path: Path) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch" / "exp"
+    with pytest.raises(CtsegError) as info:
+        stage_records(str(source), IDS, dest, reserve_bytes=1 << 62)
+    message = str(info.value)
+    assert str(dest) in message and "bytes needed" in message and "bytes free" in message
+    assert not (tmp_path / "scratch").exists()
+    # Once staged, a rerun needs no space at all, so the same reserve passes.
+    stage_records(str(source), IDS, dest)
+    summary = stage_records(str(source), IDS, dest, reserve_bytes=1 << 62)
+    assert summary["records_skipped"] == 3
+
+
+def test_space_check_counts_only_records_to_copy(store, tmp_path: Path) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    first = stage_records(str(source), IDS[:2], dest)
+    summary = stage_records(str(source), IDS, dest)
+    assert 0 < summary["bytes_needed"] == summary["bytes_copied"] < first["bytes_needed"]
+
+
+def test_missing_record_in_source_names_it_and_writes_nothing(
+    private_store, tmp_path: Path
+) -> None:
+    source, _ = private_store
+    dest = tmp_path / "scratch"
+    with pytest.raises(CtsegError, match="ghost"):
+        stage_records(str(source), ["r0", "ghost"], dest)
+    assert not dest.exists()
+    shutil.rmtree(source / "targets" / "r1.zarr" / "tube")
+    with pytest.raises(CtsegError, match="tube"):
+        stage_records(str(source), ["r1"], dest)
+    assert not dest.exists()
+
+
+def test_target_shape_mismatch_is_an_error(private_store, tmp_path: Path) -> None:
+    source, _ = private_store
+    group = zarr.open_group(str(source / "targets" / "r0.zarr"), mode="r+")
+    create_in_group(group, "sdt", (4, 4, 4), np.float16, CHUNKS)
+    with pytest.raises(CtsegError, match=r"sdt.*differs"):
+        stage_records(str(source), ["r0"], tmp_path / "scratch")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"ids": ["../etc"]}, "bad id"),
+        ({"ids": ["r0", "r0"]}, "duplicate"),
+        ({"fmt": "tiff"}, "scratch_format"),
+        ({"verify": "md5"}, "verify"),
+    ],
+)
+def test_bad_arguments(store, tmp_path: Path, kwargs: dict, named: str) -> None:
+    source, _ = store
+    arguments = {"ids": IDS, **kwargs}
+    with pytest.raises(CtsegError, match=named):
+        stage_records(str(source), dest=tmp_path / "scratch", **arguments)
+
+
+def test_failed_verification_leaves_no_record(store, tmp_path: Path, monkeypatch) -> None:
+    """Simulates a disk that returns other bytes than were written."""
+    source, _ = store
+    dest = tmp_path / "scratch"
+    monkeypatch.setattr("ctseg.stage.sha256_file", lambda path: "0" * 64)
+    with pytest.raises(CtsegError, match="verification after copy failed"):
+        stage_records(str(source), IDS, dest, workers=1)
+    assert sorted(os.listdir(dest)) == []
+
+
+def test_stale_temporaries_are_removed(store, tmp_path: Path) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    (dest / ".r0.tmp-4242-0123abcd" / "partial").mkdir(parents=True)
+    (dest / ".manifest.json.tmp-4242-deadbeef").write_text("{")
+    summary = stage_records(str(source), IDS, dest)
+    assert summary["stale_temps_removed"] == 2
+    assert leftovers(dest) == []
+
+
+def test_concurrent_run_into_same_dest_is_refused(store, tmp_path: Path) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    dest.mkdir()
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(CtsegError, match="another staging run"):
+            stage_records(str(source), IDS, dest)
+    finally:
+        os.close(fd)
+    assert stage_records(str(source), IDS, dest)["records_copied"] == 3
+
+
+def test_progress_bar_goes_to_stderr(store, tmp_path: Path, capsys) -> None:
+    source, _ = store
+    stage_records(str(source), IDS, tmp_path / "scratch")
+    captured = capsys.readouterr()
+    assert "stage" in captured.err and "records 3/3" in captured.err
+    assert captured.out == ""
+
+
+# --------------------------------------------------------------------------- killed half-way
+
+KILL_RECORDS = 8
+CHILD = (
+    "import json, sys\n"
+    "from ctseg.stage import stage_records\n"
+    "stage_records(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], fmt=sys.argv[4], workers=1)\n"
+)
+
+
+def staged_and_temporary(dest: Path) -> tuple[list[str], list[str]]:
+    try:
+        names = os.listdir(dest)
+    except FileNotFoundError:
+        return [], []
+    done = [n for n in names if not n.startswith(".") and n != "manifest.json"]
+    return done, [n for n in names if n.startswith(".")]
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zarr"])
+def test_killed_run_resumes_to_a_complete_byte_exact_copy(tmp_path: Path, fmt: str) -> None:
+    source = tmp_path / "store"
+    expected = make_record(source, "r000", seed=1, shape=(24, 24, 24))
+    ids = [f"r{i:03d}" for i in range(KILL_RECORDS)]
+    for rid in ids[1:]:
+        shutil.copytree(source / "zarr/images/r000.zarr", source / f"zarr/images/{rid}.zarr")
+        shutil.copytree(source / "targets/r000.zarr", source / f"targets/{rid}.zarr")
+    dest = tmp_path / "scratch"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(source), json.dumps(ids), str(dest), fmt],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # Kill while a record is mid-copy (its temporary exists) and some are already done.
+        while True:
+            done, temporary = staged_and_temporary(dest)
+            if len(done) >= 2 and temporary:
+                break
+            assert child.poll() is None, "staging ended before it could be killed"
+            assert time.monotonic() < deadline, "staging never got going"
+            time.sleep(0.001)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    done, temporary = staged_and_temporary(dest)
+    assert temporary and len(done) < KILL_RECORDS
+    assert not (dest / "manifest.json").exists(), "an unfinished run must not look finished"
+
+    summary = stage_records(str(source), ids, dest, fmt=fmt)
+    assert summary["stale_temps_removed"] >= 1
+    assert summary["records_skipped"] >= len(done)
+    assert summary["records_copied"] + summary["records_skipped"] == KILL_RECORDS
+    assert leftovers(dest) == []
+    # Every record is a copy of r000, so one uninterrupted staging of it is the reference.
+    reference = tmp_path / "reference"
+    stage_records(str(source), ["r000"], reference, fmt=fmt)
+    assert_same_record(read_back(reference, "r000", fmt), expected)
+    reference_files = data_files(reference / "r000")
+    for rid in ids:
+        assert data_files(dest / rid) == reference_files, rid
+
+
+# --------------------------------------------------------------------------- remote source
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3-compatible HTTP server on loopback (moto's standalone server)."""
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as patch:
+        # Dummy credentials, and no profile, config file or instance metadata lookups that
+        # could leave the machine.
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }.items():
+            patch.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+            patch.delenv(name, raising=False)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+def upload(endpoint: str, local: Path, bucket: str, prefix: str) -> None:
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            key = f"{prefix}/{path.relative_to(local).as_posix()}"
+            client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+
+
+def test_s3_source_stages_the_same_bytes_as_local(tmp_path: Path, s3_endpoint) -> None:
+    # Two records on a 2x2x2 chunk grid: still several chunks per slab, but few requests, as
+    # moto spends ~20 ms of CPU on each.
+    ids = ["r0", "r2"]
+    source = tmp_path / "store"
+    expected = make_store(source, ids, chunks=(16, 16, 16))
+    upload(s3_endpoint, source, "ctseg-store", "preprocessed/v1")
+    url = "s3://ctseg-store/preprocessed/v1"
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+    }
+    for fmt in ("raw", "zarr"):
+        remote = tmp_path / f"remote-{fmt}"
+        local = tmp_path / f"local-{fmt}"
+        summary = stage_records(url, ids, remote, fmt=fmt, storage_options=options)
+        stage_records(str(source), ids, local, fmt=fmt)
+        assert summary["records_copied"] == 2
+        for rid in ids:
+            assert_same_record(read_back(remote, rid, fmt), expected[rid])
+        remote_files = json.loads((remote / "manifest.json").read_text())["files"]
+        local_files = json.loads((local / "manifest.json").read_text())["files"]
+        assert remote_files == local_files
+        again = stage_records(url, ids, remote, fmt=fmt, storage_options=options)
+        assert again["bytes_copied"] == 0 and again["records_skipped"] == 2
+    with pytest.raises(CtsegError, match="no-such-prefix"):
+        stage_records(f"{url}/no-such-prefix", ids, tmp_path / "x", storage_options=options)
+    # Same content, other address: the fingerprint ignores the URL, so nothing is copied.
+    moved = stage_records(str(source), ids, tmp_path / "remote-zarr", fmt="zarr")
+    assert moved["records_skipped"] == 2
