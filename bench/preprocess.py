@@ -163,7 +163,8 @@ def make_volume(workdir: Path, size: int) -> tuple[Path, Path]:
 
 
 def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def main() -> None:
@@ -190,7 +191,9 @@ def main() -> None:
         convert = measure("convert", str(image), str(workdir / "c256.zarr"))
         codec = measure("codec", str(image))
         ours = measure(
-            "precompute", str(workdir / "label256.zarr"), str(workdir / "t256.zarr"),
+            "precompute",
+            str(workdir / "label256.zarr"),
+            str(workdir / "t256.zarr"),
             str(args.workers),
         )
         naive = measure("naive", str(label))
@@ -198,24 +201,34 @@ def main() -> None:
         convert_mb_s = mb / convert["seconds"]
         codec_mb_s = mb / codec["seconds"]
         print(f"\n256^3 uint8 volume ({mb:.1f} MB)")
-        print(f"  convert           {convert_mb_s:8.1f} MB/s   peak RSS {convert['rss_mb']:7.1f} MB")
+        print(
+            f"  convert           {convert_mb_s:8.1f} MB/s   peak RSS {convert['rss_mb']:7.1f} MB"
+        )
         print(f"  codec in memory   {codec_mb_s:8.1f} MB/s")
-        print(f"  precompute        {ours['seconds']:8.2f} s      peak RSS {ours['rss_mb']:7.1f} MB")
-        print(f"  naive whole-vol   {naive['seconds']:8.2f} s      peak RSS {naive['rss_mb']:7.1f} MB")
+        print(
+            f"  precompute        {ours['seconds']:8.2f} s      peak RSS {ours['rss_mb']:7.1f} MB"
+        )
+        print(
+            f"  naive whole-vol   {naive['seconds']:8.2f} s      peak RSS {naive['rss_mb']:7.1f} MB"
+        )
 
         rss = {}
         print("\npeak RSS by volume size (MB)")
         for size in sizes:
             image_s, _ = volumes[size]
             rss[("convert", size)] = (
-                convert if size == 256 else measure("convert", str(image_s), str(workdir / f"c{size}.zarr"))
+                convert
+                if size == 256
+                else measure("convert", str(image_s), str(workdir / f"c{size}.zarr"))
             )["rss_mb"]
             rss[("precompute", size)] = (
                 ours
                 if size == 256
                 else measure(
-                    "precompute", str(workdir / f"label{size}.zarr"),
-                    str(workdir / f"t{size}.zarr"), str(args.workers),
+                    "precompute",
+                    str(workdir / f"label{size}.zarr"),
+                    str(workdir / f"t{size}.zarr"),
+                    str(args.workers),
                 )
             )["rss_mb"]
             print(
