@@ -21,7 +21,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check workflow/ctseg tests bench
-	$(BIN)/snakefmt --check Snakefile workflow/rules
+	$(BIN)/snakefmt --check workflow/Snakefile workflow/rules
 	$(BIN)/snakemake --lint
 
 bench: $(STAMP)

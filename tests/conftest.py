@@ -38,7 +38,8 @@ TINY_CONFIG = {
 
 def copy_workflow(dest: Path, config: dict | None = None) -> Path:
     """Copy the workflow definition (not results, not data) so each test owns its directory."""
-    shutil.copy2(REPO / "Snakefile", dest / "Snakefile")
+    (dest / "workflow").mkdir(exist_ok=True)
+    shutil.copy2(REPO / "workflow" / "Snakefile", dest / "workflow" / "Snakefile")
     for folder in ("workflow/rules", "workflow/schemas", "workflow/profiles", "workflow/report"):
         if (REPO / folder).exists():
             shutil.copytree(REPO / folder, dest / folder)

@@ -111,7 +111,7 @@ def test_lint_and_format_are_clean(tmp_path: Path):
     )
     assert lint.returncode == 0, lint.stdout + lint.stderr
     fmt = subprocess.run(
-        [str(BIN / "snakefmt"), "--check", "Snakefile", "workflow/rules"],
+        [str(BIN / "snakefmt"), "--check", "workflow/Snakefile", "workflow/rules"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -51,6 +51,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
     expect_shape = None
     if args.like is not None:
+        if not Path(args.like).is_dir():
+            raise CtsegError(f"{args.like}: image store not found (needed to compare shapes)")
         expect_shape = tuple(open_volume(args.like).shape)
     attrs = convert_volume(
         Path(args.source),
@@ -82,6 +84,95 @@ def cmd_targets(args: argparse.Namespace) -> None:
         workers=args.workers,
     )
     print(json.dumps(summary, indent=1))
+
+
+def cmd_split(args: argparse.Namespace) -> None:
+    from ctseg.records import read_records
+    from ctseg.stage import select_records, write_split
+
+    records = read_records(args.dataset)
+    labelled = records[(records["split"] == "train") & (records["label"] != "")]
+    table = select_records(labelled[["id", "scroll_id"]], args.subset, args.split)
+    write_split(table, Path(args.out))
+    print(table["split"].value_counts().to_string())
+
+
+def cmd_stage(args: argparse.Namespace) -> None:
+    import pandas as pd
+
+    from ctseg.stage import expand_scratch, stage_records
+
+    ids = pd.read_csv(args.split_csv, dtype={"id": str})["id"].tolist()
+    summary = stage_records(
+        args.source,
+        ids,
+        expand_scratch(args.dest),
+        fmt=args.format,
+        storage_options=args.storage_options,
+        workers=args.workers,
+    )
+    print(json.dumps(summary, indent=1, default=str))
+
+
+def _split_ids(split_csv: str) -> tuple[list[str], list[str]]:
+    import pandas as pd
+
+    table = pd.read_csv(split_csv, dtype={"id": str})
+    return (
+        table.loc[table["split"] == "train", "id"].tolist(),
+        table.loc[table["split"] == "val", "id"].tolist(),
+    )
+
+
+def _phase_settings(phases: dict, phase: str) -> tuple[int, dict]:
+    if str(phase) not in {str(k) for k in phases}:
+        raise CtsegError(f"phase {phase!r} is not defined in config/phases.yaml")
+    settings = {str(k): v for k, v in phases.items()}[str(phase)]
+    return int(phase), settings
+
+
+def cmd_trial(args: argparse.Namespace) -> None:
+    from ctseg.phases import run_trial
+
+    phase_id, phase = _phase_settings(args.phases, args.phase)
+    train_ids, _ = _split_ids(args.split)
+    summary = run_trial(
+        args.experiment,
+        phase_id,
+        phase,
+        scratch=Path(args.scratch),
+        train_ids=train_ids,
+        out_dir=Path(args.out),
+        clip_distance=args.clip_distance,
+        previous=Path(args.previous) if args.previous else None,
+        device=args.device,
+    )
+    print(json.dumps(summary, indent=1, default=str))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from ctseg.phases import choose_phase
+    from ctseg.train import train
+
+    phase = args.phase
+    if phase == "auto":
+        phase = str(choose_phase([Path(p) for p in args.trials]))
+        print(f"phase auto: chose phase {phase}")
+    phase_id, settings = _phase_settings(args.phases, phase)
+    train_ids, val_ids = _split_ids(args.split)
+    summary = train(
+        args.experiment,
+        settings,
+        scratch=Path(args.scratch),
+        train_ids=train_ids,
+        val_ids=val_ids,
+        out_dir=Path(args.out),
+        state_dir=Path(args.state_dir),
+        final_weights=Path(args.weights),
+        clip_distance=args.clip_distance,
+        device=args.device,
+    )
+    print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +213,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", type=_json, default=None)
     p.add_argument("--workers", type=int, default=1)
     p.set_defaults(func=cmd_targets)
+
+    p = sub.add_parser("split", help="select the experiment's records and split train/val")
+    p.add_argument("dataset", help="dataset directory in the Kaggle layout")
+    p.add_argument("out", help="split.csv to write (id, scroll_id, split)")
+    p.add_argument("--subset", type=_json, default={}, help="subset mapping as JSON")
+    p.add_argument("--split", type=_json, default={}, help="split mapping as JSON")
+    p.set_defaults(func=cmd_split)
+
+    p = sub.add_parser("stage", help="copy the experiment's subset to local scratch")
+    p.add_argument("source", help="preprocessed store: a local path or an fsspec URL")
+    p.add_argument("split_csv", help="split.csv naming the ids to stage")
+    p.add_argument("dest", help="scratch directory ($VARS expand)")
+    p.add_argument("--format", choices=["raw", "zarr"], default="raw")
+    p.add_argument("--storage-options", type=_json, default=None, help="fsspec options, JSON")
+    p.add_argument("--workers", type=int, default=4)
+    p.set_defaults(func=cmd_stage)
+
+    def training_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--experiment", type=_json, required=True, help="experiment, JSON")
+        p.add_argument("--phases", type=_json, required=True, help="phases mapping, JSON")
+        p.add_argument("--scratch", required=True, help="staged scratch directory")
+        p.add_argument("--split", required=True, help="split.csv (id, scroll_id, split)")
+        p.add_argument("--out", required=True, help="directory for steps.csv etc.")
+        p.add_argument("--clip-distance", type=float, default=8.0)
+        p.add_argument("--device", default=None, help="cuda, cuda:1, cpu; default: cuda if any")
+
+    p = sub.add_parser("trial", help="a short measured run of one loader phase")
+    training_args(p)
+    p.add_argument("--phase", required=True)
+    p.add_argument("--previous", default=None, help="the previous phase's summary.json")
+    p.set_defaults(func=cmd_trial)
+
+    p = sub.add_parser("train", help="train the experiment under a phase (or auto)")
+    training_args(p)
+    p.add_argument("--phase", required=True, help="a phase number or auto")
+    p.add_argument("--trials", nargs="*", default=[], help="trial summaries, for auto")
+    p.add_argument("--state-dir", required=True, help="resumable checkpoint directory")
+    p.add_argument("--weights", required=True, help="final weights (last.pt)")
+    p.set_defaults(func=cmd_train)
 
     return parser
 

@@ -1,11 +1,15 @@
 import json
 from pathlib import Path
 
+import pandas as pd
+import yaml
+
 from snakemake.utils import validate
 
 from ctseg.demo_data import demo_records
 from ctseg.io import CtsegError
 from ctseg.records import read_records
+from ctseg.stage import expand_scratch, select_records
 
 validate(config, schema="../schemas/config.schema.yaml")
 
@@ -16,6 +20,7 @@ IS_DEMO = config["dataset"] == "demo"
 
 wildcard_constraints:
     id=ID_REGEX,
+    phase=r"\d+",
 
 
 def load_demo_records():
@@ -83,3 +88,111 @@ def preprocessed_outputs():
 def convert_shards_arg():
     shards = config["convert"]["shards"]
     return f"--shards {shape_arg(shards)}" if shards else ""
+
+
+def load_yaml_validated(path, schema):
+    with open(path) as handle:
+        data = yaml.safe_load(handle) or {}
+    validate(data, schema=schema)
+    return data
+
+
+def load_experiment():
+    path = Path("config") / "experiments" / f"{config['experiment']}.yaml"
+    if not path.exists():
+        raise WorkflowError(f"config 'experiment': {path} does not exist")
+    experiment = load_yaml_validated(path, "../schemas/experiment.schema.yaml")
+    if experiment["name"] != config["experiment"]:
+        raise WorkflowError(
+            f"{path}: name {experiment['name']!r} differs from the file name"
+        )
+    return experiment
+
+
+def load_phases():
+    with open("config/phases.yaml") as handle:
+        raw = yaml.safe_load(handle) or {}
+    # YAML reads the phase numbers as ints; JSON schema keys are strings.
+    raw["phases"] = {str(k): v for k, v in (raw.get("phases") or {}).items()}
+    validate(raw, schema="../schemas/phases.schema.yaml")
+    return {int(k): v for k, v in raw["phases"].items()}
+
+
+EXP = load_experiment()
+EXP_NAME = EXP["name"]
+PHASES = load_phases()
+SCRATCH = str(expand_scratch(config["scratch"]) / EXP_NAME)
+
+
+def training_records():
+    """The labelled training records the experiment may draw from."""
+    return pd.DataFrame(
+        [
+            {"id": i, "scroll_id": RECORDS[i]["scroll_id"]}
+            for i in ids(split="train", labelled=True)
+        ]
+    )
+
+
+def experiment_split():
+    try:
+        return select_records(training_records(), EXP["subset"], EXP["split"])
+    except CtsegError as exc:
+        raise WorkflowError(f"experiment {EXP_NAME!r}: {exc}") from exc
+
+
+SPLIT = experiment_split()
+
+
+def local_store_inputs(pattern):
+    return expand(pattern, id=SPLIT["id"]) if EXP["source"] is None else []
+
+
+# Host memory a training job asks the scheduler for: the main process plus each loader
+# worker (a worker holds its prefetched batches and the memmapped patches it touches).
+MAIN_PROCESS_MB = 4000
+WORKER_MB = 1500
+
+
+def phase_threads(phase):
+    return max(1, PHASES[phase]["workers"]) + 1
+
+
+def phase_mem_mb(phase):
+    return MAIN_PROCESS_MB + WORKER_MB * PHASES[phase]["workers"]
+
+
+def chosen_phases():
+    """The phase the train job may use: the configured one, or any trialled one for auto."""
+    if config["phase"] == "auto":
+        return EXP["trial"]["phases"]
+    if config["phase"] not in PHASES:
+        raise WorkflowError(
+            f"config 'phase': {config['phase']} is not in config/phases.yaml"
+        )
+    return [config["phase"]]
+
+
+def train_threads():
+    return max(phase_threads(p) for p in chosen_phases())
+
+
+def train_mem_mb():
+    return max(phase_mem_mb(p) for p in chosen_phases())
+
+
+def trial_summaries():
+    return [
+        f"results/{EXP_NAME}/phases/phase{p}/summary.json"
+        for p in EXP["trial"]["phases"]
+    ]
+
+
+def previous_trial(wildcards):
+    """Trials run in order, each compared with the one before (and one GPU runs one at a time)."""
+    order = EXP["trial"]["phases"]
+    phase = int(wildcards.phase)
+    if phase in order and order.index(phase) > 0:
+        before = order[order.index(phase) - 1]
+        return [f"results/{EXP_NAME}/phases/phase{before}/summary.json"]
+    return []

@@ -1,0 +1,462 @@
+"""Training, read top to bottom: setup, loop, evaluation, checkpoint.
+
+One function, `train`, runs a full training or a phase trial (`max_steps`). Every number it
+logs is computed in the loop below, per optimizer step:
+
+- ``data_wait_s``: time blocked in ``next(loader)``: the honest starvation figure (NVML
+  utilisation is a coarse sample);
+- ``h2d_s``: host-to-device copy and uint8 -> float conversion;
+- ``compute_s``: forward, loss, backward and optimizer step, synchronised on CUDA;
+- ``step_s`` (wall time of the whole step) and ``samples_per_s`` = samples / step_s;
+- each loss term, the learning rate, GPU utilisation (NVML), peak VRAM and the host RSS of
+  this process plus its loader workers.
+
+With ``no_data=True`` the same model trains on batches that are already on the device: the
+compute ceiling. Real throughput divided by that ceiling is the feed efficiency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+from tqdm import tqdm
+
+from ctseg.data import PatchDataset, build_loader, to_device
+from ctseg.io import CtsegError, atomic_path
+from ctseg.losses import compute_losses, loss_settings
+from ctseg.model import build_model
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- helpers
+def pick_device(requested: str | None = None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to min_ratio * base_lr at `total` steps."""
+    if warmup and step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def scaled_lr(train_cfg: Mapping[str, Any], effective_batch: int) -> float:
+    ratio = effective_batch / train_cfg["base_batch_size"]
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train_cfg["lr_scaling"]]
+    return train_cfg["lr"] * factor
+
+
+def host_rss_bytes() -> int:
+    """RSS of this process and all its children (the loader workers)."""
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += child.memory_info().rss
+    return total
+
+
+class GpuMonitor:
+    """NVML utilisation where present; NaN elsewhere (CPU, or no NVML)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.handle = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                self._nvml = pynvml
+            except Exception:  # NVML missing or unusable: utilisation is simply not reported
+                self.handle = None
+
+    def utilisation(self) -> float:
+        if self.handle is None:
+            return float("nan")
+        return float(self._nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+
+
+def fingerprint(exp: Mapping[str, Any]) -> str:
+    """What a checkpoint's weights depend on: resuming with a different model is an error."""
+    maths = {"model": exp["model"], "patch_size": exp["data"]["patch_size"]}
+    return hashlib.sha256(json.dumps(maths, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_checkpoint(path: Path, payload: Mapping[str, Any]) -> None:
+    with atomic_path(path) as tmp:
+        torch.save(dict(payload), tmp)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_checkpoint(path: Path, expected_fingerprint: str) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the same user problem
+        raise CtsegError(f"{path}: cannot load checkpoint: {exc}") from exc
+    if state.get("fingerprint") != expected_fingerprint:
+        raise CtsegError(
+            f"{path}: checkpoint was written for a different model config "
+            f"(fingerprint {state.get('fingerprint')} != {expected_fingerprint}); "
+            "delete it or restore the experiment's model settings"
+        )
+    return state
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def dice_score(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+    """Hard Dice intersection and denominator over valid voxels (summed over a batch)."""
+    valid = (batch["ignore"] == 0) & (batch["label"] != 2)
+    pred = (logits > 0) & valid
+    truth = (batch["label"] == 1) & valid
+    return float((pred & truth).sum()), float(pred.sum() + truth.sum())
+
+
+# ----------------------------------------------------------------------------- train
+def train(
+    exp: Mapping[str, Any],
+    phase: Mapping[str, Any],
+    *,
+    scratch: Path,
+    train_ids: list[str],
+    val_ids: list[str],
+    out_dir: Path,
+    state_dir: Path | None = None,
+    final_weights: Path | None = None,
+    clip_distance: float = 8.0,
+    max_steps: int | None = None,
+    no_data: bool = False,
+    device: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train `exp` under `phase`; returns a summary. See the module docstring for the logs."""
+    # --- setup ----------------------------------------------------------------------------
+    tcfg, dcfg = exp["train"], exp["data"]
+    dev = pick_device(device)
+    seed = int(tcfg["seed"])
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if tcfg["deterministic"]:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = dev.type == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = bool(tcfg["tf32"])
+    torch.backends.cudnn.allow_tf32 = bool(tcfg["tf32"])
+
+    batch_size = int(phase["batch_size"])
+    accumulate = int(phase.get("accumulate", 1))
+    effective_batch = batch_size * accumulate
+    steps_per_epoch = int(tcfg["steps_per_epoch"])
+    epochs = int(tcfg["epochs"])
+    total_steps = max_steps if max_steps is not None else steps_per_epoch * epochs
+    base_lr = scaled_lr(tcfg, effective_batch)
+    autocast_dtype = PRECISIONS[phase.get("precision", "fp32")]
+    memory_format = (
+        torch.channels_last_3d if phase.get("channels_last") else torch.contiguous_format
+    )
+
+    model = build_model(exp["model"]).to(dev, memory_format=memory_format)
+    step_model = torch.compile(model) if phase.get("compile") else model
+    if tcfg["optimizer"] == "adamw":
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=base_lr, weight_decay=tcfg["weight_decay"]
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=base_lr,
+            momentum=tcfg["momentum"],
+            weight_decay=tcfg["weight_decay"],
+            nesterov=True,
+        )
+
+    def schedule(step: int) -> float:
+        return lr_at(
+            step,
+            base_lr=1.0,
+            warmup=int(tcfg["warmup_steps"]),
+            total=total_steps,
+            min_ratio=float(tcfg["min_lr_ratio"]),
+        )
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scaler = torch.amp.GradScaler(dev.type, enabled=autocast_dtype is torch.float16)
+    losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
+    fp = fingerprint(exp)
+
+    step, epoch = 0, 0
+    resume_path = state_dir / "resume.pt" if state_dir is not None else None
+    if resume_path is not None and resume_path.exists():
+        state = load_checkpoint(resume_path, fp)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        step, epoch = int(state["step"]), int(state["epoch"])
+
+    samples_needed = total_steps * effective_batch
+    dataset = PatchDataset(
+        scratch,
+        train_ids,
+        patch_size=dcfg["patch_size"],
+        fmt=exp["scratch_format"],
+        fg_fraction=dcfg["fg_fraction"],
+        augment=dcfg["augment"],
+        seed=seed,
+        length=samples_needed,
+        runtime_targets=dcfg["runtime_targets"],
+    )
+    loader = build_loader(dataset, phase, seed=seed, start=step * effective_batch, device=dev)
+    batches = iter(loader)
+    if no_data:
+        # The compute ceiling: the same steps on batches that are already on the device.
+        resident = [to_device(next(batches), dev) for _ in range(accumulate)]
+
+    gpu = GpuMonitor(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    # Snakemake deletes a job's declared outputs before it reruns it, so the logs a resumed run
+    # appends to live beside the resumable checkpoint and are copied out when training ends.
+    log_dir = state_dir if state_dir is not None else out_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps_log: list[dict[str, Any]] = []
+    epochs_log: list[dict[str, Any]] = []
+    peak_rss = host_rss_bytes()
+
+    # --- loop -----------------------------------------------------------------------------
+    bar = tqdm(total=total_steps, initial=step, disable=not progress, unit="step", desc="train")
+    model.train()
+    while step < total_steps:
+        step_start = time.perf_counter()
+        data_wait = h2d = 0.0
+        terms_sum: dict[str, float] = {}
+        loss_sum = 0.0
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(accumulate):
+            if no_data:
+                batch = resident[micro]
+            else:
+                t0 = time.perf_counter()
+                host_batch = next(batches)
+                t1 = time.perf_counter()
+                batch = to_device(host_batch, dev, non_blocking=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                data_wait += t1 - t0
+                h2d += time.perf_counter() - t1
+            image = batch["image"].contiguous(memory_format=memory_format)
+            with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = step_model(image)
+            total, terms = compute_losses(logits, batch, **losses_cfg)
+            scaler.scale(total / accumulate).backward()
+            loss_sum += float(total.detach()) / accumulate
+            for name, value in terms.items():
+                terms_sum[name] = terms_sum.get(name, 0.0) + float(value.detach()) / accumulate
+        if tcfg["grad_clip"]:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(tcfg["grad_clip"]))
+        scaler.step(optimizer)
+        scaler.update()
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        step_s = time.perf_counter() - step_start
+        step += 1
+
+        rss = host_rss_bytes()
+        peak_rss = max(peak_rss, rss)
+        row = {
+            "epoch": epoch,
+            "step": step,
+            "data_wait_s": data_wait,
+            "h2d_s": h2d,
+            "compute_s": step_s - data_wait - h2d,
+            "step_s": step_s,
+            "samples_per_s": effective_batch / step_s,
+            "loss": loss_sum,
+            **terms_sum,
+            "lr": lr,
+            "gpu_util": gpu.utilisation(),
+            "vram_peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20
+            if dev.type == "cuda"
+            else float("nan"),
+            "host_rss_mb": rss / 2**20,
+        }
+        steps_log.append(row)
+        wait_pct = (
+            100 * sum(r["data_wait_s"] for r in steps_log) / sum(r["step_s"] for r in steps_log)
+        )
+        bar.set_postfix(loss=f"{loss_sum:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
+        bar.update(1)
+
+        # --- evaluation and checkpoint, once per epoch ------------------------------------
+        if max_steps is None and step % steps_per_epoch == 0:
+            val = evaluate(model, exp, phase, scratch, val_ids, dev, losses_cfg, memory_format)
+            epoch_rows = [r for r in steps_log if r["epoch"] == epoch]
+            epochs_log.append(
+                {
+                    "epoch": epoch,
+                    "step": step,
+                    "train_loss": statistics.fmean(r["loss"] for r in epoch_rows),
+                    "samples_per_s": effective_batch
+                    * len(epoch_rows)
+                    / sum(r["step_s"] for r in epoch_rows),
+                    "data_wait_fraction": sum(r["data_wait_s"] for r in epoch_rows)
+                    / sum(r["step_s"] for r in epoch_rows),
+                    **val,
+                }
+            )
+            epoch += 1
+            if resume_path is not None:
+                save_checkpoint(
+                    resume_path,
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "rng": rng_state(),
+                        "step": step,
+                        "epoch": epoch,
+                        "sample_index": step * effective_batch,
+                        "fingerprint": fp,
+                    },
+                )
+            # Logs are appended across a resume: read what the earlier run wrote.
+            write_csv(log_dir / "epochs.csv", _merge_log(log_dir / "epochs.csv", epochs_log))
+            write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
+            epochs_log, steps_log = [], []
+    bar.close()
+
+    if steps_log or max_steps is not None:
+        write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
+    if log_dir != out_dir:
+        for name in ("steps.csv", "epochs.csv"):
+            if (log_dir / name).exists():
+                with atomic_path(out_dir / name) as tmp:
+                    shutil.copyfile(log_dir / name, tmp)
+    if final_weights is not None:
+        save_checkpoint(
+            final_weights,
+            {
+                "model": model.state_dict(),
+                "model_config": dict(exp["model"]),
+                "patch_size": list(dcfg["patch_size"]),
+                "fingerprint": fp,
+                "step": step,
+            },
+        )
+    return {
+        "steps": step,
+        "peak_host_rss_mb": peak_rss / 2**20,
+        "peak_vram_mb": torch.cuda.max_memory_allocated(dev) / 2**20
+        if dev.type == "cuda"
+        else None,
+        "device": str(dev),
+    }
+
+
+def _merge_log(path: Path, new_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows already on disk (from before a resume or an earlier epoch) followed by new ones."""
+    if not path.exists() or not new_rows:
+        return new_rows
+    with open(path, newline="") as handle:
+        old = list(csv.DictReader(handle))
+    first_new = (int(new_rows[0]["epoch"]), int(new_rows[0]["step"]))
+    kept = [r for r in old if (int(r["epoch"]), int(r["step"])) < first_new]
+    return kept + new_rows
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    exp: Mapping[str, Any],
+    phase: Mapping[str, Any],
+    scratch: Path,
+    val_ids: list[str],
+    dev: torch.device,
+    losses_cfg: Mapping[str, Any],
+    memory_format: torch.memory_format,
+) -> dict[str, float]:
+    """Loss and Dice on a fixed set of validation patches (the same ones every epoch)."""
+    n_batches = int(exp["train"]["val_batches"])
+    if not val_ids or n_batches == 0:
+        return {"val_loss": float("nan"), "val_dice": float("nan")}
+    batch_size = int(phase["batch_size"])
+    dataset = PatchDataset(
+        scratch,
+        val_ids,
+        patch_size=exp["data"]["patch_size"],
+        fmt=exp["scratch_format"],
+        fg_fraction=exp["data"]["fg_fraction"],
+        augment={"flip": False, "permute": False, "intensity": {"prob": 0.0}},
+        seed=int(exp["train"]["seed"]) + 1,
+        length=n_batches * batch_size,
+    )
+    loader = build_loader(dataset, {**phase, "workers": 0}, seed=0, device=dev)
+    model.eval()
+    losses, intersection, denominator = [], 0.0, 0.0
+    for host_batch in loader:
+        batch = to_device(host_batch, dev)
+        logits = model(batch["image"].contiguous(memory_format=memory_format))
+        total, _ = compute_losses(logits, batch, **losses_cfg)
+        losses.append(float(total))
+        inter, denom = dice_score(logits, batch)
+        intersection += inter
+        denominator += denom
+    model.train()
+    dice = 2 * intersection / denominator if denominator else 1.0
+    return {"val_loss": statistics.fmean(losses), "val_dice": dice}

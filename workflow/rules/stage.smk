@@ -1,0 +1,41 @@
+rule split:
+    input:
+        DATASET_DIR / "train.csv",
+    output:
+        f"results/{EXP_NAME}/split.csv",
+    log:
+        f"results/logs/split/{EXP_NAME}.log",
+    conda:
+        "../../environment.yml"
+    params:
+        subset=json.dumps(EXP["subset"]),
+        split=json.dumps(EXP["split"]),
+    shell:
+        "ctseg split {DATASET_DIR:q} {output:q} --subset {params.subset:q} "
+        "--split {params.split:q} > {log} 2>&1"
+
+
+# Only the manifest is declared: Snakemake deletes declared outputs before a rerun, and the
+# staged arrays must survive so that `ctseg stage` can skip what is already there and verified.
+rule stage:
+    input:
+        split=f"results/{EXP_NAME}/split.csv",
+        # A remote source is already preprocessed; a local one is built by this workflow.
+        images=local_store_inputs("results/zarr/images/{id}.zarr"),
+        targets=local_store_inputs("results/targets/{id}.zarr"),
+    output:
+        manifest=f"{SCRATCH}/manifest.json",
+    log:
+        f"results/logs/stage/{EXP_NAME}.log",
+    benchmark:
+        f"results/benchmarks/stage/{EXP_NAME}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 4
+    params:
+        source=EXP["source"] or "results",
+        dest=SCRATCH,
+        fmt=EXP["scratch_format"],
+    shell:
+        "ctseg stage {params.source:q} {input.split:q} {params.dest:q} "
+        "--format {params.fmt} --workers {threads} > {log} 2>&1"

@@ -1,0 +1,68 @@
+rule train_trial:
+    input:
+        manifest=f"{SCRATCH}/manifest.json",
+        split=f"results/{EXP_NAME}/split.csv",
+        previous=previous_trial,
+    output:
+        summary=f"results/{EXP_NAME}/phases/phase{{phase}}/summary.json",
+        steps=f"results/{EXP_NAME}/phases/phase{{phase}}/steps.csv",
+    log:
+        f"results/logs/train_trial/{EXP_NAME}_phase{{phase}}.log",
+    benchmark:
+        f"results/benchmarks/train_trial/{EXP_NAME}_phase{{phase}}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: lambda wildcards: phase_threads(int(wildcards.phase))
+    resources:
+        gpu=1,
+        mem_mb=lambda wildcards: phase_mem_mb(int(wildcards.phase)),
+    params:
+        experiment=json.dumps(EXP),
+        phases=json.dumps(PHASES),
+        clip=config["targets"]["clip_distance"],
+        previous=lambda wildcards, input: input.previous[0] if input.previous else "",
+    shell:
+        "ctseg trial --experiment {params.experiment:q} --phases {params.phases:q} "
+        "--phase {wildcards.phase} --scratch {SCRATCH:q} --split {input.split:q} "
+        "--out results/{EXP_NAME}/phases/phase{wildcards.phase} "
+        "--clip-distance {params.clip} --previous {params.previous:q} > {log} 2>&1"
+
+
+rule trials:
+    input:
+        trial_summaries(),
+
+
+rule train:
+    input:
+        manifest=f"{SCRATCH}/manifest.json",
+        split=f"results/{EXP_NAME}/split.csv",
+        trials=trial_summaries() if config["phase"] == "auto" else [],
+    output:
+        weights=f"results/{EXP_NAME}/last.pt",
+        steps=f"results/{EXP_NAME}/train/steps.csv",
+        epochs=f"results/{EXP_NAME}/train/epochs.csv",
+    log:
+        f"results/logs/train/{EXP_NAME}.log",
+    benchmark:
+        f"results/benchmarks/train/{EXP_NAME}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: train_threads()
+    resources:
+        gpu=1,
+        mem_mb=train_mem_mb(),
+    params:
+        experiment=json.dumps(EXP),
+        phases=json.dumps(PHASES),
+        phase=config["phase"],
+        clip=config["targets"]["clip_distance"],
+        # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
+        # before a rerun, and a preempted run must resume rather than start over.
+        state=f"results/{EXP_NAME}/checkpoints",
+    shell:
+        "ctseg train --experiment {params.experiment:q} --phases {params.phases:q} "
+        "--phase {params.phase} --trials {input.trials:q} --scratch {SCRATCH:q} "
+        "--split {input.split:q} --out results/{EXP_NAME}/train "
+        "--state-dir {params.state} --weights {output.weights:q} "
+        "--clip-distance {params.clip} > {log} 2>&1"
