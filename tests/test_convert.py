@@ -13,9 +13,19 @@ import tifffile
 import zarr.codecs
 
 from ctseg.cli import main as cli_main
-from ctseg.convert import _slab_depth, convert_volume, read_header
+from ctseg.convert import (
+    MIN_PAIR_PIECE,
+    _Histogram,
+    _inspect,
+    _open_reader,
+    _slab_depth,
+    _slab_plan,
+    _SlabWriter,
+    convert_volume,
+    read_header,
+)
 from ctseg.io import CtsegError, sha256_file, sha256_files
-from ctseg.store import open_volume
+from ctseg.store import create_volume, open_volume
 
 SHAPE = (40, 50, 60)
 CHUNKS = (16, 16, 16)
@@ -65,6 +75,14 @@ def assert_nothing_left(dest: Path) -> None:
     assert not dest.exists()
     leftovers = [p.name for p in dest.parent.iterdir() if p.name.startswith(f".{dest.name}")]
     assert leftovers == []
+
+
+def chunk_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "zarr.json"
+    }
 
 
 def assert_stats_match_numpy(attrs: dict, data: np.ndarray) -> None:
@@ -316,6 +334,138 @@ def test_peak_memory_follows_the_budget_not_the_volume(tmp_path):
     a, b = open_volume(tmp_path / "small.zarr"), open_volume(tmp_path / "large.zarr")
     assert a.attrs["mean"] == b.attrs["mean"]
     assert a.attrs["p99_5"] == b.attrs["p99_5"]
+
+
+# --- the fast paths give what the general ones give ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("write", "plain"),
+    [
+        pytest.param(lambda p, d: tifffile.imwrite(p, d), True, id="shaped"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, metadata=None), True, id="no-metadata"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, rowsperstrip=7), True, id="strips"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, byteorder=">"), True, id="big-endian"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, imagej=True), True, id="imagej"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, compression="zlib"), False, id="zlib"),
+        pytest.param(lambda p, d: tifffile.imwrite(p, d, tile=(16, 16)), False, id="tiled"),
+        pytest.param(
+            lambda p, d: [tifffile.imwrite(p, z, append=True, metadata=None) for z in d],
+            False,
+            id="page-by-page",
+        ),
+    ],
+)
+def test_plain_pixel_data_is_read_in_one_piece_and_exactly(tmp_path, write, plain):
+    # uint16 so that the big-endian file needs its bytes swapped.
+    data = random_volume((10, 33, 40), np.uint16, seed=8)
+    source = tmp_path / "vol.tif"
+    write(source, data)
+
+    src = _inspect(source)
+    assert (src.data_offset is not None) == plain
+    with _open_reader(src) as read:
+        out = np.empty((4, 33, 40), np.uint16)
+        read(3, 7, out)
+    np.testing.assert_array_equal(out, data[3:7])
+    convert(source, tmp_path / "vol.zarr", chunks=(4, 16, 16))
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+
+
+def test_a_file_cut_short_after_its_headers_were_read_is_detected(tmp_path):
+    source = write_tiff(tmp_path / "vol.tif", random_volume())
+    src = _inspect(source)
+    assert src.data_offset is not None
+    source.write_bytes(source.read_bytes()[: src.data_offset + 20 * 50 * 60 + 7])
+
+    with _open_reader(src) as read, pytest.raises(CtsegError, match="ends inside slice 20"):
+        read(16, 32, np.empty((16, 50, 60), np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+@pytest.mark.parametrize("codec", [None, {"name": "none"}])
+def test_chunk_files_are_the_ones_zarr_writes(tmp_path, dtype, codec):
+    # Edge chunks on every axis, and a zero region (a chunk zarr could skip).
+    data = random_volume(dtype=dtype, seed=6)
+    data[:16, :16, :16] = 0
+    source = write_tiff(tmp_path / "vol.tif", data)
+    ours = tmp_path / "ours.zarr"
+
+    convert(source, ours, codec=codec)
+    theirs = create_volume(tmp_path / "theirs.zarr", SHAPE, dtype, CHUNKS, codec)
+    theirs[:] = data
+
+    expected = chunk_files(tmp_path / "theirs.zarr")
+    assert len(expected) == 3 * 4 * 4
+    assert chunk_files(ours) == expected
+
+
+def test_empty_chunks_are_left_out_as_zarr_leaves_them_out(tmp_path):
+    data = random_volume(seed=6)
+    data[:16, :16, :16] = 0
+    ours = create_volume(tmp_path / "ours.zarr", SHAPE, np.uint8, CHUNKS, write_empty_chunks=False)
+    theirs = create_volume(
+        tmp_path / "theirs.zarr", SHAPE, np.uint8, CHUNKS, write_empty_chunks=False
+    )
+
+    with _SlabWriter(ours) as writer:
+        for z0 in range(0, SHAPE[0], CHUNKS[0]):
+            _SlabWriter.wait(writer.submit(z0, data[z0 : z0 + CHUNKS[0]]))
+    theirs[:] = data
+
+    expected = chunk_files(tmp_path / "theirs.zarr")
+    assert "c/0/0/0" not in expected and len(expected) == 3 * 4 * 4 - 1
+    assert chunk_files(tmp_path / "ours.zarr") == expected
+    np.testing.assert_array_equal(open_volume(tmp_path / "ours.zarr")[:], data)
+
+
+def test_two_slabs_in_flight_round_trip(tmp_path):
+    # A budget with room for two one-row slabs: one is read while the other is written.
+    assert _slab_plan(SHAPE, 1, 16, 0.25 * 2**20) == (16, 2)
+    data = random_volume(seed=11)
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    attrs = convert(source, tmp_path / "vol.zarr", memory_budget_mb=0.25)
+
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+    assert_stats_match_numpy(attrs, data)
+    labels = labels_volume()
+    labels[20, 1, 2] = 5
+    source = write_tiff(tmp_path / "lab.tif", labels)
+    expect_error(source, tmp_path / "lab.zarr", "5", kind="label", memory_budget_mb=0.25)
+
+
+def test_slab_plan_never_exceeds_the_slab_share():
+    mb = 2**20
+    assert _slab_plan((320, 320, 320), 1, 64, 1024 * mb) == (320, 1)  # one slab: one buffer
+    assert _slab_plan((320, 320, 320), 1, 64, 8 * 6.25 * mb) == (128, 2)
+    # Two one-row buffers would not fit: one, as before.
+    assert _slab_plan((320, 320, 320), 1, 64, 3 * 6.25 * mb) == (64, 1)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 100_001])
+@pytest.mark.parametrize("piece", [1000, MIN_PAIR_PIECE])
+def test_uint8_counted_in_pairs_is_exact(size, piece):
+    histogram = _Histogram(np.dtype(np.uint8), piece)
+    assert histogram.pairs == (piece >= MIN_PAIR_PIECE)
+    values = random_volume((size,), seed=size)
+
+    counts = histogram.add(values)
+    histogram.add(values[::-1].copy())
+
+    np.testing.assert_array_equal(counts, np.bincount(values, minlength=256))
+    np.testing.assert_array_equal(histogram.counts, 2 * np.bincount(values, minlength=256))
+
+
+def test_statistics_are_exact_with_a_large_budget(tmp_path):
+    # An odd number of voxels, counted in pairs in one slab.
+    data = random_volume((41, 51, 61), seed=12)
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    attrs = convert(source, tmp_path / "vol.zarr", memory_budget_mb=256)
+
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+    assert_stats_match_numpy(attrs, data)
 
 
 # --- bad input: a clear error, and nothing left at dest ------------------------------------------

@@ -6,6 +6,12 @@ of chunk (or shard) rows, so peak memory follows ``memory_budget_mb`` and not th
 intensity statistics come from an exact histogram that is accumulated on the way, so they cost
 no second pass. Percentiles use numpy's default definition (``np.percentile(method="linear")``).
 
+Throughput: the work is spread over threads that release the GIL. The source's sha256 is
+computed on its own thread from the start; pixel data stored plainly (uncompressed, page after
+page, as most volumes are) are read with one read per chunk row; zarr writes each chunk row on a
+background thread while the calling thread counts the histogram. With room for two slabs in the
+budget, one slab is read while the previous one is written.
+
 Nothing silently wrong: a truncated or corrupt TIFF, a volume that is not 3D, an unsupported
 dtype, a shape that disagrees with the image or label values outside {0, 1, 2} raise
 `CtsegError` naming the file, and `atomic_path` leaves nothing behind at ``dest``.
@@ -18,13 +24,16 @@ import logging
 import math
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import tifffile
+import zarr
 from tqdm import tqdm
 
 from ctseg.io import CtsegError, atomic_path, sha256_file, sha256_files
@@ -36,13 +45,18 @@ SlabReader = Callable[[int, int, np.ndarray], None]
 TIFF_SUFFIXES = (".tif", ".tiff")
 LABEL_VALUES = (0, 1, 2)
 PERCENTILES = {"p0_5": 0.5, "p99_5": 99.5}
+NATIVE_BYTEORDER = "<" if sys.byteorder == "little" else ">"
 
-# Share of the memory budget the slab itself may take. The rest is for the histogram's
-# temporary (np.bincount casts its input to intp, 8 bytes per voxel) and zarr's chunk buffers.
+# Share of the memory budget the slab buffers may take together. The rest is for the
+# histogram's temporary (np.bincount casts its input to intp, 8 bytes per value) and the chunk
+# copies being encoded (two chunks per write thread, or zarr's own buffers).
 SLAB_SHARE = 0.5
 HISTOGRAM_SHARE = 0.125
-# Larger histogram pieces are no faster (measured), only bigger.
-MAX_HISTOGRAM_PIECE = 1 << 17
+# Larger histogram pieces are no faster (measured), only bigger: 2 MiB of intp.
+MAX_HISTOGRAM_PIECE = 1 << 18
+# Counting uint8 in pairs allocates 65536 counts (512 KiB) per piece: below this piece size
+# that costs more than it saves, and more memory than the budget's histogram share.
+MIN_PAIR_PIECE = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,10 @@ class _Source:
     dtype: np.dtype
     pages_are_series: bool = False  # a multi-page file whose pages tifffile sees as 1-page series
     is_slice_directory: bool = False
+    # Where the pixels start when they are stored plainly (uncompressed, row by row, page after
+    # page with nothing between): a slab is then one read at a known offset.
+    data_offset: int | None = None
+    swap_bytes: bool = False  # uint16 pixels in the other byte order than this machine's
 
 
 # --- header checks ---------------------------------------------------------------------------
@@ -194,6 +212,42 @@ def _stack_layout(path: Path, tif: tifffile.TiffFile) -> tuple[tuple[int, ...], 
     return (len(series), *series[0].shape), series[0].dtype, [s.pages[0] for s in series], True
 
 
+def _plain_data_offset(
+    tif: tifffile.TiffFile, pages: list, shape: Any, dtype: np.dtype
+) -> int | None:
+    """Offset of the first pixel if the pixels of all pages are one plain run of bytes, else None.
+
+    Plain: uncompressed, no predictor, no bit reversal, strips (not tiles) of whole bytes per
+    sample, and every page's strips exactly following the previous ones, page after page, so
+    slice z starts at ``offset + z * plane_bytes``. Derived from every page's own offsets, not
+    from the first page, so a file that only starts out contiguous is read page by page.
+    """
+    plane = shape[1] * shape[2] * dtype.itemsize
+    for keyframe in {id(page.keyframe): page.keyframe for page in pages}.values():
+        if (
+            keyframe.compression != 1
+            or keyframe.predictor != 1
+            or keyframe.fillorder != 1
+            or keyframe.is_tiled
+            or keyframe.samplesperpixel != 1
+            or keyframe.bitspersample != 8 * dtype.itemsize
+            or keyframe.sampleformat != 1
+        ):
+            return None
+    start = int(pages[0].dataoffsets[0])
+    expected = start
+    for page in pages:
+        for offset, count in zip(page.dataoffsets, page.databytecounts, strict=True):
+            if offset != expected:
+                return None
+            expected += count
+        if (expected - start) % plane:
+            return None
+    if expected != start + len(pages) * plane or expected > tif.filehandle.size:
+        return None
+    return start
+
+
 def _inspect_file(path: Path) -> _Source:
     """Validate a multi-page TIFF's structure from its headers alone."""
     with _tifffile_errors(path), tifffile.TiffFile(path) as tif:
@@ -217,7 +271,17 @@ def _inspect_file(path: Path) -> _Source:
             _check_page_data(path, tif, page, z)
             if page.shape != shape[1:]:
                 raise CtsegError(f"{path}: page {z} has shape {page.shape}, expected {shape[1:]}")
-    return _Source(path, (path,), shape, dtype, pages_are_series)  # type: ignore[arg-type]
+        data_offset = _plain_data_offset(tif, pages, shape, dtype)
+        swap_bytes = dtype.itemsize > 1 and tif.byteorder != NATIVE_BYTEORDER
+    return _Source(
+        path,
+        (path,),
+        shape,  # type: ignore[arg-type]
+        dtype,
+        pages_are_series=pages_are_series,
+        data_offset=data_offset,
+        swap_bytes=swap_bytes,
+    )
 
 
 def _inspect_slice(path: Path) -> tuple[tuple[int, ...], np.dtype]:
@@ -280,6 +344,30 @@ def _open_reader(src: _Source) -> Iterator[SlabReader]:
         return
 
     path = src.files[0]
+    if src.data_offset is not None:
+        plane = src.shape[1] * src.shape[2] * src.dtype.itemsize
+        offset = src.data_offset
+        with open(path, "rb", buffering=0) as handle:
+
+            def read_plain(z0: int, z1: int, out: np.ndarray) -> None:
+                # One read straight into the slab (the GIL is released while it runs).
+                view = memoryview(out.reshape(-1).view(np.uint8))
+                handle.seek(offset + z0 * plane)
+                done = 0
+                while done < len(view):
+                    got = handle.readinto(view[done:])
+                    if not got:
+                        raise CtsegError(
+                            f"{path}: truncated TIFF: the file ends inside slice "
+                            f"{z0 + done // plane} (was it changed while being converted?)"
+                        )
+                    done += got
+                if src.swap_bytes:
+                    out.byteswap(inplace=True)
+
+            yield read_plain
+        return
+
     with _tifffile_errors(path):
         tif = tifffile.TiffFile(path)
     # Errors raised by the caller's block (zarr, label checks) pass through unchanged.
@@ -304,15 +392,32 @@ class _Histogram:
     def __init__(self, dtype: np.dtype, piece_elements: int) -> None:
         self.counts = np.zeros(1 << (8 * dtype.itemsize), dtype=np.int64)
         self.piece = min(max(1, piece_elements), MAX_HISTOGRAM_PIECE)
+        # uint8 is counted two bytes at a time, as uint16 values: half the elements for
+        # bincount's cast to intp (its main cost), then the 65536 pair counts are folded back
+        # into 256. Only where a piece is large enough to pay for the 65536-entry counts.
+        self.pairs = dtype.itemsize == 1 and self.piece >= MIN_PAIR_PIECE
 
     def add(self, slab: np.ndarray) -> np.ndarray:
         """Count a slab; returns the slab's own counts (used to find bad label values)."""
         flat = slab.reshape(-1)
-        counts = np.zeros_like(self.counts)
-        # In pieces: bincount's intp copy of a whole slab would be 8x the slab.
-        for start in range(0, flat.size, self.piece):
-            counts += np.bincount(flat[start : start + self.piece], minlength=counts.size)
+        if self.pairs:
+            even = flat.size - flat.size % 2
+            pairs = self._count(flat[:even].view(np.uint16), 1 << 16).reshape(256, 256)
+            # A pair's value is first + 256 * second byte or the reverse: either way every
+            # byte value is counted once per row and once per column it appears in.
+            counts = pairs.sum(axis=0) + pairs.sum(axis=1)
+            if even < flat.size:
+                counts[flat[-1]] += 1
+        else:
+            counts = self._count(flat, self.counts.size)
         self.counts += counts
+        return counts
+
+    def _count(self, values: np.ndarray, size: int) -> np.ndarray:
+        counts = np.zeros(size, dtype=np.int64)
+        # In pieces: bincount's intp copy of a whole slab would be 8x the slab.
+        for start in range(0, values.size, self.piece):
+            counts += np.bincount(values[start : start + self.piece], minlength=size)
         return counts
 
     def stats(self) -> dict[str, float]:
@@ -350,6 +455,50 @@ def _slab_depth(shape: Shape3, itemsize: int, unit_depth: int, budget_bytes: flo
     row_bytes = unit_depth * shape[1] * shape[2] * itemsize
     units = max(1, int(budget_bytes * SLAB_SHARE // row_bytes))
     return min(units * unit_depth, math.ceil(shape[0] / unit_depth) * unit_depth)
+
+
+def _slab_plan(shape: Shape3, itemsize: int, unit_depth: int, budget: float) -> tuple[int, int]:
+    """Slices per slab and the number of slab buffers, within the slab's share of the budget.
+
+    Two buffers, so that one slab is read and counted while the previous one is written, when
+    the volume takes more than one slab and two slabs of whole write units fit in the share.
+    """
+    depth = _slab_depth(shape, itemsize, unit_depth, budget)
+    if depth >= shape[0]:
+        return depth, 1
+    half = _slab_depth(shape, itemsize, unit_depth, budget / 2)
+    if 2 * half * shape[1] * shape[2] * itemsize <= budget * SLAB_SHARE:
+        return half, 2
+    return depth, 1
+
+
+class _SlabWriter:
+    """Writes slabs through zarr on a background thread while the caller reads and counts.
+
+    zarr encodes the chunks of one write concurrently inside; the thread only takes the write
+    off the caller's thread. `submit` returns the futures to wait for before the slab's buffer
+    is used again; leaving the block waits for (or cancels) everything still pending, so that
+    nothing writes into the store after an error has made `atomic_path` remove it.
+    """
+
+    def __init__(self, arr: zarr.Array) -> None:
+        self.arr = arr
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ctseg-convert")
+
+    def __enter__(self) -> _SlabWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, z0: int, slab: np.ndarray) -> list[Future]:
+        return [self.pool.submit(self.arr.__setitem__, slice(z0, z0 + len(slab)), slab)]
+
+    @staticmethod
+    def wait(futures: list[Future]) -> None:
+        wait(futures)
+        for future in futures:
+            future.result()  # the first error, if any
 
 
 def _check_grid(name: str, value: Any) -> None:
@@ -400,43 +549,79 @@ def convert_volume(
     if kind not in ("image", "label"):
         raise CtsegError(f"kind must be 'image' or 'label', got {kind!r}")
     _check_settings(chunks, shards, codec, memory_budget_mb)
-    src = _inspect(source)
-    if expect_shape is not None:
-        expected = tuple(int(n) for n in expect_shape)
-        if expected != src.shape:
-            like = like_source if like_source is not None else "the expected shape"
-            raise CtsegError(f"{source}: shape {src.shape} does not match {like} shape {expected}")
+    # The digest is computed beside everything else: hashlib and file reads release the GIL.
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="ctseg-sha256")
+    try:
+        digest = hasher.submit(sha256_file, source) if source.is_file() else None
+        src = _inspect(source)
+        if expect_shape is not None:
+            expected = tuple(int(n) for n in expect_shape)
+            if expected != src.shape:
+                like = like_source if like_source is not None else "the expected shape"
+                raise CtsegError(
+                    f"{source}: shape {src.shape} does not match {like} shape {expected}"
+                )
+        if digest is None:
+            digest = hasher.submit(sha256_files, list(src.files))
+        return _convert(src, dest, kind, chunks, codec, shards, memory_budget_mb, digest)
+    finally:
+        hasher.shutdown(wait=False, cancel_futures=True)
 
-    digest = sha256_file(source) if not src.is_slice_directory else sha256_files(list(src.files))
+
+def _convert(
+    src: _Source,
+    dest: Path,
+    kind: str,
+    chunks: Shape3,
+    codec: Mapping[str, Any] | None,
+    shards: Shape3 | None,
+    memory_budget_mb: float,
+    digest: Future,
+) -> dict[str, Any]:
     attrs: dict[str, Any] = {
-        "source": str(source),
-        "source_sha256": digest,
+        "source": str(src.path),
+        "source_sha256": "",  # filled in once the hash is done; keeps the key order
         "shape": list(src.shape),
         "dtype": src.dtype.name,
         "kind": kind,
     }
     budget = memory_budget_mb * 2**20
+    nz = src.shape[0]
     with atomic_path(dest) as tmp:
         arr = create_volume(tmp, src.shape, src.dtype, chunks, codec, shards, attrs)
         unit_depth = (arr.shards or arr.chunks)[0]
-        depth = _slab_depth(src.shape, src.dtype.itemsize, unit_depth, budget)
+        depth, n_buffers = _slab_plan(src.shape, src.dtype.itemsize, unit_depth, budget)
         histogram = _Histogram(src.dtype, int(budget * HISTOGRAM_SHARE) // 8)
-        buffer = np.empty((min(depth, src.shape[0]), *src.shape[1:]), dtype=src.dtype)
+        buffers = [
+            np.empty((min(depth, nz), *src.shape[1:]), dtype=src.dtype) for _ in range(n_buffers)
+        ]
+        pending: list[list[Future]] = [[] for _ in buffers]
         with (
+            _SlabWriter(arr) as writer,
             _open_reader(src) as read,
-            tqdm(total=src.shape[0], unit="slice", desc=f"convert {source.name}") as progress,
+            tqdm(total=nz, unit="slice", desc=f"convert {src.path.name}") as progress,
         ):
-            for z0 in range(0, src.shape[0], depth):
-                z1 = min(z0 + depth, src.shape[0])
-                slab = buffer[: z1 - z0]
-                read(z0, z1, slab)
-                counts = histogram.add(slab)
-                if kind == "label":
-                    _check_labels(src, counts, z0, z1)
-                arr[z0:z1] = slab
-                progress.update(z1 - z0)
+            for i, z0 in enumerate(range(0, nz, depth)):
+                z1 = min(z0 + depth, nz)
+                k = i % n_buffers
+                writer.wait(pending[k])  # the buffer is free again
+                pending[k] = []
+                slab = buffers[k][: z1 - z0]
+                # Write unit by write unit (chunk or shard rows): the first ones are written
+                # while the rest is read, and each is counted while it is being written.
+                for r0 in range(z0, z1, unit_depth):
+                    r1 = min(r0 + unit_depth, z1)
+                    rows = slab[r0 - z0 : r1 - z0]
+                    read(r0, r1, rows)
+                    pending[k] += writer.submit(r0, rows)
+                    counts = histogram.add(rows)
+                    if kind == "label":
+                        _check_labels(src, counts, r0, r1)
+                    progress.update(r1 - r0)
+            writer.wait([future for futures in pending for future in futures])
+        attrs["source_sha256"] = digest.result()
         attrs.update(histogram.stats())
         if kind == "label":
             attrs["label_counts"] = {str(v): int(histogram.counts[v]) for v in LABEL_VALUES}
-        arr.attrs.update(attrs)
+        arr.update_attributes(attrs)  # one metadata write, not one per key
     return attrs
