@@ -10,6 +10,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, on its own: pip then takes the machine's CPU wheel (2.13.0+cpu), which the
+	# project's ==2.13.0 pin accepts; resolved together with the rest it picks the PyPI build
+	# and gigabytes of CUDA libraries.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

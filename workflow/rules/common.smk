@@ -196,3 +196,8 @@ def previous_trial(wildcards):
         before = order[order.index(phase) - 1]
         return [f"results/{EXP_NAME}/phases/phase{before}/summary.json"]
     return []
+
+
+def stage_source(wildcards):
+    """Where stage reads the preprocessed store: the experiment's source, or results/."""
+    return EXP["source"] or "results"

@@ -8,10 +8,11 @@ rule split:
     conda:
         "../../environment.yml"
     params:
+        dataset=lambda wildcards, input: Path(input[0]).parent,
         subset=json.dumps(EXP["subset"]),
         split=json.dumps(EXP["split"]),
     shell:
-        "ctseg split {DATASET_DIR:q} {output:q} --subset {params.subset:q} "
+        "ctseg split {params.dataset:q} {output:q} --subset {params.subset:q} "
         "--split {params.split:q} > {log} 2>&1"
 
 
@@ -33,8 +34,8 @@ rule stage:
         "../../environment.yml"
     threads: 4
     params:
-        source=EXP["source"] or "results",
-        dest=SCRATCH,
+        source=stage_source,
+        dest=lambda wildcards, output: Path(output.manifest).parent,
         fmt=EXP["scratch_format"],
     shell:
         "ctseg stage {params.source:q} {input.split:q} {params.dest:q} "

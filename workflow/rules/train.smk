@@ -20,12 +20,16 @@ rule train_trial:
         experiment=json.dumps(EXP),
         phases=json.dumps(PHASES),
         clip=config["targets"]["clip_distance"],
-        previous=lambda wildcards, input: input.previous[0] if input.previous else "",
+        scratch=lambda wildcards, input: Path(input.manifest).parent,
+        out=lambda wildcards, output: Path(output.summary).parent,
+        previous=lambda wildcards, input: (
+            f"--previous {input.previous[0]}" if input.previous else ""
+        ),
     shell:
         "ctseg trial --experiment {params.experiment:q} --phases {params.phases:q} "
-        "--phase {wildcards.phase} --scratch {SCRATCH:q} --split {input.split:q} "
-        "--out results/{EXP_NAME}/phases/phase{wildcards.phase} "
-        "--clip-distance {params.clip} --previous {params.previous:q} > {log} 2>&1"
+        "--phase {wildcards.phase} --scratch {params.scratch:q} --split {input.split:q} "
+        "--out {params.out:q} "
+        "--clip-distance {params.clip} {params.previous} > {log} 2>&1"
 
 
 rule trials:
@@ -57,12 +61,14 @@ rule train:
         phases=json.dumps(PHASES),
         phase=config["phase"],
         clip=config["targets"]["clip_distance"],
+        scratch=lambda wildcards, input: Path(input.manifest).parent,
+        out=lambda wildcards, output: Path(output.steps).parent,
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
         state=f"results/{EXP_NAME}/checkpoints",
     shell:
         "ctseg train --experiment {params.experiment:q} --phases {params.phases:q} "
-        "--phase {params.phase} --trials {input.trials:q} --scratch {SCRATCH:q} "
-        "--split {input.split:q} --out results/{EXP_NAME}/train "
+        "--phase {params.phase} --trials {input.trials:q} --scratch {params.scratch:q} "
+        "--split {input.split:q} --out {params.out:q} "
         "--state-dir {params.state} --weights {output.weights:q} "
         "--clip-distance {params.clip} > {log} 2>&1"
