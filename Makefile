@@ -5,14 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean browser
 
+# torch first, on its own: pip then takes the machine's CPU wheel (2.13.0+cpu), which the
+# project's ==2.13.0 pin accepts; resolved together with the rest it picks the PyPI build and
+# gigabytes of CUDA libraries.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch first, on its own: pip then takes the machine's CPU wheel (2.13.0+cpu), which the
-	# project's ==2.13.0 pin accepts; resolved together with the rest it picks the PyPI build
-	# and gigabytes of CUDA libraries.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
@@ -20,7 +20,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/snakemake
 
-test: $(STAMP)
+# The report test opens the page in a real headless Chromium (Debian's package).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		echo "installing chromium for the report's browser test (apt-get)"; \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium fonts-dejavu-core >/dev/null; }
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

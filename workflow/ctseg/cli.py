@@ -175,6 +175,42 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
 
 
+def cmd_score(args: argparse.Namespace) -> None:
+    from ctseg.metrics import score_files
+
+    print(json.dumps(score_files(Path(args.pred), Path(args.gt)), indent=1))
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from ctseg.metrics import evaluate_pairs
+
+    summary = evaluate_pairs(
+        [Path(p) for p in args.predictions], [Path(p) for p in args.labels], Path(args.out)
+    )
+    print(json.dumps(summary, indent=1))
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from ctseg.report import build_report
+
+    def optional(path: str | None) -> Path | None:
+        return Path(path) if path else None
+
+    overlays = [
+        (record_id, Path(image), optional(label), optional(pred))
+        for record_id, image, label, pred in (args.overlay or [])
+    ]
+    build_report(
+        Path(args.out),
+        experiment=args.experiment,
+        phase_summaries=[Path(p) for p in args.phases],
+        train_dir=optional(args.train_dir),
+        evaluation_dir=optional(args.evaluation_dir),
+        overlays=overlays,
+        benchmarks_dir=optional(args.benchmarks_dir),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctseg", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -252,6 +288,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", required=True, help="resumable checkpoint directory")
     p.add_argument("--weights", required=True, help="final weights (last.pt)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("score", help="every part of the competition score for one pair")
+    p.add_argument("pred", help="predicted mask, multi-page TIFF")
+    p.add_argument("gt", help="ground-truth label TIFF (0/1/2)")
+    p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("evaluate", help="score predictions against labels; scores.csv + summary")
+    p.add_argument("--predictions", nargs="+", required=True)
+    p.add_argument("--labels", nargs="+", required=True, help="in the same order")
+    p.add_argument("--out", required=True, help="evaluation directory")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("report", help="one self-contained HTML report of a run")
+    p.add_argument("--out", required=True, help="report.html to write")
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--phases", nargs="*", default=[], help="trial summary.json files")
+    p.add_argument("--train-dir", default=None, help="directory with steps.csv, epochs.csv")
+    p.add_argument("--evaluation-dir", default=None, help="scores.csv and summary.json")
+    p.add_argument(
+        "--overlay",
+        nargs=4,
+        action="append",
+        metavar=("ID", "IMAGE", "LABEL", "PRED"),
+        help="a volume to show: image/label .zarr and prediction .tif (repeatable)",
+    )
+    p.add_argument("--benchmarks-dir", default=None, help="Snakemake benchmark: TSVs")
+    p.set_defaults(func=cmd_report)
 
     return parser
 

@@ -405,3 +405,46 @@ def score_files(pred_tif: Path, gt_tif: Path, **kwargs: Any) -> dict[str, Any]:
             f"ground truth {gt_tif} has shape {gt.shape}"
         )
     return score_volume(pred, gt, **kwargs)
+
+
+SUMMARY_COLUMNS = (
+    "score",
+    "surface_dice",
+    "voi_score",
+    "voi_total",
+    "topo_score",
+    "dice",
+    "cldice",
+)
+
+
+def evaluate_pairs(predictions: list[Path], labels: list[Path], out_dir: Path) -> dict[str, Any]:
+    """Score each prediction against its label; write scores.csv (one row per volume) and
+    summary.json (the means, the number of volumes and the topology method used)."""
+    import json
+
+    import pandas as pd
+    from tqdm import tqdm
+
+    from ctseg.io import atomic_path
+
+    if len(predictions) != len(labels):
+        raise CtsegError(f"{len(predictions)} predictions but {len(labels)} label volumes")
+    if not predictions:
+        raise CtsegError("nothing to evaluate: no held-out volume has a label")
+    rows = []
+    for pred, label in tqdm(list(zip(predictions, labels, strict=True)), desc="evaluate"):
+        rows.append({"id": Path(pred).stem, **score_files(Path(pred), Path(label))})
+    table = pd.DataFrame(rows)
+    methods = sorted(set(table["topo_method"]))
+    summary = {
+        "volumes": len(table),
+        "topo_method": methods[0] if len(methods) == 1 else methods,
+        **{f"mean_{name}": float(table[name].mean()) for name in SUMMARY_COLUMNS},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out_dir / "scores.csv") as tmp:
+        table.to_csv(tmp, index=False)
+    with atomic_path(out_dir / "summary.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=1))
+    return summary

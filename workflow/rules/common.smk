@@ -201,3 +201,37 @@ def previous_trial(wildcards):
 def stage_source(wildcards):
     """Where stage reads the preprocessed store: the experiment's source, or results/."""
     return EXP["source"] or "results"
+
+
+def infer_ids():
+    """Held-out volumes to predict: the test set, plus the val split when it is scored."""
+    held_out = ids(split="test")
+    return (
+        held_out
+        if IS_DEMO
+        else held_out + list(SPLIT.loc[SPLIT["split"] == "val", "id"])
+    )
+
+
+def eval_ids():
+    """Held-out volumes with labels: the demo's test set, or the val split for real data."""
+    if IS_DEMO:
+        return ids(split="test", labelled=True)
+    return list(SPLIT.loc[SPLIT["split"] == "val", "id"])
+
+
+def prediction(record_id):
+    return f"results/{EXP_NAME}/predictions/{record_id}.tif"
+
+
+def overlay_ids(count=3):
+    return eval_ids()[:count]
+
+
+def overlay_args():
+    """--overlay ID IMAGE LABEL PRED for the first few scored volumes."""
+    return " ".join(
+        f"--overlay {i} results/zarr/images/{i}.zarr results/zarr/labels/{i}.zarr "
+        f"{prediction(i)}"
+        for i in overlay_ids()
+    )
