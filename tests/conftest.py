@@ -36,6 +36,26 @@ TINY_CONFIG = {
 }
 
 
+# An experiment that trains a two-level U-Net for a handful of steps.
+TINY_EXPERIMENT = {
+    "name": "tiny",
+    "subset": {"ids": None, "scroll_ids": None, "fraction": 1.0},
+    "split": {"val_ids": None, "val_fraction": 0.5, "seed": 0},
+    "source": None,
+    "scratch_format": "raw",
+    "data": {
+        "patch_size": [16, 16, 16],
+        "fg_fraction": 0.5,
+        "runtime_targets": False,
+        "augment": {"flip": True, "permute": True, "intensity": {"prob": 0.5}},
+    },
+    "model": {"filters": [4, 8], "deep_supervision": True},
+    "loss": {"weights": {"bce": 1.0, "dice": 1.0, "cldice": 0.5, "skel_recall": 0.5}},
+    "train": {"epochs": 2, "steps_per_epoch": 3, "val_batches": 1, "warmup_steps": 1},
+    "trial": {"steps": 3, "warmup_steps": 1, "ceiling_steps": 2, "phases": [0, 1]},
+}
+
+
 def copy_workflow(dest: Path, config: dict | None = None) -> Path:
     """Copy the workflow definition (not results, not data) so each test owns its directory."""
     (dest / "workflow").mkdir(exist_ok=True)
@@ -44,13 +64,17 @@ def copy_workflow(dest: Path, config: dict | None = None) -> Path:
         if (REPO / folder).exists():
             shutil.copytree(REPO / folder, dest / folder)
     shutil.copytree(REPO / "config", dest / "config")
+    shutil.copy2(REPO / "environment.yml", dest / "environment.yml")
     if config is not None:
         (dest / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    (dest / "config" / "experiments" / "tiny.yaml").write_text(yaml.safe_dump(TINY_EXPERIMENT))
     return dest
 
 
-def run_snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+def run_snakemake(
+    workdir: Path, *args: str, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {}))
     proc = subprocess.run(
         [str(BIN / "snakemake"), *args],
         cwd=workdir,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import tifffile
+import torch
 import zarr
 from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
@@ -76,9 +78,70 @@ def test_precompute_targets_end_to_end(workflow_dir: Path):
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
-@pytest.mark.parametrize("target", ["all", "demo_data", "precompute_targets"])
+def test_trained_model_from_raw_tiffs_with_phase_auto(workflow_dir: Path):
+    """`snakemake results/<exp>/last.pt` from nothing: demo TIFFs, targets, stage, trials, train."""
+    run_snakemake(workflow_dir, "results/tiny/last.pt", "--config", "experiment=tiny", "phase=auto")
+    results = workflow_dir / "results"
+    split = pd.read_csv(results / "tiny" / "split.csv", dtype={"id": str})
+    assert set(split["split"]) == {"train", "val"}
+
+    manifest = json.loads((results / "scratch" / "tiny" / "manifest.json").read_text())
+    assert sorted(manifest["ids"]) == sorted(split["id"])
+
+    summaries = {
+        phase: json.loads(
+            (results / "tiny" / "phases" / f"phase{phase}" / "summary.json").read_text()
+        )
+        for phase in (0, 1)
+    }
+    for phase, summary in summaries.items():
+        assert summary["status"] == "ok", summary
+        assert summary["phase"] == phase
+        assert summary["samples_per_s"] > 0 and summary["feed_efficiency"] > 0
+    assert summaries[1]["checks"]["previous_phase"] == 0
+
+    steps = pd.read_csv(results / "tiny" / "train" / "steps.csv")
+    epochs = pd.read_csv(results / "tiny" / "train" / "epochs.csv")
+    assert list(steps["step"]) == list(range(1, 7))
+    assert list(epochs["epoch"]) == [0, 1]
+    assert epochs["val_dice"].between(0, 1).all()
+    log = (results / "logs" / "train" / "tiny.log").read_text()
+    fastest = max(summaries.values(), key=lambda s: s["samples_per_s"])["phase"]
+    assert f"phase auto: chose phase {fastest}" in log
+
+    weights = torch.load(results / "tiny" / "last.pt", weights_only=True)
+    assert weights["step"] == 6 and weights["model_config"]["filters"] == [4, 8]
+    # Resumable state lives outside the declared outputs.
+    assert (results / "tiny" / "checkpoints" / "resume.pt").exists()
+
+
+def test_per_job_staging_copies_into_node_scratch(workflow_dir: Path, tmp_path: Path):
+    """stage: per_job: no stage job; the train job stages into $TMPDIR on its own node."""
+    node_tmp = tmp_path / "node-local"
+    node_tmp.mkdir()
+    proc = run_snakemake(
+        workflow_dir,
+        "train",
+        "--config",
+        "experiment=tiny",
+        "phase=0",
+        "stage=per_job",
+        env={"TMPDIR": str(node_tmp)},
+    )
+    assert "rule stage:" not in proc.stdout + proc.stderr
+    staged = node_tmp / "ctseg" / "tiny"
+    manifest = json.loads((staged / "manifest.json").read_text())
+    split = pd.read_csv(workflow_dir / "results" / "tiny" / "split.csv", dtype={"id": str})
+    assert sorted(manifest["ids"]) == sorted(split["id"])
+    assert not (workflow_dir / "results" / "scratch").exists()
+    assert (workflow_dir / "results" / "tiny" / "last.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "target", ["all", "demo_data", "precompute_targets", "stage", "trials", "train"]
+)
 def test_named_targets_dry_run(workflow_dir: Path, target: str):
-    proc = run_snakemake(workflow_dir, "-n", target)
+    proc = run_snakemake(workflow_dir, "-n", target, "--config", "experiment=tiny")
     assert "Job stats" in proc.stdout + proc.stderr
 
 

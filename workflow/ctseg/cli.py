@@ -131,6 +131,23 @@ def _phase_settings(phases: dict, phase: str) -> tuple[int, dict]:
     return int(phase), settings
 
 
+def _scratch(args: argparse.Namespace) -> Path:
+    """The scratch copy to train from; with --stage-from, staged here first (per_job)."""
+    from ctseg.stage import expand_scratch, stage_records
+
+    scratch = expand_scratch(args.scratch)
+    if args.stage_from:
+        train_ids, val_ids = _split_ids(args.split)
+        summary = stage_records(
+            args.stage_from,
+            train_ids + val_ids,
+            scratch,
+            fmt=args.experiment["scratch_format"],
+        )
+        print(json.dumps({"staged": summary}, default=str))
+    return scratch
+
+
 def cmd_trial(args: argparse.Namespace) -> None:
     from ctseg.phases import run_trial
 
@@ -140,7 +157,7 @@ def cmd_trial(args: argparse.Namespace) -> None:
         args.experiment,
         phase_id,
         phase,
-        scratch=Path(args.scratch),
+        scratch=_scratch(args),
         train_ids=train_ids,
         out_dir=Path(args.out),
         clip_distance=args.clip_distance,
@@ -163,7 +180,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     summary = train(
         args.experiment,
         settings,
-        scratch=Path(args.scratch),
+        scratch=_scratch(args),
         train_ids=train_ids,
         val_ids=val_ids,
         out_dir=Path(args.out),
@@ -269,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     def training_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--experiment", type=_json, required=True, help="experiment, JSON")
         p.add_argument("--phases", type=_json, required=True, help="phases mapping, JSON")
-        p.add_argument("--scratch", required=True, help="staged scratch directory")
+        p.add_argument("--scratch", required=True, help="staged scratch directory ($VARS)")
+        p.add_argument(
+            "--stage-from", default=None, help="stage the split's records from here first"
+        )
         p.add_argument("--split", required=True, help="split.csv (id, scroll_id, split)")
         p.add_argument("--out", required=True, help="directory for steps.csv etc.")
         p.add_argument("--clip-distance", type=float, default=8.0)

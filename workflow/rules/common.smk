@@ -235,3 +235,22 @@ def overlay_args():
         f"{prediction(i)}"
         for i in overlay_ids()
     )
+
+
+def training_data(wildcards):
+    """What a training job reads: the staged scratch copy, or (per_job) the store it stages."""
+    if config["stage"] == "per_job":
+        return {
+            "images": local_store_inputs("results/zarr/images/{id}.zarr"),
+            "targets": local_store_inputs("results/targets/{id}.zarr"),
+        }
+    return {"manifest": f"{SCRATCH}/manifest.json"}
+
+
+def scratch_args(wildcards, input):
+    """--scratch, plus --stage-from when the job stages its own copy (kept unexpanded: $TMPDIR
+    must be the one on the node that runs the job)."""
+    if config["stage"] == "per_job":
+        node = f"{config['node_scratch']}/{EXP_NAME}"
+        return f"--scratch '{node}' --stage-from {stage_source(wildcards)}"
+    return f"--scratch {Path(input.manifest).parent}"

@@ -1,6 +1,6 @@
 rule train_trial:
     input:
-        manifest=f"{SCRATCH}/manifest.json",
+        unpack(training_data),
         split=f"results/{EXP_NAME}/split.csv",
         previous=previous_trial,
     output:
@@ -20,14 +20,14 @@ rule train_trial:
         experiment=json.dumps(EXP),
         phases=json.dumps(PHASES),
         clip=config["targets"]["clip_distance"],
-        scratch=lambda wildcards, input: Path(input.manifest).parent,
+        scratch=scratch_args,
         out=lambda wildcards, output: Path(output.summary).parent,
         previous=lambda wildcards, input: (
             f"--previous {input.previous[0]}" if input.previous else ""
         ),
     shell:
         "ctseg trial --experiment {params.experiment:q} --phases {params.phases:q} "
-        "--phase {wildcards.phase} --scratch {params.scratch:q} --split {input.split:q} "
+        "--phase {wildcards.phase} {params.scratch} --split {input.split:q} "
         "--out {params.out:q} "
         "--clip-distance {params.clip} {params.previous} > {log} 2>&1"
 
@@ -39,7 +39,7 @@ rule trials:
 
 rule train:
     input:
-        manifest=f"{SCRATCH}/manifest.json",
+        unpack(training_data),
         split=f"results/{EXP_NAME}/split.csv",
         trials=trial_summaries() if config["phase"] == "auto" else [],
     output:
@@ -61,14 +61,14 @@ rule train:
         phases=json.dumps(PHASES),
         phase=config["phase"],
         clip=config["targets"]["clip_distance"],
-        scratch=lambda wildcards, input: Path(input.manifest).parent,
+        scratch=scratch_args,
         out=lambda wildcards, output: Path(output.steps).parent,
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
         state=f"results/{EXP_NAME}/checkpoints",
     shell:
         "ctseg train --experiment {params.experiment:q} --phases {params.phases:q} "
-        "--phase {params.phase} --trials {input.trials:q} --scratch {params.scratch:q} "
+        "--phase {params.phase} --trials {input.trials:q} {params.scratch} "
         "--split {input.split:q} --out {params.out:q} "
         "--state-dir {params.state} --weights {output.weights:q} "
         "--clip-distance {params.clip} > {log} 2>&1"
