@@ -38,6 +38,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/preprocess.py --quick
+	$(BIN)/python bench/loader.py --quick
+	$(BIN)/python bench/train.py --quick
+	$(BIN)/python bench/infer.py --quick
 
 clean:
 	rm -rf results .snakemake

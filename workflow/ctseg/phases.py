@@ -27,12 +27,18 @@ from ctseg.train import train
 MATHS_KEYS = ("batch_size", "accumulate", "precision")
 
 
+# What an exhausted allocator says: CUDA ("CUDA out of memory"), torch's CPU allocator
+# ("DefaultCPUAllocator: can't allocate memory: ... Error code 12 (Cannot allocate memory)")
+# and ENOMEM from elsewhere; a loader worker killed by the kernel's OOM killer surfaces as a
+# RuntimeError that names the signal.
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
         return True
     text = str(exc)
-    # A loader worker killed by the kernel's OOM killer surfaces as a RuntimeError.
-    return "out of memory" in text.lower() or "killed by signal: Killed" in text
+    return any(m in text.lower() for m in OOM_MESSAGES) or "killed by signal: Killed" in text
 
 
 def _measured(steps_csv: Path, warmup: int) -> list[dict[str, float]]:

@@ -8,8 +8,12 @@ logs is computed in the loop below, per optimizer step:
 - ``h2d_s``: host-to-device copy and uint8 -> float conversion;
 - ``compute_s``: forward, loss, backward and optimizer step, synchronised on CUDA;
 - ``step_s`` (wall time of the whole step) and ``samples_per_s`` = samples / step_s;
-- each loss term, the learning rate, GPU utilisation (NVML), peak VRAM and the host RSS of
-  this process plus its loader workers.
+- each loss term, ``grad_norm`` (of the unscaled gradients, before clipping), the learning
+  rate, GPU utilisation (NVML), peak VRAM and the host RSS of this process plus its loader
+  workers.
+
+With ``device_prefetch`` the next batch's transfer is issued before the current step runs, so
+``h2d_s`` is only the time spent issuing it; the copy itself overlaps the compute.
 
 With ``no_data=True`` the same model trains on batches that are already on the device: the
 compute ceiling. Real throughput divided by that ceiling is the feed efficiency.
@@ -36,7 +40,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from ctseg.data import PatchDataset, build_loader, to_device
+from ctseg.data import DevicePrefetcher, PatchDataset, build_loader, to_device
 from ctseg.io import CtsegError, atomic_path
 from ctseg.losses import compute_losses, loss_settings
 from ctseg.model import build_model
@@ -60,9 +64,13 @@ def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: floa
 
 
 def scaled_lr(train_cfg: Mapping[str, Any], effective_batch: int) -> float:
+    """The learning rate for `effective_batch`, scaled from `lr` at `base_batch_size`."""
     ratio = effective_batch / train_cfg["base_batch_size"]
-    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[train_cfg["lr_scaling"]]
-    return train_cfg["lr"] * factor
+    factors = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}
+    rule = train_cfg["lr_scaling"]
+    if rule not in factors:
+        raise CtsegError(f"train.lr_scaling must be one of {list(factors)}, got {rule!r}")
+    return train_cfg["lr"] * factors[rule]
 
 
 def host_rss_bytes() -> int:
@@ -109,9 +117,21 @@ def save_checkpoint(path: Path, payload: Mapping[str, Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """The global RNG states, in types `torch.load(weights_only=True)` accepts.
+
+    numpy's legacy state is a tuple holding an ndarray, which the weights-only unpickler
+    refuses; its key travels as a tensor instead.
+    """
+    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "bit_generator": str(kind),
+            "key": torch.from_numpy(np.asarray(key, np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -121,7 +141,16 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["bit_generator"],
+            numpy_state["key"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -184,12 +213,14 @@ def train(
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if tcfg["deterministic"]:
+    deterministic = bool(tcfg["deterministic"])
+    if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    else:
-        torch.backends.cudnn.benchmark = dev.type == "cuda"
+    if deterministic or torch.are_deterministic_algorithms_enabled():  # set both ways
+        # warn_only: max_pool3d's CUDA backward (clDice's soft skeleton) has no deterministic
+        # kernel; torch warns about it rather than stopping the run. CPU runs are exact.
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cudnn.benchmark = not deterministic and dev.type == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = bool(tcfg["tf32"])
     torch.backends.cudnn.allow_tf32 = bool(tcfg["tf32"])
 
@@ -200,7 +231,10 @@ def train(
     epochs = int(tcfg["epochs"])
     total_steps = max_steps if max_steps is not None else steps_per_epoch * epochs
     base_lr = scaled_lr(tcfg, effective_batch)
-    autocast_dtype = PRECISIONS[phase.get("precision", "fp32")]
+    precision = phase.get("precision") or "fp32"
+    if precision not in PRECISIONS:
+        raise CtsegError(f"phase precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    autocast_dtype = PRECISIONS[precision]
     memory_format = (
         torch.channels_last_3d if phase.get("channels_last") else torch.contiguous_format
     )
@@ -211,7 +245,7 @@ def train(
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=base_lr, weight_decay=tcfg["weight_decay"]
         )
-    else:
+    elif tcfg["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(
             model.parameters(),
             lr=base_lr,
@@ -219,6 +253,8 @@ def train(
             weight_decay=tcfg["weight_decay"],
             nesterov=True,
         )
+    else:
+        raise CtsegError(f"train.optimizer must be adamw or sgd, got {tcfg['optimizer']!r}")
 
     def schedule(step: int) -> float:
         return lr_at(
@@ -234,7 +270,7 @@ def train(
     losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
     fp = fingerprint(exp)
 
-    step, epoch = 0, 0
+    step, epoch, sample_index = 0, 0, 0
     resume_path = state_dir / "resume.pt" if state_dir is not None else None
     if resume_path is not None and resume_path.exists():
         state = load_checkpoint(resume_path, fp)
@@ -244,6 +280,7 @@ def train(
         scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         step, epoch = int(state["step"]), int(state["epoch"])
+        sample_index = int(state["sample_index"])  # where the interrupted run's loader was
 
     samples_needed = total_steps * effective_batch
     dataset = PatchDataset(
@@ -257,11 +294,17 @@ def train(
         length=samples_needed,
         runtime_targets=dcfg["runtime_targets"],
     )
-    loader = build_loader(dataset, phase, seed=seed, start=step * effective_batch, device=dev)
-    batches = iter(loader)
+    loader = build_loader(dataset, phase, seed=seed, start=sample_index, device=dev)
+    # device_prefetch: batches come converted on the device, the next one's copy issued (on a
+    # side CUDA stream) before this one is handed out; `feed` then reports the time it spent.
+    feed = DevicePrefetcher(loader, dev) if phase.get("device_prefetch") else None
+    batches = iter(loader if feed is None else feed)
     if no_data:
         # The compute ceiling: the same steps on batches that are already on the device.
-        resident = [to_device(next(batches), dev) for _ in range(accumulate)]
+        resident = [
+            next(batches) if feed is not None else to_device(next(batches), dev)
+            for _ in range(accumulate)
+        ]
 
     gpu = GpuMonitor(dev)
     if dev.type == "cuda":
@@ -288,14 +331,22 @@ def train(
             if no_data:
                 batch = resident[micro]
             else:
+                if feed is not None:
+                    feed.transfer_s = 0.0  # stays 0 where no next batch was left to send
                 t0 = time.perf_counter()
-                host_batch = next(batches)
+                fetched = next(batches)
                 t1 = time.perf_counter()
-                batch = to_device(host_batch, dev, non_blocking=True)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                data_wait += t1 - t0
-                h2d += time.perf_counter() - t1
+                if feed is None:
+                    batch = to_device(fetched, dev, non_blocking=True)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                    data_wait += t1 - t0
+                    h2d += time.perf_counter() - t1
+                else:
+                    # The call blocked in the loader, then issued the next batch's transfer.
+                    batch = fetched
+                    data_wait += (t1 - t0) - feed.transfer_s
+                    h2d += feed.transfer_s
             image = batch["image"].contiguous(memory_format=memory_format)
             with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 logits = step_model(image)
@@ -304,9 +355,13 @@ def train(
             loss_sum += float(total.detach()) / accumulate
             for name, value in terms.items():
                 terms_sum[name] = terms_sum.get(name, 0.0) + float(value.detach()) / accumulate
-        if tcfg["grad_clip"]:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(tcfg["grad_clip"]))
+        # The norm of the true (unscaled) gradients, before clipping; inf max_norm: no clip.
+        scaler.unscale_(optimizer)
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters(), float(tcfg["grad_clip"] or 0) or math.inf
+            )
+        )
         scaler.step(optimizer)
         scaler.update()
         lr = optimizer.param_groups[0]["lr"]
@@ -328,6 +383,7 @@ def train(
             "samples_per_s": effective_batch / step_s,
             "loss": loss_sum,
             **terms_sum,
+            "grad_norm": grad_norm,
             "lr": lr,
             "gpu_util": gpu.utilisation(),
             "vram_peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20
@@ -360,6 +416,11 @@ def train(
                 }
             )
             epoch += 1
+            # Logs first, then the checkpoint: a run killed between the two redoes the epoch
+            # and its rows replace the ones already written, so no row is lost or doubled.
+            write_csv(log_dir / "epochs.csv", _merge_log(log_dir / "epochs.csv", epochs_log))
+            write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
+            epochs_log, steps_log = [], []
             if resume_path is not None:
                 save_checkpoint(
                     resume_path,
@@ -375,10 +436,6 @@ def train(
                         "fingerprint": fp,
                     },
                 )
-            # Logs are appended across a resume: read what the earlier run wrote.
-            write_csv(log_dir / "epochs.csv", _merge_log(log_dir / "epochs.csv", epochs_log))
-            write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
-            epochs_log, steps_log = [], []
     bar.close()
 
     if steps_log or max_steps is not None:

@@ -1,0 +1,984 @@
+"""ctseg.train and ctseg.phases: the training loop, its checkpoints and logs, and phase trials.
+
+Everything runs on the CPU with a two-level U-Net on 16^3 patches from three 24^3 records, one
+thread per process. The kill-and-resume check runs real `ctseg train` processes; the rest call
+`train` / `run_trial` in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import psutil
+import pytest
+import torch
+
+import ctseg.train
+from ctseg.data import PatchDataset, build_loader, to_device
+from ctseg.io import CtsegError
+from ctseg.losses import TERMS, compute_losses, loss_settings
+from ctseg.model import build_model
+from ctseg.phases import choose_phase, run_trial
+from ctseg.stage import stage_records
+from ctseg.store import create_volume
+from ctseg.targets import compute_targets
+from ctseg.train import (
+    load_checkpoint,
+    lr_at,
+    rng_state,
+    save_checkpoint,
+    scaled_lr,
+    set_rng_state,
+    train,
+)
+
+BIN = Path(sys.executable).parent
+SHAPE = (24, 24, 24)
+TRAIN_IDS, VAL_IDS = ["a", "b"], ["c"]
+CLIP = 4.0
+EXPERIMENT = {
+    "name": "ttrain",
+    "scratch_format": "raw",
+    "data": {
+        "patch_size": [16, 16, 16],
+        "fg_fraction": 0.5,
+        "runtime_targets": False,
+        "augment": {
+            "flip": True,
+            "permute": True,
+            "intensity": {
+                "prob": 0.5,
+                "scale": [0.9, 1.1],
+                "shift": [-0.1, 0.1],
+                "gamma": [0.8, 1.25],
+                "noise_std": 0.05,
+            },
+            "elastic": False,
+            "scale": False,
+        },
+    },
+    "model": {
+        "filters": [4, 8],
+        "block": "basic",
+        "norm": "instance",
+        "deep_supervision": True,
+        "checkpointing": False,
+    },
+    "loss": {
+        "weights": {"bce": 1.0, "dice": 1.0, "cldice": 0.5, "skel_recall": 0.5, "boundary": 0.1},
+        "pos_weight": 2.0,
+        "cldice_iterations": 3,
+    },
+    "train": {
+        "optimizer": "adamw",
+        "lr": 0.002,
+        "weight_decay": 0.0001,
+        "momentum": 0.9,
+        "lr_scaling": "sqrt",
+        "base_batch_size": 1,
+        "warmup_steps": 2,
+        "min_lr_ratio": 0.05,
+        "grad_clip": 1.0,
+        "epochs": 2,
+        "steps_per_epoch": 3,
+        "val_batches": 1,
+        "log_every": 4,
+        "tf32": False,
+        "deterministic": True,
+        "seed": 0,
+    },
+    "trial": {
+        "steps": 3,
+        "warmup_steps": 1,
+        "ceiling_steps": 2,
+        "vram_limit_gb": None,
+        "host_ram_limit_gb": None,
+        "phases": [0, 1],
+    },
+}
+PHASE = {
+    "workers": 0,
+    "batch_size": 1,
+    "prefetch_factor": 1,
+    "persistent_workers": False,
+    "pin_memory": False,
+    "mp_context": "fork",
+    "drop_last": True,
+    "device_prefetch": False,
+    "precision": "fp32",
+    "channels_last": False,
+    "compile": False,
+}
+STEP_COLUMNS = [
+    "data_wait_s",
+    "h2d_s",
+    "compute_s",
+    "step_s",
+    "samples_per_s",
+    "loss",
+    *TERMS,
+    "grad_norm",
+    "lr",
+    "gpu_util",
+    "vram_peak_mb",
+    "host_rss_mb",
+]
+
+
+def experiment(**sections: dict) -> dict:
+    """EXPERIMENT with some keys of some sections replaced."""
+    exp = copy.deepcopy(EXPERIMENT)
+    for name, values in sections.items():
+        exp[name].update(values)
+    return exp
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three staged records (raw format) with oblique sheets and an unlabelled slab."""
+    root = tmp_path_factory.mktemp("train_data")
+    source = root / "store"
+    z, y, x = np.indices(SHAPE)
+    for k, rid in enumerate(TRAIN_IDS + VAL_IDS):
+        label = (((z + 0.5 * y + 0.3 * x + 2 * k) % 9) < 3).astype(np.uint8)
+        label[:3] = 2
+        noise = np.random.default_rng(k).integers(0, 100, SHAPE)
+        image = (label * 120 + noise).astype(np.uint8)
+        attrs = {"shape": list(SHAPE), "dtype": "uint8", "p0_5": 0.0, "p99_5": 220.0}
+        create_volume(
+            source / f"zarr/images/{rid}.zarr", SHAPE, "uint8", (16, 16, 16), attributes=attrs
+        )[:] = image
+        create_volume(root / f"labels/{rid}.zarr", SHAPE, "uint8", (16, 16, 16))[:] = label
+        compute_targets(
+            root / f"labels/{rid}.zarr",
+            source / f"targets/{rid}.zarr",
+            clip_distance=CLIP,
+            block_shape=(32, 32, 32),
+            max_samples=200,
+        )
+    dest = root / "scratch"
+    stage_records(str(source), TRAIN_IDS + VAL_IDS, dest, fmt="raw", workers=1)
+    return dest
+
+
+@contextlib.contextmanager
+def torch_globals():
+    """train() sets process-wide state (seeds, determinism, TF32); give it back afterwards.
+
+    One intra-op thread: the tests run on shared cores, and a second thread only adds
+    contention at these sizes.
+    """
+    saved = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+    )
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _restore(saved)
+
+
+def _restore(saved: tuple) -> None:
+    torch.set_num_threads(saved[0])
+    torch.use_deterministic_algorithms(saved[1])
+    torch.backends.cuda.matmul.allow_tf32 = saved[2]
+    torch.backends.cudnn.allow_tf32 = saved[3]
+    torch.backends.cudnn.benchmark = saved[4]
+    random.setstate(saved[5])
+    np.random.set_state(saved[6])
+    torch.set_rng_state(saved[7])
+
+
+@pytest.fixture(autouse=True)
+def _isolated_torch_state():
+    with torch_globals():
+        yield
+
+
+def run(scratch: Path, out: Path, exp: dict | None = None, phase: dict | None = None, **kw):
+    """train() in this process on the CPU, quietly; returns its summary."""
+    return train(
+        exp or EXPERIMENT,
+        phase or PHASE,
+        scratch=scratch,
+        train_ids=TRAIN_IDS,
+        val_ids=VAL_IDS,
+        out_dir=out,
+        clip_distance=CLIP,
+        device="cpu",
+        progress=False,
+        **kw,
+    )
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def initial_weights(exp: dict) -> dict[str, torch.Tensor]:
+    """The model train() starts from: it seeds torch with train.seed, then builds the model."""
+    torch.manual_seed(int(exp["train"]["seed"]))
+    return {k: v.clone() for k, v in build_model(exp["model"]).state_dict().items()}
+
+
+def record_indices(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Observe which samples each micro-batch of train() holds (to_device sees every one)."""
+    seen: list[list[int]] = []
+    real = ctseg.train.to_device
+
+    def spy(batch, *args, **kwargs):
+        seen.append(batch["index"].tolist())
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(ctseg.train, "to_device", spy)
+    return seen
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def test_lr_at_warms_up_linearly_then_decays_by_cosine_to_min_ratio() -> None:
+    lr = functools.partial(lr_at, base_lr=0.1, warmup=4, total=24, min_ratio=0.05)
+    assert [lr(s) for s in range(4)] == pytest.approx([0.025, 0.05, 0.075, 0.1])
+    assert lr(4) == pytest.approx(0.1)  # the peak, where the cosine starts
+    assert lr(14) == pytest.approx(0.1 * (0.05 + 0.95 * 0.5))  # halfway through the decay
+    assert lr(24) == pytest.approx(0.005)
+    assert lr(1000) == pytest.approx(0.005)  # past the end: stays at the floor
+    decay = [lr(s) for s in range(4, 25)]
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    assert lr_at(0, base_lr=0.1, warmup=0, total=10, min_ratio=0.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"), [("none", 0.01), ("linear", 0.08), ("sqrt", 0.01 * math.sqrt(8))]
+)
+def test_scaled_lr_rules(rule: str, expected: float) -> None:
+    cfg = {"lr": 0.01, "base_batch_size": 2, "lr_scaling": rule}
+    assert scaled_lr(cfg, 16) == pytest.approx(expected)
+    assert scaled_lr(cfg, 2) == pytest.approx(0.01)
+
+
+def test_scaled_lr_unknown_rule_is_a_clear_error() -> None:
+    with pytest.raises(CtsegError, match="lr_scaling"):
+        scaled_lr({"lr": 0.01, "base_batch_size": 1, "lr_scaling": "cubic"}, 4)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_rng_state_survives_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    np.random.standard_normal()  # numpy's legacy state also caches a Gaussian: keep it too
+    torch.manual_seed(3)
+    path = tmp_path / "nested" / "dirs" / "resume.pt"  # parents are created
+    save_checkpoint(path, {"rng": rng_state(), "step": 7})
+    expected = (random.random(), np.random.standard_normal(3), torch.rand(3))
+
+    state = torch.load(path, map_location="cpu", weights_only=True)  # must not raise
+    set_rng_state(state["rng"])
+    assert random.random() == expected[0]
+    np.testing.assert_array_equal(np.random.standard_normal(3), expected[1])
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_checkpoint_is_replaced_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "resume.pt"
+    save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch.save raises for a lambda
+        save_checkpoint(path, {"step": 2, "bad": lambda: None})
+    # The failed write left the old checkpoint as it was, and no temporary file beside it.
+    assert torch.load(path, weights_only=True)["step"] == 1
+    assert [p.name for p in path.parent.iterdir()] == ["resume.pt"]
+
+
+def test_load_checkpoint_names_the_file_when_it_is_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "resume.pt"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(CtsegError, match="resume.pt: cannot load checkpoint"):
+        load_checkpoint(path, "0" * 16)
+
+
+# --------------------------------------------------------------------------- a full run
+
+
+@pytest.fixture(scope="module")
+def basic_run(scratch: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two epochs of three steps with AdamW, checkpoints and final weights."""
+    root = tmp_path_factory.mktemp("basic_run")
+    with torch_globals():
+        summary = run(
+            scratch, root / "out", state_dir=root / "state", final_weights=root / "last.pt"
+        )
+    assert summary["steps"] == 6
+    assert summary["peak_vram_mb"] is None and summary["device"] == "cpu"
+    assert summary["peak_host_rss_mb"] > 0
+    return root
+
+
+def test_steps_csv_logs_every_measure_for_every_step(basic_run: Path) -> None:
+    steps = pd.read_csv(basic_run / "out" / "steps.csv")
+    assert list(steps["step"]) == [1, 2, 3, 4, 5, 6]
+    assert list(steps["epoch"]) == [0, 0, 0, 1, 1, 1]
+    missing = [c for c in STEP_COLUMNS if c not in steps.columns]
+    assert not missing, f"steps.csv lacks {missing}"
+    timing = steps[["data_wait_s", "h2d_s", "compute_s", "step_s"]]
+    assert (timing >= 0).all().all()
+    np.testing.assert_allclose(
+        steps["data_wait_s"] + steps["h2d_s"] + steps["compute_s"], steps["step_s"], rtol=1e-9
+    )
+    np.testing.assert_allclose(steps["samples_per_s"], 1 / steps["step_s"])
+    # The total is the weighted sum of the logged terms.
+    weights_ = EXPERIMENT["loss"]["weights"]
+    np.testing.assert_allclose(
+        sum(w * steps[name] for name, w in weights_.items()), steps["loss"], rtol=1e-5
+    )
+    # The logged lr is the one each step used: warmup, then cosine over the 6 steps.
+    base = scaled_lr(EXPERIMENT["train"], 1)
+    expected = [lr_at(s, base_lr=base, warmup=2, total=6, min_ratio=0.05) for s in range(6)]
+    np.testing.assert_allclose(steps["lr"], expected, rtol=1e-6)
+    # No GPU here: utilisation and VRAM are not measured, host RSS is.
+    assert steps["gpu_util"].isna().all() and steps["vram_peak_mb"].isna().all()
+    assert (steps["host_rss_mb"] > 50).all()
+    assert np.isfinite(steps["grad_norm"]).all() and (steps["grad_norm"] > 0).all()
+
+
+def test_validation_runs_every_epoch(basic_run: Path) -> None:
+    epochs = pd.read_csv(basic_run / "out" / "epochs.csv")
+    assert list(epochs["epoch"]) == [0, 1] and list(epochs["step"]) == [3, 6]
+    assert np.isfinite(epochs["val_loss"]).all()
+    assert epochs["val_dice"].between(0, 1).all()
+    assert np.isfinite(epochs["train_loss"]).all()
+    assert epochs["data_wait_fraction"].between(0, 1).all()
+    # The logs a resumed run appends to live beside the checkpoint and are copied out.
+    for name in ("steps.csv", "epochs.csv"):
+        assert (basic_run / "out" / name).read_bytes() == (basic_run / "state" / name).read_bytes()
+
+
+def test_checkpoint_holds_the_whole_training_state(basic_run: Path) -> None:
+    state = torch.load(basic_run / "state" / "resume.pt", map_location="cpu", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "scaler", "rng", "step", "epoch"} <= set(state)
+    assert state["step"] == 6 and state["epoch"] == 2
+    assert state["sample_index"] == 6  # the loader's position in the sample stream
+    assert set(state["rng"]) >= {"python", "numpy", "torch"}
+    assert state["scheduler"]["last_epoch"] == 6
+    assert "exp_avg" in state["optimizer"]["state"][0]  # AdamW's moments
+    assert len(state["fingerprint"]) == 16
+    final = torch.load(basic_run / "last.pt", map_location="cpu", weights_only=True)
+    assert final["model_config"] == EXPERIMENT["model"] and final["step"] == 6
+    for name, tensor in final["model"].items():
+        assert torch.equal(tensor, state["model"][name])
+    # No temporary file was left beside the checkpoint or the weights.
+    assert not [p for p in (basic_run / "state").iterdir() if p.name.startswith(".")]
+    assert not [p for p in basic_run.iterdir() if p.name.startswith(".")]
+
+
+def test_resume_with_another_model_config_is_a_clear_error(
+    basic_run: Path, scratch: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "resume.pt").write_bytes((basic_run / "state" / "resume.pt").read_bytes())
+    other = experiment(model={"filters": [4, 4]})
+    with pytest.raises(CtsegError, match="different model config") as info:
+        run(scratch, tmp_path / "out", other, state_dir=state)
+    assert "resume.pt" in str(info.value)
+
+
+def test_resume_of_a_finished_run_trains_no_further(
+    basic_run: Path, scratch: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    for name in ("resume.pt", "steps.csv", "epochs.csv"):
+        (state / name).write_bytes((basic_run / "state" / name).read_bytes())
+    summary = run(scratch, tmp_path / "out", state_dir=state, final_weights=tmp_path / "w.pt")
+    assert summary["steps"] == 6
+    before, after = weights(basic_run / "last.pt"), weights(tmp_path / "w.pt")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert len(pd.read_csv(tmp_path / "out" / "steps.csv")) == 6
+
+
+# --------------------------------------------------------------------------- loop features
+
+
+def test_accumulation_averages_the_micro_batch_gradients(
+    scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch 1 x accumulate 2: one optimizer step on the mean gradient of samples 0 and 1.
+
+    This is not the same update as batch 2 x accumulate 1, and should not be: the Dice-type
+    terms sum over the whole batch (batch Dice), so the loss of a batch of two is not the mean
+    of two single-sample losses (instance norm alone would have kept them independent). What
+    the loop promises is checked instead: which samples it used, how many optimizer steps it
+    took, and the update, against the same step done by hand.
+    """
+    exp = experiment(train={"optimizer": "sgd", "warmup_steps": 0, "grad_clip": None})
+    seen = record_indices(monkeypatch)
+    phase = {**PHASE, "batch_size": 1, "accumulate": 2}
+    run(scratch, tmp_path / "out", exp, phase, max_steps=1, final_weights=tmp_path / "w.pt")
+    assert seen == [[0], [1]]
+
+    model = build_model(exp["model"])
+    model.load_state_dict(initial_weights(exp))
+    tcfg = exp["train"]
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=scaled_lr(tcfg, 2),
+        momentum=tcfg["momentum"],
+        weight_decay=tcfg["weight_decay"],
+        nesterov=True,
+    )
+    dataset = PatchDataset(
+        scratch,
+        TRAIN_IDS,
+        patch_size=exp["data"]["patch_size"],
+        fmt="raw",
+        fg_fraction=exp["data"]["fg_fraction"],
+        augment=exp["data"]["augment"],
+        seed=tcfg["seed"],
+        length=2,
+    )
+    losses = loss_settings({**exp["loss"], "clip_distance": CLIP})
+    for host_batch in build_loader(dataset, {"batch_size": 1}, seed=0):
+        batch = to_device(host_batch, "cpu")
+        total, _ = compute_losses(model(batch["image"]), batch, **losses)
+        (total / 2).backward()
+    optimizer.step()
+    trained = weights(tmp_path / "w.pt")
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(trained[name], tensor, msg=name)
+
+    # Two steps consume four samples, in stream order, and log two rows of 2 samples each.
+    seen.clear()
+    run(scratch, tmp_path / "out2", exp, phase, max_steps=2)
+    assert seen == [[0], [1], [2], [3]]
+    steps = pd.read_csv(tmp_path / "out2" / "steps.csv")
+    np.testing.assert_allclose(steps["samples_per_s"] * steps["step_s"], [2.0, 2.0])
+
+
+def test_batch_of_two_takes_consecutive_samples(
+    scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = record_indices(monkeypatch)
+    run(scratch, tmp_path / "out", phase={**PHASE, "batch_size": 2}, max_steps=2)
+    assert seen == [[0, 1], [2, 3]]
+
+
+def test_grad_clip_bounds_the_update(scratch: Path, tmp_path: Path) -> None:
+    """SGD's first (Nesterov) step moves the weights by lr * (1 + momentum) * clipped grad."""
+    clip = 1e-3
+    # A large lr, so the update is well above float32 rounding of the weights it changes.
+    exp = experiment(
+        train={
+            "optimizer": "sgd",
+            "lr": 1.0,
+            "warmup_steps": 0,
+            "weight_decay": 0.0,
+            "grad_clip": clip,
+        }
+    )
+    run(scratch, tmp_path / "out", exp, max_steps=1, final_weights=tmp_path / "w.pt")
+    before, after = initial_weights(exp), weights(tmp_path / "w.pt")
+    update = torch.cat([(after[k] - before[k]).flatten() for k in before])
+    tcfg = exp["train"]
+    clipped_norm = float(update.norm()) / (scaled_lr(tcfg, 1) * (1 + tcfg["momentum"]))
+    grad_norm = pd.read_csv(tmp_path / "out" / "steps.csv")["grad_norm"].iloc[0]
+    assert grad_norm > 10 * clip  # so the clip was active
+    assert clipped_norm <= clip * (1 + 1e-4)
+    assert clipped_norm == pytest.approx(clip, rel=1e-3)
+
+
+def test_sgd_keeps_a_momentum_buffer(scratch: Path, tmp_path: Path) -> None:
+    exp = experiment(train={"optimizer": "sgd", "epochs": 1, "steps_per_epoch": 2})
+    run(scratch, tmp_path / "out", exp, state_dir=tmp_path / "state")
+    state = torch.load(tmp_path / "state" / "resume.pt", weights_only=True)
+    assert "momentum_buffer" in state["optimizer"]["state"][0]
+    assert state["optimizer"]["param_groups"][0]["nesterov"] is True
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [("train", "optimizer", "adam"), ("phase", "precision", "fp8")],
+)
+def test_unknown_optimizer_or_precision_is_a_clear_error(
+    scratch: Path, tmp_path: Path, section: str, key: str, value: str
+) -> None:
+    exp, phase = EXPERIMENT, PHASE
+    if section == "train":
+        exp = experiment(train={key: value})
+    else:
+        phase = {**PHASE, key: value}
+    with pytest.raises(CtsegError, match=f"{key}.*{value}"):
+        run(scratch, tmp_path / "out", exp, phase, max_steps=1)
+
+
+def test_precisions_run_under_autocast_and_fp16_uses_a_grad_scaler(
+    scratch: Path, tmp_path: Path
+) -> None:
+    exp = experiment(train={"epochs": 1, "steps_per_epoch": 2})
+    first_loss, scalers = {}, {}
+    for precision in ("fp32", "bf16", "fp16"):
+        out = tmp_path / precision
+        run(scratch, out / "out", exp, {**PHASE, "precision": precision}, state_dir=out / "st")
+        steps = pd.read_csv(out / "out" / "steps.csv")
+        assert np.isfinite(steps[["loss", *TERMS, "grad_norm"]]).all().all(), precision
+        first_loss[precision] = steps["loss"].iloc[0]
+        scalers[precision] = torch.load(out / "st" / "resume.pt", weights_only=True)["scaler"]
+    # Same weights, same batch: only the network's arithmetic differs, and it does.
+    for low in ("bf16", "fp16"):
+        assert first_loss[low] != first_loss["fp32"]
+        assert first_loss[low] == pytest.approx(first_loss["fp32"], rel=0.05)
+    assert scalers["fp32"] == {} and scalers["bf16"] == {}  # no scaler outside fp16
+    assert scalers["fp16"]["scale"] > 1  # a live GradScaler on the CPU too (torch >= 2.3)
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_tf32_setting_sets_the_backend_flags(scratch: Path, tmp_path: Path, tf32: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = not tf32
+    torch.backends.cudnn.allow_tf32 = not tf32
+    run(scratch, tmp_path / "out", experiment(train={"tf32": tf32}), max_steps=1)
+    assert torch.backends.cuda.matmul.allow_tf32 is tf32
+    assert torch.backends.cudnn.allow_tf32 is tf32
+
+
+def test_deterministic_setting_is_applied_both_ways(scratch: Path, tmp_path: Path) -> None:
+    """Off after on, in one process: a trial or training must not inherit the other's mode."""
+    run(scratch, tmp_path / "on", max_steps=1)
+    assert torch.are_deterministic_algorithms_enabled()
+    # CUDA's max_pool3d backward (clDice) has no deterministic kernel: warn, don't stop.
+    assert torch.is_deterministic_algorithms_warn_only_enabled()
+    run(scratch, tmp_path / "off", experiment(train={"deterministic": False}), max_steps=1)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_compile_flag_trains_through_torch_compile(
+    scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor takes ~90 s to compile this net on a CPU, so the graph runs on dynamo's eager
+    backend: still a real torch.compile wrapper that captured the model's forward."""
+    import torch._dynamo
+
+    compiled = []
+    real_compile = torch.compile
+
+    def eager_compile(model, **kwargs):
+        compiled.append(model)
+        return real_compile(model, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    run(scratch, tmp_path / "out", phase={**PHASE, "compile": True}, max_steps=2)
+    assert len(compiled) == 1 and isinstance(compiled[0], torch.nn.Module)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    torch._dynamo.reset()
+
+    compiled.clear()
+    run(scratch, tmp_path / "plain", max_steps=1)
+    assert compiled == []  # off: no wrapper
+
+
+def test_no_data_mode_never_waits_for_data(scratch: Path, tmp_path: Path) -> None:
+    run(scratch, tmp_path / "out", phase={**PHASE, "workers": 1}, max_steps=3, no_data=True)
+    steps = pd.read_csv(tmp_path / "out" / "steps.csv")
+    assert len(steps) == 3
+    assert (steps["data_wait_s"] == 0).all() and (steps["h2d_s"] == 0).all()
+    assert np.isfinite(steps["loss"]).all()
+
+
+def test_device_prefetch_feeds_the_same_batches(scratch: Path, tmp_path: Path) -> None:
+    run(scratch, tmp_path / "plain", max_steps=2)
+    run(scratch, tmp_path / "pref", phase={**PHASE, "device_prefetch": True}, max_steps=2)
+    plain = pd.read_csv(tmp_path / "plain" / "steps.csv")
+    pref = pd.read_csv(tmp_path / "pref" / "steps.csv")
+    assert list(pref["loss"]) == list(plain["loss"])
+    assert (pref[["data_wait_s", "h2d_s"]] >= 0).all().all()
+
+
+def test_host_rss_includes_the_loader_workers(scratch: Path, tmp_path: Path) -> None:
+    phase = {**PHASE, "workers": 2, "prefetch_factor": 2}
+    run(scratch, tmp_path / "out", phase=phase, max_steps=4)
+    logged = pd.read_csv(tmp_path / "out" / "steps.csv")["host_rss_mb"]
+    own = psutil.Process().memory_info().rss / 2**20  # this process alone, after the run
+    # Two forked workers each hold a good part of this process's pages.
+    assert logged.max() > 1.3 * own, (list(logged), own)
+
+
+# --------------------------------------------------------------------------- kill and resume
+
+PAUSE_HOOK = """
+import os, sys, time
+from pathlib import Path
+
+import ctseg.train
+from ctseg.cli import main
+
+pause_at = int(os.environ["CTSEG_TEST_PAUSE_AT"])
+marker = Path(os.environ["CTSEG_TEST_MARKER"])
+real_to_device = ctseg.train.to_device
+
+
+def to_device(batch, *args, **kwargs):
+    # Observation only: stall when the loop takes sample `pause_at`, so the test can kill it.
+    if int(batch["index"][0]) == pause_at:
+        marker.write_text(str(pause_at))
+        time.sleep(600)
+    return real_to_device(batch, *args, **kwargs)
+
+
+ctseg.train.to_device = to_device
+sys.exit(main(sys.argv[1:]))
+"""
+RESUME_EXP = experiment(train={"epochs": 3, "steps_per_epoch": 4})
+PAUSE_AT = 6  # epoch 1 (steps 5-8) has done steps 5 and 6 and is fetching step 7's sample
+
+
+def train_command(scratch: Path, run_dir: Path, workers: int) -> list[str]:
+    split = run_dir / "split.csv"
+    split.parent.mkdir(parents=True, exist_ok=True)
+    rows = [f"{i},1,train" for i in TRAIN_IDS] + [f"{i},1,val" for i in VAL_IDS]
+    split.write_text("id,scroll_id,split\n" + "\n".join(rows) + "\n")
+    phase = {**PHASE, "workers": workers, "prefetch_factor": 2}
+    return [
+        "train",
+        *("--experiment", json.dumps(RESUME_EXP), "--phases", json.dumps({"0": phase})),
+        *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
+        *("--out", str(run_dir / "train"), "--state-dir", str(run_dir / "checkpoints")),
+        *("--weights", str(run_dir / "last.pt"), "--clip-distance", str(CLIP)),
+        *("--device", "cpu"),
+    ]
+
+
+def start(argv: list[str], run_dir: Path, env: dict) -> tuple[subprocess.Popen, Path]:
+    """Start a process with stderr to a file (forked loader workers share a pipe's write end,
+    so a killed run's pipe would stay open until they notice and exit)."""
+    log = run_dir / f"stderr-{len(list(run_dir.glob('stderr-*')))}.txt"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=handle, env=env)
+    return proc, log
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 400) -> None:
+    rc = proc.wait(timeout=timeout)
+    assert rc == 0, f"{proc.args[:3]} exited {rc}:\n{log.read_text()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def resume_runs(scratch: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """For workers 0 and 2, a `ctseg train` SIGKILLed mid-epoch and then rerun; and the same
+    training uninterrupted (in this process, one thread like the others, while they start)."""
+    root = tmp_path_factory.mktemp("resume")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    ctseg_bin = str(BIN / "ctseg")
+    killed: dict[int, dict] = {}
+    for workers in (0, 2):
+        run_dir = root / f"workers{workers}"
+        run_dir.mkdir()
+        marker = run_dir / "paused"
+        pause_env = dict(env, CTSEG_TEST_PAUSE_AT=str(PAUSE_AT), CTSEG_TEST_MARKER=str(marker))
+        argv = [sys.executable, "-c", PAUSE_HOOK, *train_command(scratch, run_dir, workers)]
+        proc, log = start(argv, run_dir, pause_env)
+        killed[workers] = {"dir": run_dir, "proc": proc, "log": log, "marker": marker}
+
+    reference = root / "reference"
+    with torch_globals():
+        train(
+            RESUME_EXP,
+            PHASE,
+            scratch=scratch,
+            train_ids=TRAIN_IDS,
+            val_ids=VAL_IDS,
+            out_dir=reference / "train",
+            state_dir=reference / "checkpoints",
+            final_weights=reference / "last.pt",
+            clip_distance=CLIP,
+            device="cpu",
+            progress=False,
+        )
+
+    deadline = time.monotonic() + 400
+    for info in killed.values():
+        proc = info["proc"]
+        while not info["marker"].exists():
+            assert proc.poll() is None, f"run exited early:\n{info['log'].read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the run never reached the pause"
+            time.sleep(0.1)
+        # The first epoch's checkpoint is there, and the second epoch has taken steps since.
+        checkpoint = info["dir"] / "checkpoints" / "resume.pt"
+        info["checkpoint_step"] = torch.load(checkpoint, weights_only=True)["step"]
+        workers_before = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        # Orphaned loader workers notice their parent is gone and exit by themselves.
+        _, alive = psutil.wait_procs(workers_before, timeout=30)
+        for child in alive:
+            child.kill()
+        info["killed_steps"] = pd.read_csv(info["dir"] / "checkpoints" / "steps.csv")["step"]
+        info["killed_checkpoint"] = info["dir"] / "checkpoint-at-kill.pt"
+        info["killed_checkpoint"].write_bytes(checkpoint.read_bytes())
+        info["left_weights"] = (info["dir"] / "last.pt").exists()
+
+    reruns = {
+        w: start([ctseg_bin, *train_command(scratch, info["dir"], w)], info["dir"], env)
+        for w, info in killed.items()
+    }
+    for proc, log in reruns.values():
+        finish(proc, log)
+    return {
+        "reference": reference,
+        "killed": killed,
+        "rerun_stderr": {w: log.read_text() for w, (_, log) in reruns.items()},
+    }
+
+
+def test_progress_bar_shows_rate_and_data_wait(resume_runs: dict) -> None:
+    stderr = resume_runs["rerun_stderr"][0]  # a plain `ctseg train`
+    assert re.search(r"\d+/12 \[", stderr), stderr[-2000:]
+    assert re.search(r"\d+(\.\d+)?(s/step|step/s)", stderr), stderr[-2000:]
+    assert re.search(r"wait=\d+%", stderr), stderr[-2000:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigkill_mid_epoch_then_resume_gives_bit_identical_weights(
+    resume_runs: dict, workers: int
+) -> None:
+    info = resume_runs["killed"][workers]
+    assert info["checkpoint_step"] == 4  # killed in epoch 1, after epoch 0's checkpoint
+    assert list(info["killed_steps"]) == [1, 2, 3, 4]
+    assert not info["left_weights"]
+    rerun = resume_runs["rerun_stderr"][workers]
+    assert " 4/12 [" in rerun and " 1/12 [" not in rerun  # it went on from the checkpoint
+    expected = weights(resume_runs["reference"] / "last.pt")
+    actual = weights(info["dir"] / "last.pt")
+    assert expected.keys() == actual.keys()
+    different = [k for k in expected if not torch.equal(expected[k], actual[k])]
+    assert not different, f"tensors differ after resume: {different}"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resumed_logs_have_one_row_per_step_and_epoch(resume_runs: dict, workers: int) -> None:
+    run_dir = resume_runs["killed"][workers]["dir"]
+    reference = resume_runs["reference"]
+    steps = pd.read_csv(run_dir / "train" / "steps.csv")
+    epochs = pd.read_csv(run_dir / "train" / "epochs.csv")
+    assert list(steps["step"]) == list(range(1, 13))
+    assert list(steps["epoch"]) == [0] * 4 + [1] * 4 + [2] * 4
+    assert list(epochs["epoch"]) == [0, 1, 2] and list(epochs["step"]) == [4, 8, 12]
+    # The redone steps computed exactly what the uninterrupted run computed.
+    ref_steps = pd.read_csv(reference / "train" / "steps.csv")
+    ref_epochs = pd.read_csv(reference / "train" / "epochs.csv")
+    for column in ("loss", *TERMS, "grad_norm", "lr"):
+        assert list(steps[column]) == list(ref_steps[column]), column
+    for column in ("train_loss", "val_loss", "val_dice"):
+        assert list(epochs[column]) == list(ref_epochs[column]), column
+
+
+def test_logs_written_ahead_of_the_checkpoint_are_not_doubled(
+    resume_runs: dict, scratch: Path, tmp_path: Path
+) -> None:
+    """A run killed after an epoch's logs were written but before its checkpoint was: the
+    logs run ahead of the checkpoint, and the redone steps must replace those rows."""
+    reference = resume_runs["reference"]
+    state = tmp_path / "checkpoints"
+    state.mkdir()
+    (state / "resume.pt").write_bytes(resume_runs["killed"][0]["killed_checkpoint"].read_bytes())
+    for name in ("steps.csv", "epochs.csv"):  # all 12 steps and 3 epochs
+        (state / name).write_bytes((reference / "checkpoints" / name).read_bytes())
+    train(
+        RESUME_EXP,
+        PHASE,
+        scratch=scratch,
+        train_ids=TRAIN_IDS,
+        val_ids=VAL_IDS,
+        out_dir=tmp_path / "train",
+        state_dir=state,
+        clip_distance=CLIP,
+        device="cpu",
+        progress=False,
+    )
+    steps = pd.read_csv(tmp_path / "train" / "steps.csv")
+    epochs = pd.read_csv(tmp_path / "train" / "epochs.csv")
+    assert list(steps["step"]) == list(range(1, 13))
+    assert list(epochs["epoch"]) == [0, 1, 2]
+    ref_steps = pd.read_csv(reference / "train" / "steps.csv")
+    assert list(steps["loss"]) == list(ref_steps["loss"])
+
+
+# --------------------------------------------------------------------------- phase trials
+
+
+def trial(scratch: Path, out: Path, phase: dict, exp: dict | None = None, **kw) -> dict:
+    return run_trial(
+        exp or EXPERIMENT,
+        kw.pop("phase_id", 0),
+        phase,
+        scratch=scratch,
+        train_ids=TRAIN_IDS,
+        out_dir=out,
+        clip_distance=CLIP,
+        device="cpu",
+        **kw,
+    )
+
+
+def test_trial_summary_and_comparison_with_the_previous_phase(
+    scratch: Path, tmp_path: Path
+) -> None:
+    first = trial(scratch, tmp_path / "phase0", PHASE)
+    second_phase = {**PHASE, "batch_size": 2}
+    second = trial(
+        scratch,
+        tmp_path / "phase1",
+        second_phase,
+        phase_id=1,
+        previous=tmp_path / "phase0" / "summary.json",
+    )
+    on_disk = json.loads((tmp_path / "phase1" / "summary.json").read_text())
+    assert on_disk["status"] == "ok" and on_disk["phase"] == 1
+    for summary in (first, on_disk):
+        assert summary["status"] == "ok"
+        assert summary["median_step_s"] > 0 and summary["samples_per_s"] > 0
+        assert 0 <= summary["data_wait_fraction"] <= 1
+        assert summary["feed_efficiency"] > 0 and summary["ceiling_samples_per_s"] > 0
+        assert summary["peak_vram_gb"] is None  # CPU
+        assert summary["peak_host_rss_gb"] > 0
+        assert summary["checks"]["host_ram_ok"] is True and summary["checks"]["vram_ok"] is None
+    steps = pd.read_csv(tmp_path / "phase1" / "steps.csv")
+    assert len(steps) == 3 and len(pd.read_csv(tmp_path / "phase1" / "ceiling" / "steps.csv")) == 2
+    assert steps["data_wait_s"].gt(0).all()
+    measured = steps["step_s"].iloc[1:]  # trial.warmup_steps = 1 left out
+    assert second["median_step_s"] == pytest.approx(measured.median())
+    assert second["samples_per_s"] == pytest.approx(2 / measured.median())
+    assert second["maths"] == {"batch_size": 2, "accumulate": 1, "precision": "fp32"}
+    checks = second["checks"]
+    assert checks["previous_phase"] == 0
+    assert checks["speedup_vs_previous"] == pytest.approx(
+        second["samples_per_s"] / first["samples_per_s"]
+    )
+    assert checks["step_time_vs_previous"] == pytest.approx(
+        second["median_step_s"] / first["median_step_s"]
+    )
+
+
+def test_trial_over_the_host_memory_limit_is_over_memory(scratch: Path, tmp_path: Path) -> None:
+    exp = experiment(trial={"host_ram_limit_gb": 0.001})
+    summary = trial(scratch, tmp_path / "phase0", PHASE, exp)
+    assert summary["status"] == "over_memory"
+    assert summary["checks"]["host_ram_ok"] is False
+    assert summary["peak_host_rss_gb"] > 0.001
+
+
+def test_trial_whose_loader_workers_fail_is_recorded(scratch: Path, tmp_path: Path) -> None:
+    """A record that cannot be read fails in the worker process; the trial says so and the
+    workflow goes on."""
+    broken = tmp_path / "scratch"
+    for rid in TRAIN_IDS:
+        (broken / rid).mkdir(parents=True)
+        for path in (scratch / rid).iterdir():
+            (broken / rid / path.name).write_bytes(path.read_bytes())
+        (broken / rid / "image.npy").write_bytes(b"\x93NUMPY truncated")
+    summary = trial(broken, tmp_path / "phase1", {**PHASE, "workers": 1}, phase_id=1)
+    assert summary["status"] == "failed"
+    assert "DataLoader worker" in summary["error"]
+    assert "cannot open raw scratch record" in summary["error"]
+    assert str(broken) in summary["error"] and "traceback" in summary
+    assert json.loads((tmp_path / "phase1" / "summary.json").read_text())["status"] == "failed"
+    assert (tmp_path / "phase1" / "steps.csv").exists()  # the rule's declared output
+
+
+OOM_WRAPPER = """
+import resource, sys
+
+import pandas  # noqa: F401
+import ctseg.phases  # torch, the model, the data path: everything a trial imports
+from ctseg.cli import main
+
+# A hard address-space limit 1 GiB above what the process maps now: a real allocation failure
+# once the trial's first big activation no longer fits.
+with open("/proc/self/status") as handle:
+    mapped = next(int(line.split()[1]) for line in handle if line.startswith("VmSize:")) * 1024
+limit = mapped + 2**30
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_trial_out_of_memory_is_recorded_and_the_cli_goes_on(scratch: Path, tmp_path: Path) -> None:
+    # 256^3 patches: each 4-channel activation of the first level is 256 MiB.
+    exp = experiment(data={"patch_size": [256, 256, 256]})
+    split = tmp_path / "split.csv"
+    split.write_text("id,scroll_id,split\na,1,train\nb,1,train\nc,1,val\n")
+    out = tmp_path / "phase0"
+    argv = [
+        sys.executable,
+        "-c",
+        OOM_WRAPPER,
+        "trial",
+        *("--experiment", json.dumps(exp), "--phases", json.dumps({"0": PHASE})),
+        *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
+        *("--out", str(out), "--clip-distance", str(CLIP), "--device", "cpu"),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "oom", summary
+    assert "allocate" in summary["error"].lower() or "memory" in summary["error"].lower()
+    assert (out / "steps.csv").exists()
+
+
+def write_summary(path: Path, phase: int, status: str, samples_per_s: float = 1.0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"phase": phase, "status": status}
+    if status != "failed":
+        summary["samples_per_s"] = samples_per_s
+    path.write_text(json.dumps(summary))
+    return path
+
+
+def test_choose_phase_picks_the_fastest_ok_phase(tmp_path: Path) -> None:
+    summaries = [
+        write_summary(tmp_path / "p0.json", 0, "ok", 2.0),
+        write_summary(tmp_path / "p1.json", 1, "ok", 5.0),
+        write_summary(tmp_path / "p2.json", 2, "over_memory", 9.0),
+        write_summary(tmp_path / "p3.json", 3, "oom"),
+        write_summary(tmp_path / "p4.json", 4, "failed"),
+        write_summary(tmp_path / "p5.json", 5, "ok", 5.0),  # a tie goes to the earlier phase
+    ]
+    assert choose_phase(summaries) == 1
+    assert choose_phase(summaries[:1]) == 0
+
+
+def test_choose_phase_without_an_ok_trial_is_a_clear_error(tmp_path: Path) -> None:
+    summaries = [
+        write_summary(tmp_path / "p0.json", 0, "oom"),
+        write_summary(tmp_path / "p1.json", 1, "failed"),
+    ]
+    with pytest.raises(CtsegError, match="no trial finished ok.*p0.json"):
+        choose_phase(summaries)
