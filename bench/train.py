@@ -6,11 +6,13 @@
 For each phase it runs `ctseg.phases.run_trial`: `trial.steps` training steps with the phase's
 loader settings, then the same model on batches already on the device (the compute ceiling).
 It prints samples/s, the data-wait fraction and the feed efficiency (samples/s / ceiling) per
-phase, then
+phase; with ``--status-quo`` it first runs the seeds' real starting point, phase 0 with the
+targets computed in the data workers (``runtime_targets``), then
 
     RESULT train best_phase=<n> speedup_vs_phase0=<x> feed_efficiency=<x> data_wait_fraction=<x>
 
-where the last two are the best phase's. The data are generated demo volumes, converted,
+where the last two are the best phase's (and ``speedup_vs_status_quo=<x>`` is appended with
+``--status-quo``). The data are generated demo volumes, converted,
 given offline targets and staged to the raw scratch format, as the pipeline does.
 """
 
@@ -33,10 +35,13 @@ sys.path.insert(0, str(REPO / "workflow"))
 
 
 def load_experiment(name: str) -> dict:
-    import jsonschema
-
-    schema = yaml.safe_load((REPO / "workflow/schemas/experiment.schema.yaml").read_text())
+    """The experiment file as the workflow reads it (the shipped files list every key)."""
     exp = yaml.safe_load((REPO / "config/experiments" / f"{name}.yaml").read_text())
+    try:
+        import jsonschema
+    except ImportError:  # a bare GPU machine: the files are complete, validation is a check
+        return exp
+    schema = yaml.safe_load((REPO / "workflow/schemas/experiment.schema.yaml").read_text())
     jsonschema.validate(exp, schema)
     return exp
 
@@ -49,9 +54,7 @@ def build_scratch(workdir: Path, n_records: int, size: int, clip: float) -> tupl
     from ctseg.targets import compute_targets
 
     demo = workdir / "demo"
-    generate_demo(
-        demo, n_train=n_records, n_test=0, shape=(size,) * 3, scroll_ids=[1, 2], seed=0
-    )
+    generate_demo(demo, n_train=n_records, n_test=0, shape=(size,) * 3, scroll_ids=[1, 2], seed=0)
     store = workdir / "store"
     ids = []
     for image in sorted((demo / "train_images").glob("*.tif")):
@@ -83,6 +86,11 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=None)
     parser.add_argument("--size", type=int, default=None, help="demo volume edge, voxels")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--status-quo",
+        action="store_true",
+        help="also run the seeds' status quo: phase 0 with targets computed in the workers",
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
 
@@ -113,6 +121,20 @@ def main() -> None:
         print(f"data: {n_records} volumes of {size}^3 staged in {time.perf_counter() - t0:.1f} s")
         results = {}
         previous = None
+        if args.status_quo:
+            seeds = copy.deepcopy(exp)
+            seeds["data"]["runtime_targets"] = True
+            results["seeds"] = run_trial(
+                seeds,
+                0,
+                phases[0],
+                scratch=scratch,
+                train_ids=ids,
+                out_dir=Path(tmp) / "status_quo",
+                clip_distance=clip,
+                device=device,
+            )
+            print("seeds' status quo:", describe(0, phases[0], results["seeds"]), flush=True)
         for phase_id in wanted:
             out = Path(tmp) / f"phase{phase_id}"
             summary = run_trial(
@@ -134,12 +156,16 @@ def main() -> None:
     if not ok or 0 not in ok:
         print("RESULT train failed: phase 0 or every phase did not finish ok")
         sys.exit(1)
-    best = max(ok, key=lambda p: ok[p]["samples_per_s"])
+    best = max((p for p in ok if p != "seeds"), key=lambda p: ok[p]["samples_per_s"])
+    status_quo = ""
+    if "seeds" in ok:
+        ratio = ok[best]["samples_per_s"] / ok["seeds"]["samples_per_s"]
+        status_quo = f" speedup_vs_status_quo={ratio:.2f}"
     print(
         f"RESULT train best_phase={best} "
         f"speedup_vs_phase0={ok[best]['samples_per_s'] / ok[0]['samples_per_s']:.2f} "
         f"feed_efficiency={ok[best]['feed_efficiency']:.3f} "
-        f"data_wait_fraction={ok[best]['data_wait_fraction']:.3f}"
+        f"data_wait_fraction={ok[best]['data_wait_fraction']:.3f}{status_quo}"
     )
 
 
