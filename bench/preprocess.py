@@ -6,7 +6,9 @@
 Figures:
 - convert MB/s (TIFF -> Zarr, whole step) vs the configured codec compressing the same bytes in
   memory, chunk by chunk: the ceiling for this step.
-- precompute_targets time and peak RSS vs the naive whole-volume method the seeds' workers used:
+- precompute_targets time and peak RSS, in one process, vs the naive whole-volume method the
+  seeds' workers used (also printed: the one-orientation `medial_surface_fast` skeleton and a
+  run with one worker process per core):
   scipy.ndimage.distance_transform_edt inside and outside, skimage.morphology.skeletonize on the
   whole volume, then the tube dilation.
 - peak RSS of convert and precompute at two volume sizes: bounded memory shows as a flat line.
@@ -78,7 +80,9 @@ def child_sha256(source: str) -> float:
     return time.perf_counter() - start
 
 
-def child_precompute(label_store: str, dest: str, workers: str) -> float:
+def child_precompute(
+    label_store: str, dest: str, workers: str, method: str = "medial_surface"
+) -> float:
     from ctseg.targets import compute_targets
 
     start = time.perf_counter()
@@ -86,7 +90,7 @@ def child_precompute(label_store: str, dest: str, workers: str) -> float:
         Path(label_store),
         Path(dest),
         clip_distance=CLIP,
-        skeleton_method="medial_surface",
+        skeleton_method=method,
         tube_dilations=TUBE,
         workers=int(workers),
         codec=CODEC,
@@ -180,7 +184,12 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller second size; under 2 min")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="also time precompute with this many worker processes (the RESULT uses 1)",
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -193,7 +202,7 @@ def main() -> None:
     sizes = (128, 256) if args.quick else (256, 384)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         workdir = Path(tmp)
-        print(f"machine: {machine()}; workers for precompute: {args.workers}")
+        print(f"machine: {machine()}")
         volumes = {size: make_volume(workdir, size) for size in sorted({256, *sizes})}
 
         image, label = volumes[256]
@@ -201,12 +210,13 @@ def main() -> None:
         convert = measure("convert", str(image), str(workdir / "c256.zarr"))
         codec = measure("codec", str(image))
         sha = measure("sha256", str(image))
-        ours = measure(
-            "precompute",
-            str(workdir / "label256.zarr"),
-            str(workdir / "t256.zarr"),
-            str(args.workers),
+        label256 = str(workdir / "label256.zarr")
+        # One process against the single-process naive method: the RESULT's time and memory.
+        ours = measure("precompute", label256, str(workdir / "t256.zarr"), "1")
+        fast = measure(
+            "precompute", label256, str(workdir / "f256.zarr"), "1", "medial_surface_fast"
         )
+        parallel = measure("precompute", label256, str(workdir / "p256.zarr"), str(args.workers))
         naive = measure("naive", str(label))
 
         convert_mb_s = mb / convert["seconds"]
@@ -216,10 +226,14 @@ def main() -> None:
             f"  convert           {convert_mb_s:8.1f} MB/s   peak RSS {convert['rss_mb']:7.1f} MB"
         )
         print(f"  codec in memory   {codec_mb_s:8.1f} MB/s")
-        print(f"  sha256 of source  {mb / sha['seconds']:8.1f} MB/s   (a floor under convert)")
-        print(
-            f"  precompute        {ours['seconds']:8.2f} s      peak RSS {ours['rss_mb']:7.1f} MB"
-        )
+        sha_mb_s = mb / sha["seconds"]
+        print(f"  sha256 of source  {sha_mb_s:8.1f} MB/s   (convert must hash: its ceiling)")
+        for name, run in (
+            ("precompute", ours),
+            ("  _fast skeleton", fast),
+            (f"  {args.workers} workers", parallel),
+        ):
+            print(f"  {name:<17} {run['seconds']:8.2f} s      peak RSS {run['rss_mb']:7.1f} MB")
         print(
             f"  naive whole-vol   {naive['seconds']:8.2f} s      peak RSS {naive['rss_mb']:7.1f} MB"
         )
@@ -240,7 +254,7 @@ def main() -> None:
                     "precompute",
                     str(workdir / f"label{size}.zarr"),
                     str(workdir / f"t{size}.zarr"),
-                    str(args.workers),
+                    "1",
                 )
             )["rss_mb"]
             print(
@@ -258,6 +272,11 @@ def main() -> None:
         f"precompute_speedup={naive['seconds'] / ours['seconds']:.1f} "
         f"precompute_rss_ratio={ours['rss_mb'] / naive['rss_mb']:.3f} "
         f"rss_growth={growth:.2f}"
+    )
+    print(
+        "also: precompute_speedup with medial_surface_fast="
+        f"{naive['seconds'] / fast['seconds']:.1f}, "
+        f"with {args.workers} workers={naive['seconds'] / parallel['seconds']:.1f}"
     )
 
 

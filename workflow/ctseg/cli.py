@@ -192,6 +192,33 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
 
 
+def cmd_infer(args: argparse.Namespace) -> None:
+    from ctseg.infer import infer_volume, load_model, postprocess
+    from ctseg.train import pick_device
+
+    device = pick_device(args.device)
+    model, patch = load_model(Path(args.weights), device)
+    stats = infer_volume(
+        model,
+        Path(args.image),
+        Path(args.probabilities),
+        window=args.window or patch,
+        overlap=args.overlap,
+        batch_size=args.batch_size,
+        tta_flips=args.tta_flips,
+        device=device,
+        memory_budget_mb=args.memory_budget_mb,
+    )
+    mask = postprocess(
+        Path(args.probabilities),
+        Path(args.mask),
+        threshold=args.threshold,
+        min_component_voxels=args.min_component_voxels,
+        fill_holes=args.fill_holes,
+    )
+    print(json.dumps({"inference": stats, "mask": mask}, indent=1, default=str))
+
+
 def cmd_score(args: argparse.Namespace) -> None:
     from ctseg.metrics import score_files
 
@@ -257,7 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest", help="the targets .zarr group to write")
     p.add_argument("--clip-distance", type=float, default=8.0)
     p.add_argument(
-        "--skeleton-method", choices=["medial_surface", "lee3d"], default="medial_surface"
+        "--skeleton-method",
+        choices=["medial_surface", "medial_surface_fast", "lee3d"],
+        default="medial_surface",
     )
     p.add_argument("--tube-dilations", type=int, default=2)
     p.add_argument("--block", type=_shape, default=(128, 128, 128))
@@ -308,6 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", required=True, help="resumable checkpoint directory")
     p.add_argument("--weights", required=True, help="final weights (last.pt)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("infer", help="sliding-window inference of one volume")
+    p.add_argument("weights", help="last.pt written by ctseg train")
+    p.add_argument("image", help="image .zarr written by ctseg convert")
+    p.add_argument("--mask", required=True, help="uint8 mask TIFF to write (submission layout)")
+    p.add_argument("--probabilities", required=True, help="float16 probability .zarr to write")
+    p.add_argument("--window", type=_shape, default=None, help="default: the training patch")
+    p.add_argument("--overlap", type=float, default=0.5)
+    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    p.add_argument("--tta-flips", action="store_true", help="average the 8 flipped copies")
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--min-component-voxels", type=int, default=0)
+    p.add_argument("--fill-holes", action="store_true")
+    p.add_argument("--memory-budget-mb", type=float, default=512)
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=cmd_infer)
 
     p = sub.add_parser("score", help="every part of the competition score for one pair")
     p.add_argument("pred", help="predicted mask, multi-page TIFF")

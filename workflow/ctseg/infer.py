@@ -1,0 +1,588 @@
+"""Sliding-window inference over a Zarr image store, streamed in z-slabs, then a binary mask.
+
+`infer_volume` writes the foreground probability of every voxel to a float16 Zarr store;
+`postprocess` turns that into the uint8 (0/1) multi-page TIFF of the Kaggle submission layout;
+`infer_records` does both for a list of image stores with the weights `ctseg.train` wrote.
+
+Windows
+-------
+Along each axis the window starts are spread evenly from 0 to ``size - window`` with a step of
+at most ``window * (1 - overlap)`` (as nnU-Net), so the actual overlap is never less than the
+requested one and the last window ends exactly at the far face. An axis shorter than the window
+gets one window at 0 and the input is zero-padded (the value training sees outside a volume
+after normalisation, see `ctseg.data`); the padded part of the output is cropped away.
+
+Blending
+--------
+Each window's probabilities (sigmoid of the logits, so a convex combination stays in [0, 1] and
+TTA averages probabilities) are weighted by a Gaussian importance map, sigma = window / 8 per
+axis, normalised to a maximum of 1 (as nnU-Net; the scale cancels in the division below), and
+summed; the result is sum(w * p) / sum(w). The map is the outer product of three 1D Gaussians
+and the window starts form a Cartesian grid, so sum(w) factorises into three 1D sums:
+the weight volume is never stored. The analytic Gaussian is >= exp(-8) at the window faces, so
+the sum is never zero.
+
+Flip TTA (``tta_flips``) averages the probabilities over all 8 combinations of flips of the
+three axes (identity included), at 8x the cost.
+
+Streaming
+---------
+Windows are processed row by row in z (a row = every window with the same z start). After a
+group of rows (a *slab*) the output below the next row's z start is final, since no later
+window reaches back there; it is divided by the weights and written to the probability store,
+in whole z-chunks of the store when the chunk is no deeper than the window (so no chunk is
+written twice), and the accumulator keeps only the remainder. The number of rows per slab comes
+from ``memory_budget_mb``: memory is O(slab depth x Y x X) plus the window batch, never the
+whole volume. At least one row is always taken; if even that exceeds the budget, the result
+reports ``budget_exceeded`` (the plane, Y x X, is not tiled: volumes are streamed along z only).
+
+Speed
+-----
+``batch_size`` windows go through the model per call, under ``torch.inference_mode``; ``amp``
+(default: on CUDA only) runs the forward under bf16 autocast while the blending stays float32.
+On a CPU the gain over one window at a time comes from batching (PyTorch sends every
+convolution of a batch of two or more to oneDNN) and from keeping freed activation buffers in
+the heap (`ctseg.data.tune_malloc`); bench/infer.py measures both.
+
+Memory of `postprocess`: the threshold is applied slab by slab; with neither component removal
+nor hole filling the mask is streamed page by page into the TIFF. ``min_component_voxels`` (cc3d,
+26-connectivity) and ``fill_holes`` need the whole mask: then this step holds one uint8 volume
+(1 byte per voxel, plus scipy's temporaries of the same size for hole filling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cc3d
+import numpy as np
+import tifffile
+import torch
+import zarr
+from scipy import ndimage
+from tqdm import tqdm
+
+from ctseg.data import tune_malloc
+from ctseg.io import CtsegError, atomic_path, check_id
+from ctseg.model import build_model
+from ctseg.store import create_volume, open_volume
+
+Shape3 = tuple[int, int, int]
+SIGMA_SCALE = 1 / 8
+# All 8 combinations of flips of the spatial dims of a (B, C, Z, Y, X) tensor, identity first.
+FLIP_DIMS: tuple[tuple[int, ...], ...] = tuple(
+    dims for n in range(4) for dims in itertools.combinations((2, 3, 4), n)
+)
+WEIGHT_KEYS = ("model", "model_config", "patch_size")
+
+
+# ----------------------------------------------------------------------------- geometry
+def window_starts(size: int, window: int, overlap: float) -> list[int]:
+    """Window starts along one axis: 0 .. size - window, step <= window * (1 - overlap)."""
+    if size <= window:
+        return [0]
+    target_step = window * (1 - overlap)
+    n = math.ceil((size - window) / target_step) + 1
+    actual_step = (size - window) / (n - 1)
+    return [round(i * actual_step) for i in range(n)]
+
+
+def gaussian_1d(window: int, sigma_scale: float = SIGMA_SCALE) -> np.ndarray:
+    """exp(-d^2 / 2 sigma^2) about the window's centre, sigma = window * sigma_scale, max 1."""
+    centre = (window - 1) / 2
+    sigma = window * sigma_scale
+    d = np.arange(window, dtype=np.float64) - centre
+    g = np.exp(-(d**2) / (2 * sigma**2))
+    return g / g.max()
+
+
+def gaussian_importance_map(window: Sequence[int], sigma_scale: float = SIGMA_SCALE) -> np.ndarray:
+    """The 3D Gaussian importance map (float32, maximum 1): an outer product of 1D Gaussians."""
+    gz, gy, gx = (gaussian_1d(int(w), sigma_scale) for w in window)
+    return (gz[:, None, None] * gy[None, :, None] * gx[None, None, :]).astype(np.float32)
+
+
+def weight_sum_1d(size: int, window: int, starts: Sequence[int]) -> np.ndarray:
+    """Sum over the window starts of the 1D Gaussian, on [0, size): one factor of sum(w)."""
+    g = gaussian_1d(window)
+    total = np.zeros(max(size, window), np.float64)
+    for s in starts:
+        total[s : s + window] += g
+    return total[:size]
+
+
+@dataclass(frozen=True)
+class Slab:
+    rows: tuple[int, ...]  # z starts of the window rows processed together
+    z0: int  # input read [z0, z1)
+    z1: int
+    flush_to: int  # output below this z is final once the slab is done
+
+
+def plan_slabs(
+    depth: int,
+    window_z: int,
+    z_starts: Sequence[int],
+    chunk_z: int,
+    plane_bytes_acc: int,
+    plane_bytes_in: int,
+    budget_bytes: float,
+) -> list[Slab]:
+    """Group window rows into slabs that fit the budget (at least one row each).
+
+    The accumulator of a slab spans [last flush, slab end); its input spans [first row, slab
+    end). Flushes stop at a chunk boundary of the output (when chunks are no deeper than the
+    window), so every output chunk is encoded once.
+    """
+    align = chunk_z if chunk_z <= window_z else 1
+    slabs: list[Slab] = []
+    acc_z0, i, n = 0, 0, len(z_starts)
+    while i < n:
+        j = i
+        while j + 1 < n:
+            end = min(z_starts[j + 1] + window_z, depth)
+            cost = (end - acc_z0) * plane_bytes_acc + (end - z_starts[i]) * plane_bytes_in
+            if cost > budget_bytes:
+                break
+            j += 1
+        flush_to = depth if j == n - 1 else (z_starts[j + 1] // align) * align
+        slabs.append(
+            Slab(
+                tuple(z_starts[i : j + 1]),
+                z_starts[i],
+                min(z_starts[j] + window_z, depth),
+                flush_to,
+            )
+        )
+        acc_z0 = max(acc_z0, flush_to)
+        i = j + 1
+    return slabs
+
+
+# ----------------------------------------------------------------------------- inputs
+def _open_array(path: Path, what: str) -> zarr.Array:
+    if not path.exists():
+        raise CtsegError(f"{path}: {what} not found")
+    try:
+        arr = open_volume(path)
+    except Exception as exc:
+        raise CtsegError(f"{path}: cannot open {what} as a Zarr array: {exc}") from exc
+    if arr.ndim != 3:
+        raise CtsegError(f"{path}: expected a 3D volume, got shape {tuple(arr.shape)}")
+    if 0 in arr.shape:
+        raise CtsegError(f"{path}: empty volume of shape {tuple(arr.shape)}")
+    return arr
+
+
+def open_image(image_store: Path) -> tuple[zarr.Array, float, float]:
+    """The image array and its normalisation range (p0_5, p99_5), checked."""
+    image = _open_array(Path(image_store), "image store")
+    attrs = dict(image.attrs)
+    if "p0_5" not in attrs or "p99_5" not in attrs:
+        raise CtsegError(f"{image_store}: image attributes lack the intensity range p0_5/p99_5")
+    if not np.issubdtype(image.dtype, np.number) or np.issubdtype(image.dtype, np.complexfloating):
+        raise CtsegError(f"{image_store}: unsupported image dtype {image.dtype}")
+    return image, float(attrs["p0_5"]), float(attrs["p99_5"])
+
+
+def normalise(raw: np.ndarray, low: float, high: float) -> np.ndarray:
+    """clip((x - p0_5) / (p99_5 - p0_5), 0, 1) in float32, exactly as `ctseg.data.to_device`."""
+    low32, high32 = np.float32(low), np.float32(high)
+    span = max(high32 - low32, np.float32(1e-6))
+    x = raw.astype(np.float32)
+    x -= low32
+    x /= span
+    return np.clip(x, 0.0, 1.0, out=x)
+
+
+def _read_slab(
+    image: zarr.Array, z0: int, z1: int, low: float, high: float, padded: Shape3
+) -> np.ndarray:
+    """Normalised input [z0, z1), zero-padded at the far end to at least `padded`."""
+    x = normalise(np.asarray(image[z0:z1]), low, high)
+    target = tuple(max(a, b) for a, b in zip(x.shape, padded, strict=True))
+    if target == x.shape:
+        return x
+    out = np.zeros(target, np.float32)
+    out[: x.shape[0], : x.shape[1], : x.shape[2]] = x
+    return out
+
+
+# ----------------------------------------------------------------------------- model
+def _check_window(window: Sequence[int]) -> Shape3:
+    win = tuple(int(w) for w in window)
+    if len(win) != 3 or min(win) < 1:
+        raise CtsegError(f"window={tuple(window)!r}: expected three positive sizes")
+    return win  # type: ignore[return-value]
+
+
+def resolve_amp(amp: bool | None, device: torch.device) -> bool:
+    """None means bf16 autocast on CUDA only (CPUs without bf16 units get slower, not faster)."""
+    return device.type == "cuda" if amp is None else bool(amp)
+
+
+def predict_windows(
+    model: torch.nn.Module,
+    crops: np.ndarray,
+    weight: torch.Tensor,
+    *,
+    tta_flips: bool,
+    device: torch.device,
+    amp: bool,
+) -> np.ndarray:
+    """Gaussian-weighted probabilities (B, Z, Y, X) float32 for a batch of windows (B, Z, Y, X)."""
+    x = torch.from_numpy(crops)[:, None].to(device)
+    flips = FLIP_DIMS if tta_flips else ((),)
+    total: torch.Tensor | None = None
+    for dims in flips:
+        xi = x.flip(dims) if dims else x
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(xi)
+        if logits.shape != xi.shape:
+            raise CtsegError(
+                f"model output of shape {tuple(logits.shape)} for input {tuple(xi.shape)}: "
+                "expected one channel of the input's size"
+            )
+        p = torch.sigmoid(logits.float())
+        p = p.flip(dims) if dims else p
+        total = p if total is None else total.add_(p)
+    assert total is not None
+    prob = total[:, 0].div_(len(flips)).mul_(weight)
+    return prob.cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- inference
+class BlendAccumulator:
+    """Weighted probabilities of the z-range [z0, z0 + depth) that is not yet written.
+
+    The weight sum is not accumulated: it is the outer product of three 1D sums (see the
+    module docstring), applied when a finished range is flushed.
+    """
+
+    def __init__(self, shape: Shape3, starts: Sequence[Sequence[int]], window: Shape3) -> None:
+        self.shape = shape
+        self.z0 = 0
+        self.acc = np.zeros((0, *shape[1:]), np.float32)
+        self.peak_bytes = 0
+        self.norm_z = weight_sum_1d(shape[0], window[0], starts[0]).astype(np.float32)
+        # float32, so a flush divides in place and allocates nothing volume-sized.
+        self.norm_yx = np.outer(
+            weight_sum_1d(shape[1], window[1], starts[1]),
+            weight_sum_1d(shape[2], window[2], starts[2]),
+        ).astype(np.float32)
+
+    def grow_to(self, z1: int) -> None:
+        """Extend the held range to end at z1, keeping the unflushed remainder."""
+        if self.z0 + self.acc.shape[0] < z1:
+            grown = np.zeros((z1 - self.z0, *self.shape[1:]), np.float32)
+            grown[: self.acc.shape[0]] = self.acc
+            self.acc = grown
+        self.peak_bytes = max(self.peak_bytes, self.acc.nbytes)
+
+    def add(self, probs: np.ndarray, positions: Sequence[Shape3]) -> None:
+        """Add each weighted window, cropped to the volume (windows may overhang padded axes)."""
+        for (z, y, x), p in zip(positions, probs, strict=True):
+            corner = (z, y, x)
+            dz, dy, dx = (
+                min(w, s - o) for w, s, o in zip(p.shape, self.shape, corner, strict=True)
+            )
+            self.acc[z - self.z0 : z - self.z0 + dz, y : y + dy, x : x + dx] += p[:dz, :dy, :dx]
+
+    def flush(self, z_to: int, out: zarr.Array) -> None:
+        """Divide [z0, z_to) by the weights, write it as float16 and drop it."""
+        n = z_to - self.z0
+        if n <= 0:
+            return
+        final = self.acc[:n]
+        final /= self.norm_yx
+        final /= self.norm_z[self.z0 : z_to, None, None]
+        out[self.z0 : z_to] = final.astype(np.float16)
+        self.acc = self.acc[n:]
+        self.z0 = z_to
+
+
+def _check_settings(overlap: float, batch_size: int, memory_budget_mb: float) -> None:
+    if not 0 <= overlap < 1:
+        raise CtsegError(f"overlap={overlap!r}: expected 0 <= overlap < 1")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise CtsegError(f"batch_size={batch_size!r}: expected a positive integer")
+    if not memory_budget_mb > 0:
+        raise CtsegError(f"memory_budget_mb={memory_budget_mb!r}: expected a positive number")
+
+
+def _plane_bytes(image: zarr.Array, window: Shape3) -> tuple[int, int]:
+    """Bytes per z-plane of the accumulator and of the input slab, for the slab plan."""
+    plane = image.shape[1] * image.shape[2]
+    padded = max(image.shape[1], window[1]) * max(image.shape[2], window[2])
+    # accumulator float32 (4) + growth copy (4) + float16 flush copy (2); raw + float32 input.
+    return plane * 10, plane * image.dtype.itemsize + padded * 4
+
+
+def _crops(x: np.ndarray, z0: int, batch: Sequence[Shape3], window: Shape3) -> np.ndarray:
+    wz, wy, wx = window
+    return np.stack([x[z - z0 : z - z0 + wz, y : y + wy, xx : xx + wx] for z, y, xx in batch])
+
+
+def infer_volume(
+    model: torch.nn.Module,
+    image_store: Path,
+    prob_store: Path,
+    *,
+    window: Sequence[int],
+    overlap: float = 0.5,
+    batch_size: int = 4,
+    tta_flips: bool = False,
+    device: str | torch.device = "cpu",
+    amp: bool | None = None,
+    memory_budget_mb: float = 512,
+) -> dict[str, Any]:
+    """Blended sliding-window probabilities of `image_store`, streamed to a float16 Zarr store.
+
+    The model is moved to `device` and run in eval mode (its training flag is restored after).
+    The store is chunked like the input and written atomically. Returns counts and timings.
+    """
+    image_store, prob_store = Path(image_store), Path(prob_store)
+    win = _check_window(window)
+    _check_settings(overlap, batch_size, memory_budget_mb)
+    image, low, high = open_image(image_store)
+    shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
+    dev = torch.device(device)
+    use_amp = resolve_amp(amp, dev)
+
+    starts = [window_starts(s, w, overlap) for s, w in zip(shape, win, strict=True)]
+    plane_acc, plane_in = _plane_bytes(image, win)
+    budget = memory_budget_mb * 2**20
+    slabs = plan_slabs(
+        shape[0], win[0], starts[0], int(image.chunks[0]), plane_acc, plane_in, budget
+    )
+    padded = (win[0], max(shape[1], win[1]), max(shape[2], win[2]))
+    weight = torch.from_numpy(gaussian_importance_map(win)).to(dev)
+    blend = BlendAccumulator(shape, starts, win)
+    n_windows = math.prod(len(s) for s in starts)
+    attributes = {
+        "source": str(image_store),
+        "window": list(win),
+        "overlap": overlap,
+        "tta_flips": bool(tta_flips),
+        "blending": f"gaussian sigma=window*{SIGMA_SCALE}",
+        "value": "foreground probability (sigmoid)",
+    }
+
+    # Each forward frees and reallocates the same activation buffers (28 MB per tensor for a
+    # batch of four 48^3 windows at 16 channels); glibc would hand them back to the OS and
+    # page-fault them in again every batch, a third of the CPU time in bench/infer.py.
+    tune_malloc()
+    was_training = model.training
+    model.to(dev).eval()
+    t0 = time.perf_counter()
+    bar = tqdm(total=n_windows, unit="window", desc=f"infer {image_store.name}", file=sys.stderr)
+    try:
+        with atomic_path(prob_store) as tmp, torch.inference_mode():
+            out = create_volume(tmp, shape, np.float16, image.chunks, attributes=attributes)
+            for slab in slabs:
+                blend.grow_to(slab.z1)
+                x = _read_slab(image, slab.z0, slab.z1, low, high, padded)
+                positions = list(itertools.product(slab.rows, starts[1], starts[2]))
+                for k in range(0, len(positions), batch_size):
+                    batch = positions[k : k + batch_size]
+                    probs = predict_windows(
+                        model,
+                        _crops(x, slab.z0, batch, win),
+                        weight,
+                        tta_flips=tta_flips,
+                        device=dev,
+                        amp=use_amp,
+                    )
+                    blend.add(probs, batch)
+                    bar.update(len(batch))
+                del x  # the next slab's input is read before this one would be collected
+                blend.flush(slab.flush_to, out)
+    finally:
+        bar.close()
+        model.train(was_training)
+    seconds = time.perf_counter() - t0
+    return {
+        "shape": list(shape),
+        "window": list(win),
+        "windows": n_windows,
+        "forward_windows": n_windows * (len(FLIP_DIMS) if tta_flips else 1),
+        "slabs": len(slabs),
+        "accumulator_peak_mb": blend.peak_bytes / 2**20,
+        "budget_exceeded": max(slab_costs(slabs, plane_acc, plane_in)) > budget,
+        "amp": use_amp,
+        "seconds": seconds,
+        "voxels_per_s": math.prod(shape) / seconds if seconds > 0 else float("inf"),
+    }
+
+
+def slab_costs(slabs: Sequence[Slab], plane_acc: int, plane_in: int) -> list[int]:
+    """The bytes each slab of a plan holds (the quantity `plan_slabs` keeps under budget)."""
+    costs, acc_z0 = [], 0
+    for s in slabs:
+        costs.append((s.z1 - acc_z0) * plane_acc + (s.z1 - s.z0) * plane_in)
+        acc_z0 = max(acc_z0, s.flush_to)
+    return costs
+
+
+# ----------------------------------------------------------------------------- postprocess
+def postprocess(
+    prob_store: Path,
+    out_tif: Path,
+    *,
+    threshold: float = 0.5,
+    min_component_voxels: int = 0,
+    fill_holes: bool = False,
+) -> dict[str, Any]:
+    """Binary mask (prob > threshold), optionally cleaned, as a uint8 0/1 multi-page TIFF.
+
+    ``min_component_voxels``: drop 26-connected components with fewer voxels (cc3d.dust).
+    ``fill_holes``: fill 3D cavities (scipy binary_fill_holes on the whole volume, after the
+    component removal). Per volume, not per slice: a sheet crossing a slice is a curve there,
+    and per-slice filling would fill the background enclosed between wraps of the scroll.
+    """
+    prob_store, out_tif = Path(prob_store), Path(out_tif)
+    if not 0 <= threshold < 1:
+        raise CtsegError(f"threshold={threshold!r}: expected 0 <= threshold < 1")
+    if min_component_voxels < 0:
+        raise CtsegError(f"min_component_voxels={min_component_voxels!r}: expected >= 0")
+    probs = _open_array(prob_store, "probability store")
+    shape = tuple(int(s) for s in probs.shape)
+    whole = min_component_voxels > 0 or fill_holes
+    info: dict[str, Any] = {"threshold": threshold, "holds_whole_mask": whole}
+    with atomic_path(out_tif) as tmp:
+        if not whole:
+            counter = [0]
+            pages = _threshold_pages(probs, threshold, counter)
+            tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack")
+            info["foreground_voxels"] = counter[0]
+        else:
+            mask = np.empty(shape, np.uint8)
+            for z0, slab in _threshold_slabs(probs, threshold):
+                mask[z0 : z0 + slab.shape[0]] = slab
+            before = int(np.count_nonzero(mask))
+            if min_component_voxels > 0:
+                cc3d.dust(mask, threshold=min_component_voxels, connectivity=26, in_place=True)
+            after_dust = int(np.count_nonzero(mask))
+            if fill_holes:
+                mask = ndimage.binary_fill_holes(mask).view(np.uint8)
+            info["foreground_voxels"] = int(np.count_nonzero(mask))
+            info["removed_voxels"] = before - after_dust
+            info["filled_voxels"] = info["foreground_voxels"] - after_dust
+            tifffile.imwrite(tmp, mask, photometric="minisblack")
+    return info
+
+
+def _threshold_slabs(probs: zarr.Array, threshold: float) -> Iterator[tuple[int, np.ndarray]]:
+    step = int(probs.chunks[0])
+    for z0 in range(0, probs.shape[0], step):
+        yield z0, (np.asarray(probs[z0 : z0 + step]) > threshold).view(np.uint8)
+
+
+def _threshold_pages(
+    probs: zarr.Array, threshold: float, counter: list[int]
+) -> Iterator[np.ndarray]:
+    for _, slab in _threshold_slabs(probs, threshold):
+        counter[0] += int(np.count_nonzero(slab))
+        yield from slab
+
+
+# ----------------------------------------------------------------------------- weights
+def load_model(
+    weights: Path, device: str | torch.device | None = None
+) -> tuple[torch.nn.Module, Shape3]:
+    """The model (eval mode, on `device`) and training patch size from train.py's final weights.
+
+    Loaded with ``weights_only=True``: a weights file cannot run code.
+    """
+    weights = Path(weights)
+    if not weights.is_file():
+        raise CtsegError(f"{weights}: weights file not found")
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CtsegError(
+            f"{weights}: cannot load weights (corrupt or not a torch.save file): {exc}"
+        ) from exc
+    if not isinstance(state, dict) or any(k not in state for k in WEIGHT_KEYS):
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CtsegError(f"{weights}: expected a dict with keys {list(WEIGHT_KEYS)}, found {found}")
+    try:
+        model = build_model(state["model_config"])
+        model.load_state_dict(state["model"])
+        patch = _check_window(state["patch_size"])
+    except (ValueError, RuntimeError, TypeError, CtsegError) as exc:
+        raise CtsegError(f"{weights}: weights do not match their model config: {exc}") from exc
+    return model.to(pick_device(device)).eval(), patch
+
+
+def pick_device(requested: str | torch.device | None = None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def record_id(image_store: Path) -> str:
+    """`results/zarr/images/<id>.zarr` -> id."""
+    path = Path(image_store)
+    return check_id(path.name.removesuffix(".zarr"), path)
+
+
+def infer_records(
+    weights: Path,
+    image_stores: Sequence[Path],
+    out_dir: Path,
+    prob_dir: Path,
+    *,
+    overlap: float = 0.5,
+    batch_size: int = 4,
+    tta_flips: bool = False,
+    threshold: float = 0.5,
+    min_component_voxels: int = 0,
+    fill_holes: bool = False,
+    device: str | torch.device | None = None,
+    window: Sequence[int] | None = None,
+    amp: bool | None = None,
+    memory_budget_mb: float = 512,
+) -> list[dict[str, Any]]:
+    """`<out_dir>/<id>.tif` and `<prob_dir>/<id>.zarr` for every image store; one row each.
+
+    The window defaults to the training patch size stored with the weights.
+    """
+    ids = [record_id(Path(p)) for p in image_stores]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise CtsegError(f"image stores with the same id {duplicates}: outputs would collide")
+    dev = pick_device(device)
+    model, patch = load_model(weights, dev)
+    win = _check_window(window) if window is not None else patch
+    rows = []
+    for rid, store in zip(ids, image_stores, strict=True):
+        prob, tif = Path(prob_dir) / f"{rid}.zarr", Path(out_dir) / f"{rid}.tif"
+        info = infer_volume(
+            model,
+            Path(store),
+            prob,
+            window=win,
+            overlap=overlap,
+            batch_size=batch_size,
+            tta_flips=tta_flips,
+            device=dev,
+            amp=amp,
+            memory_budget_mb=memory_budget_mb,
+        )
+        post = postprocess(
+            prob,
+            tif,
+            threshold=threshold,
+            min_component_voxels=min_component_voxels,
+            fill_holes=fill_holes,
+        )
+        rows.append({"id": rid, "prediction": str(tif), "probabilities": str(prob), **info, **post})
+    return rows
