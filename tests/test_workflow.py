@@ -14,6 +14,7 @@ import torch
 import zarr
 from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
+from ctseg.report import fmt
 from ctseg.targets import targets_reference
 
 
@@ -113,6 +114,45 @@ def test_trained_model_from_raw_tiffs_with_phase_auto(workflow_dir: Path):
     assert weights["step"] == 6 and weights["model_config"]["filters"] == [4, 8]
     # Resumable state lives outside the declared outputs.
     assert (results / "tiny" / "checkpoints" / "resume.pt").exists()
+
+    # Inference on the held-out volumes, in the submission layout.
+    test_ids = pd.read_csv(workflow_dir / "resources/demo/test.csv", dtype={"id": str})["id"]
+    for record_id in test_ids:
+        mask = tifffile.imread(results / "tiny" / "predictions" / f"{record_id}.tif")
+        label = tifffile.imread(workflow_dir / "resources/demo/test_labels" / f"{record_id}.tif")
+        assert mask.dtype == np.uint8 and mask.shape == label.shape
+        assert set(np.unique(mask)) <= {0, 1}
+        probabilities = zarr.open_array(
+            str(results / "tiny" / "probabilities" / f"{record_id}.zarr"), mode="r"
+        )
+        assert probabilities.dtype == np.float16
+        np.testing.assert_array_equal(mask, (probabilities[:] > 0.5).astype(np.uint8))
+
+    scores = pd.read_csv(results / "tiny" / "evaluation" / "scores.csv", dtype={"id": str})
+    assert sorted(scores["id"]) == sorted(test_ids)
+    assert scores["score"].between(0, 1).all()
+    summary = json.loads((results / "tiny" / "evaluation" / "summary.json").read_text())
+    assert summary["mean_score"] == pytest.approx(scores["score"].mean())
+
+    page = (results / "report.html").read_text()
+    for source in (
+        "results/tiny/phases/phase0/summary.json",
+        "results/tiny/train/steps.csv",
+        "results/tiny/evaluation/scores.csv",
+    ):
+        assert source in page, source
+    assert fmt(summary["mean_score"]) in page
+
+    run_snakemake(
+        workflow_dir,
+        "--config",
+        "experiment=tiny",
+        "phase=auto",
+        "--report",
+        "results/snakemake_report.html",
+    )
+    snakemake_report = (results / "snakemake_report.html").read_text()
+    assert "scores.csv" in snakemake_report and "report.html" in snakemake_report
 
 
 def test_per_job_staging_copies_into_node_scratch(workflow_dir: Path, tmp_path: Path):
