@@ -53,18 +53,17 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
+
+from measure import run_child  # noqa: E402  (bench/measure.py, beside this script)
 
 UNET = {"filters": [16, 32, 64, 128]}
 CHUNKS = (64, 64, 64)
@@ -221,34 +220,8 @@ CHILDREN = {"stream": child_stream, "loop": child_loop}
 def measure(mode: str, *args: str, repeat: int = 1) -> dict:
     """Run one measurement in a child; return its seconds (the fastest of `repeat` runs: the
     machine may be shared) and the peak RSS of its process tree."""
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--repeat", str(repeat), "--child", mode, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        root = psutil.Process(proc.pid)
-        while not done.is_set():
-            try:
-                tree = [root, *root.children(recursive=True)]
-                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-            except psutil.Error:
-                pass
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} child failed with status {proc.returncode}")
-    return {"seconds": json.loads(out.strip().splitlines()[-1])["seconds"], "rss_mb": peak / 2**20}
+    command = [sys.executable, __file__, "--repeat", str(repeat), "--child", mode, *args]
+    return run_child(command, mode)
 
 
 def machine() -> str:

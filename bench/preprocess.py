@@ -24,17 +24,15 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import psutil
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
+
+from measure import run_child  # noqa: E402  (bench/measure.py, beside this script)
 
 CODEC = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
 CHUNKS = (64, 64, 64)
@@ -129,34 +127,7 @@ CHILDREN = {
 # ---------------------------------------------------------------- parent-side driver
 def measure(mode: str, *args: str) -> dict:
     """Run one measurement in a child; return its seconds and the peak RSS of its process tree."""
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", mode, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        root = psutil.Process(proc.pid)
-        while not done.is_set():
-            try:
-                tree = [root, *root.children(recursive=True)]
-                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-            except psutil.Error:
-                pass
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    done.set()
-    sampler.join()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} child failed with status {proc.returncode}")
-    return {"seconds": json.loads(out.strip().splitlines()[-1])["seconds"], "rss_mb": peak / 2**20}
+    return run_child([sys.executable, __file__, "--child", mode, *args], mode)
 
 
 def make_volume(workdir: Path, size: int) -> tuple[Path, Path]:

@@ -79,9 +79,10 @@ def test_precompute_targets_end_to_end(workflow_dir: Path):
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
-def test_trained_model_from_raw_tiffs_with_phase_auto(workflow_dir: Path):
-    """`snakemake results/<exp>/last.pt` from nothing: demo TIFFs, targets, stage, trials, train."""
-    run_snakemake(workflow_dir, "results/tiny/last.pt", "--config", "experiment=tiny", "phase=auto")
+def test_default_target_runs_the_whole_demo_with_phase_auto(workflow_dir: Path):
+    """`snakemake` from nothing: demo TIFFs, targets, stage, trials, train, infer, evaluate,
+    report; then `snakemake --report` over the same run."""
+    run_snakemake(workflow_dir, "--config", "experiment=tiny", "phase=auto")
     results = workflow_dir / "results"
     split = pd.read_csv(results / "tiny" / "split.csv", dtype={"id": str})
     assert set(split["split"]) == {"train", "val"}
