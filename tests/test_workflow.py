@@ -179,7 +179,18 @@ def test_per_job_staging_copies_into_node_scratch(workflow_dir: Path, tmp_path: 
 
 
 @pytest.mark.parametrize(
-    "target", ["all", "demo_data", "precompute_targets", "stage", "trials", "train"]
+    "target",
+    [
+        "all",
+        "demo_data",
+        "precompute_targets",
+        "stage",
+        "trials",
+        "train",
+        "predict",
+        "evaluate",
+        "report",
+    ],
 )
 def test_named_targets_dry_run(workflow_dir: Path, target: str):
     proc = run_snakemake(workflow_dir, "-n", target, "--config", "experiment=tiny")
