@@ -875,7 +875,7 @@ def test_trial_summary_and_comparison_with_the_previous_phase(
     measured = steps["step_s"].iloc[1:]  # trial.warmup_steps = 1 left out
     assert second["median_step_s"] == pytest.approx(measured.median())
     assert second["samples_per_s"] == pytest.approx(2 / measured.median())
-    assert second["maths"] == {"batch_size": 2, "accumulate": 1, "precision": "fp32"}
+    assert second["maths"] == {"batch_size": 2, "accumulate": 1, "precision": "fp32", "gpus": 1}
     checks = second["checks"]
     assert checks["previous_phase"] == 0
     assert checks["speedup_vs_previous"] == pytest.approx(

@@ -12,8 +12,12 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ctseg.io import CtsegError
+
+if TYPE_CHECKING:
+    from ctseg.train import Ranks
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -131,65 +135,123 @@ def _phase_settings(phases: dict, phase: str) -> tuple[int, dict]:
     return int(phase), settings
 
 
-def _scratch(args: argparse.Namespace) -> Path:
-    """The scratch copy to train from; with --stage-from, staged here first (per_job)."""
+def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
+    """The scratch copy to train from; with --stage-from, staged here first (per_job): by rank
+    0 under torchrun, while the others wait."""
     from ctseg.stage import expand_scratch, stage_records
 
     scratch = expand_scratch(args.scratch)
     if args.stage_from:
-        train_ids, val_ids = _split_ids(args.split)
-        summary = stage_records(
-            args.stage_from,
-            train_ids + val_ids,
-            scratch,
-            fmt=args.experiment["scratch_format"],
-        )
-        print(json.dumps({"staged": summary}, default=str))
+        if ranks.main:
+            train_ids, val_ids = _split_ids(args.split)
+            summary = stage_records(
+                args.stage_from,
+                train_ids + val_ids,
+                scratch,
+                fmt=args.experiment["scratch_format"],
+            )
+            print(json.dumps({"staged": summary}, default=str))
+        ranks.barrier()
     return scratch
+
+
+# `ctseg train` and `ctseg trial` run as one process, or as `gpus` processes under
+# `torchrun --standalone --nproc_per_node <gpus> -m ctseg.cli ...` (DDP, see ctseg.train): each
+# process joins the process group for the whole command, and only rank 0 prints and writes.
 
 
 def cmd_trial(args: argparse.Namespace) -> None:
     from ctseg.phases import run_trial
+    from ctseg.train import ddp_phase, pick_device, process_group, torchrun_ranks
 
+    device = pick_device(args.device)
     phase_id, phase = _phase_settings(args.phases, args.phase)
+    phase = ddp_phase(args.experiment, phase, torchrun_ranks().world)
     train_ids, _ = _split_ids(args.split)
-    summary = run_trial(
-        args.experiment,
-        phase_id,
-        phase,
-        scratch=_scratch(args),
-        train_ids=train_ids,
-        out_dir=Path(args.out),
-        clip_distance=args.clip_distance,
-        previous=Path(args.previous) if args.previous else None,
-        device=args.device,
-    )
+    with process_group(device) as ranks:
+        scratch = _scratch(args, ranks)
+        if not ranks.main:
+            _follow_trial(args, phase, scratch, train_ids, device, ranks)
+            return
+        summary = run_trial(
+            args.experiment,
+            phase_id,
+            phase,
+            scratch=scratch,
+            train_ids=train_ids,
+            out_dir=Path(args.out),
+            clip_distance=args.clip_distance,
+            previous=Path(args.previous) if args.previous else None,
+            device=str(device),
+        )
     print(json.dumps(summary, indent=1, default=str))
+
+
+def _follow_trial(
+    args: argparse.Namespace,
+    phase: dict,
+    scratch: Path,
+    train_ids: list[str],
+    device: object,
+    ranks: Ranks,
+) -> None:
+    """A trial on a rank other than 0: the two runs of `ctseg.phases.run_trial` (the measured
+    one, then the compute ceiling), in step with rank 0, which measures and writes the summary.
+    A failure is rank 0's to record, so it ends this process quietly."""
+    from ctseg.train import train
+
+    trial = args.experiment["trial"]
+    common = dict(
+        scratch=scratch,
+        train_ids=train_ids,
+        val_ids=[],
+        clip_distance=args.clip_distance,
+        device=str(device),
+    )
+    out = Path(args.out)  # rank 0's; train() writes nothing on this rank
+    try:
+        train(args.experiment, phase, out_dir=out, max_steps=int(trial["steps"]), **common)
+        train(
+            args.experiment,
+            phase,
+            out_dir=out / "ceiling",
+            max_steps=int(trial["ceiling_steps"]),
+            no_data=True,
+            **common,
+        )
+    except Exception as exc:  # noqa: BLE001 - recorded by rank 0, like run_trial does
+        print(f"rank {ranks.rank}: trial run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     from ctseg.phases import choose_phase
-    from ctseg.train import train
+    from ctseg.train import ddp_phase, pick_device, process_group, torchrun_ranks, train
 
+    device = pick_device(args.device)
+    first = torchrun_ranks().main
     phase = args.phase
     if phase == "auto":
         phase = str(choose_phase([Path(p) for p in args.trials]))
-        print(f"phase auto: chose phase {phase}")
+        if first:
+            print(f"phase auto: chose phase {phase}")
     phase_id, settings = _phase_settings(args.phases, phase)
+    settings = ddp_phase(args.experiment, settings, torchrun_ranks().world)
     train_ids, val_ids = _split_ids(args.split)
-    summary = train(
-        args.experiment,
-        settings,
-        scratch=_scratch(args),
-        train_ids=train_ids,
-        val_ids=val_ids,
-        out_dir=Path(args.out),
-        state_dir=Path(args.state_dir),
-        final_weights=Path(args.weights),
-        clip_distance=args.clip_distance,
-        device=args.device,
-    )
-    print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
+    with process_group(device) as ranks:
+        summary = train(
+            args.experiment,
+            settings,
+            scratch=_scratch(args, ranks),
+            train_ids=train_ids,
+            val_ids=val_ids,
+            out_dir=Path(args.out),
+            state_dir=Path(args.state_dir),
+            final_weights=Path(args.weights),
+            clip_distance=args.clip_distance,
+            device=str(device),
+        )
+    if first:
+        print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
 
 
 def cmd_infer(args: argparse.Namespace) -> None:
@@ -322,7 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--split", required=True, help="split.csv (id, scroll_id, split)")
         p.add_argument("--out", required=True, help="directory for steps.csv etc.")
         p.add_argument("--clip-distance", type=float, default=8.0)
-        p.add_argument("--device", default=None, help="cuda, cuda:1, cpu; default: cuda if any")
+        p.add_argument(
+            "--device",
+            default=None,
+            help="cuda, cuda:1, cpu; default: cuda if any (under torchrun: cuda:LOCAL_RANK)",
+        )
 
     p = sub.add_parser("trial", help="a short measured run of one loader phase")
     training_args(p)

@@ -475,18 +475,37 @@ class PatchDataset(Dataset):
 
 
 class StreamSampler(Sampler[int]):
-    """Yields start, start + 1, ..., stop - 1: the stream, resumable at any index."""
+    """One process's share of the stream start, start + 1, ..., stop - 1; resumable at any index.
 
-    def __init__(self, start: int, stop: int) -> None:
+    With `world` processes (DDP ranks) the stream from `start` is cut into blocks of `chunk`
+    consecutive indices (a micro-batch each) and dealt out in turn: rank `r` takes blocks
+    r, r + world, r + 2 * world, ... So the ranks' streams are disjoint, together they are the
+    one-process stream, and one optimizer step of `accumulate` micro-batches per rank consumes
+    ``accumulate * world * chunk`` consecutive indices: a run resumed at a step boundary
+    continues exactly. With ``world=1`` it is the plain stream.
+    """
+
+    def __init__(
+        self, start: int, stop: int, *, rank: int = 0, world: int = 1, chunk: int = 1
+    ) -> None:
         if start < 0:
             raise CtsegError(f"loader start must be >= 0, got {start}")
+        if world < 1 or not 0 <= rank < world:
+            raise CtsegError(f"sampler rank {rank} of world {world}: need 0 <= rank < world")
+        if chunk < 1:
+            raise CtsegError(f"sampler chunk must be >= 1, got {chunk}")
         self.start, self.stop = int(start), int(stop)
+        self.rank, self.world, self.chunk = int(rank), int(world), int(chunk)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.stop))
+        stride = self.chunk * self.world
+        for block in range(self.start + self.rank * self.chunk, self.stop, stride):
+            yield from range(block, min(block + self.chunk, self.stop))
 
     def __len__(self) -> int:
-        return max(0, self.stop - self.start)
+        total = max(0, self.stop - self.start)
+        whole, rest = divmod(total, self.chunk * self.world)
+        return whole * self.chunk + min(self.chunk, max(0, rest - self.rank * self.chunk))
 
 
 def seed_worker(worker_id: int, *, seed: int) -> None:
@@ -508,6 +527,8 @@ def build_loader(
     seed: int,
     start: int = 0,
     device: str | torch.device = "cpu",
+    rank: int = 0,
+    world: int = 1,
 ) -> DataLoader:
     """A DataLoader from a phase's loader settings (config/phases.yaml).
 
@@ -515,7 +536,8 @@ def build_loader(
     pin_memory (only with a CUDA device that exists), mp_context (fork, spawn or forkserver;
     only with workers > 0), drop_last. The sampler walks the stream from `start`, so a run
     resumed at sample `start` gets the batches the interrupted run would have got next (when
-    `start` is a multiple of the batch size).
+    `start` is a multiple of the batch size). Under DDP, rank `rank` of `world` gets every
+    world-th batch of that stream (`StreamSampler`).
     """
     workers = int(phase.get("workers", 0))
     batch_size = int(phase.get("batch_size", 1))
@@ -526,7 +548,7 @@ def build_loader(
     on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     kwargs: dict[str, Any] = {
         "batch_size": batch_size,
-        "sampler": StreamSampler(start, len(dataset)),
+        "sampler": StreamSampler(start, len(dataset), rank=rank, world=world, chunk=batch_size),
         "num_workers": workers,
         "drop_last": bool(phase.get("drop_last", True)),
         "pin_memory": bool(phase.get("pin_memory", False)) and on_cuda,

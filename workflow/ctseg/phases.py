@@ -24,7 +24,7 @@ import torch
 from ctseg.io import CtsegError, atomic_path
 from ctseg.train import train
 
-MATHS_KEYS = ("batch_size", "accumulate", "precision")
+MATHS_KEYS = ("batch_size", "accumulate", "precision", "gpus")
 
 
 # What an exhausted allocator says: CUDA ("CUDA out of memory"), torch's CPU allocator
@@ -67,7 +67,9 @@ def run_trial(
         "settings": dict(phase),
         # Settings that change the maths, reported beside the speed (a phase should only
         # change speed; these do not).
-        "maths": {key: phase.get(key, 1 if key == "accumulate" else None) for key in MATHS_KEYS},
+        "maths": {
+            key: phase.get(key, 1 if key in ("accumulate", "gpus") else None) for key in MATHS_KEYS
+        },
         "effective_batch": effective_batch,
         "trial_steps": int(trial["steps"]),
     }

@@ -17,6 +17,28 @@ With ``device_prefetch`` the next batch's transfer is issued before the current 
 
 With ``no_data=True`` the same model trains on batches that are already on the device: the
 compute ceiling. Real throughput divided by that ceiling is the feed efficiency.
+
+Several GPUs (DDP): under ``torchrun`` (``WORLD_SIZE`` > 1) every process runs `train` in one
+process group (NCCL on CUDA, each process on ``cuda:LOCAL_RANK``; gloo on the CPU), and the
+model is wrapped in ``DistributedDataParallel``, which averages the gradients over the
+processes in the backward pass of each step's last micro-batch (``no_sync`` on the others).
+
+- The phase's ``batch_size`` is per process; its ``accumulate`` counts the micro-batches of one
+  optimizer step over all processes, each process running ``accumulate / world`` of them
+  (`ddp_phase` turns the configured per-GPU ``accumulate`` into that). A step therefore uses
+  the same ``batch_size * accumulate`` consecutive samples of the one stream as a single
+  process with that accumulation: rank r takes micro-batches r, r + world, ...
+  (`ctseg.data.StreamSampler`), so the ranks' streams are disjoint and a resumed run goes on
+  where the checkpoint's ``sample_index`` says.
+- Logged per step, over all ranks: the loss terms, ``data_wait_s``, ``h2d_s`` and GPU
+  utilisation averaged; ``step_s`` and peak VRAM of the slowest/largest rank (``compute_s`` is
+  the rest of the step, waiting for the gradient all-reduce included); host RSS summed (the
+  whole job); ``samples_per_s`` counts the samples of all ranks.
+- Validation splits the fixed validation batches over the ranks and gathers the results (the
+  same numbers as one process computes).
+- Only rank 0 shows the progress bar and writes logs, checkpoints and weights; every rank
+  loads the resume checkpoint. The summary lists each rank's parameter digest
+  (``param_sha256``), which DDP keeps identical.
 """
 
 from __future__ import annotations
@@ -30,14 +52,18 @@ import os
 import random
 import shutil
 import statistics
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ctseg.data import DevicePrefetcher, PatchDataset, build_loader, to_device
@@ -49,12 +75,6 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- helpers
-def pick_device(requested: str | None = None) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup, then cosine decay to min_ratio * base_lr at `total` steps."""
     if warmup and step < warmup:
@@ -188,6 +208,136 @@ def dice_score(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple
     return float((pred & truth).sum()), float(pred.sum() + truth.sum())
 
 
+# ----------------------------------------------------------------------------- several GPUs
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among torchrun's processes; rank 0 of 1 without torchrun."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that shows progress and writes logs, checkpoints and weights."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def torchrun_ranks() -> Ranks:
+    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them."""
+    env = os.environ
+    return Ranks(
+        int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+    )
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    """The device asked for, else CUDA where present; under torchrun each process takes the GPU
+    of its local rank (``cuda:LOCAL_RANK``), whatever index was asked for."""
+    if requested:
+        device = torch.device(requested)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ranks = torchrun_ranks()
+    if device.type == "cuda" and ranks.world > 1:
+        return torch.device("cuda", ranks.local_rank)
+    return device
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device) -> Iterator[Ranks]:
+    """Join torchrun's process group for the duration: NCCL on CUDA, gloo on the CPU.
+
+    Without torchrun there is nothing to join. Inside a group already joined (``ctseg train``
+    and ``ctseg trial`` join one around the whole command) it only says where this process
+    stands. The group is left on the way out, on an exception too.
+    """
+    ranks = torchrun_ranks()
+    if ranks.world == 1 or dist.is_initialized():
+        yield ranks
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    try:
+        yield ranks
+    finally:
+        dist.destroy_process_group()
+
+
+def configured_gpus(exp: Mapping[str, Any], phase: Mapping[str, Any]) -> int:
+    """GPUs (torchrun processes) a run trains on: the phase's ``gpus`` where it sets one, else
+    the experiment's ``train.gpus``, else 1."""
+    return int(phase.get("gpus") or exp["train"].get("gpus") or 1)
+
+
+def ddp_phase(exp: Mapping[str, Any], phase: Mapping[str, Any], world: int) -> dict[str, Any]:
+    """The phase as `train` takes it in `world` processes: ``accumulate`` per step over all of
+    them, i.e. the configured per-GPU ``accumulate`` times the GPUs (so trial summaries state
+    the whole step's batch). A process count other than the configured ``gpus`` is an error:
+    it would change the batch, hence the maths, without saying so."""
+    gpus = configured_gpus(exp, phase)
+    if gpus != world:
+        launch = f"torchrun --standalone --nproc_per_node {gpus} -m ctseg.cli"
+        raise CtsegError(
+            f"the experiment/phase asks for gpus: {gpus}, but this run has {world} "
+            f"process(es); start it as `{launch} ...` (the train and train_trial rules do)"
+        )
+    if world == 1:
+        return dict(phase)
+    return {**phase, "gpus": world, "accumulate": int(phase.get("accumulate", 1)) * world}
+
+
+def across_ranks(
+    ranks: Ranks,
+    device: torch.device,
+    *,
+    mean: Mapping[str, float] | None = None,
+    largest: Mapping[str, float] | None = None,
+    total: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """Each rank's numbers combined over the ranks: averaged, the largest, or summed. With one
+    process: the numbers as they are."""
+    groups = {"mean": dict(mean or {}), "largest": dict(largest or {}), "total": dict(total or {})}
+    if ranks.world == 1:
+        return {k: v for values in groups.values() for k, v in values.items()}
+    out: dict[str, float] = {}
+    summed = {**groups["mean"], **groups["total"]}
+    for values, op in ((summed, dist.ReduceOp.SUM), (groups["largest"], dist.ReduceOp.MAX)):
+        if not values:
+            continue
+        tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=op)
+        out.update(zip(values, tensor.tolist(), strict=True))
+    for key in groups["mean"]:
+        out[key] /= ranks.world
+    return out
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """sha256 over the parameters' names and bytes: equal digests, equal weights."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def gathered(ranks: Ranks, value: Any) -> list[Any]:
+    """`value` from every rank, in rank order (a collective: every rank must call it)."""
+    if ranks.world == 1:
+        return [value]
+    values: list[Any] = [None] * ranks.world
+    dist.all_gather_object(values, value)
+    return values
+
+
 # ----------------------------------------------------------------------------- train
 def train(
     exp: Mapping[str, Any],
@@ -205,265 +355,341 @@ def train(
     device: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train `exp` under `phase`; returns a summary. See the module docstring for the logs."""
+    """Train `exp` under `phase`; returns a summary. See the module docstring for the logs,
+    and for what changes when torchrun starts several processes."""
     # --- setup ----------------------------------------------------------------------------
-    tcfg, dcfg = exp["train"], exp["data"]
     dev = pick_device(device)
-    seed = int(tcfg["seed"])
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    deterministic = bool(tcfg["deterministic"])
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if deterministic or torch.are_deterministic_algorithms_enabled():  # set both ways
-        # warn_only: max_pool3d's CUDA backward (clDice's soft skeleton) has no deterministic
-        # kernel; torch warns about it rather than stopping the run. CPU runs are exact.
-        torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    torch.backends.cudnn.benchmark = not deterministic and dev.type == "cuda"
-    torch.backends.cuda.matmul.allow_tf32 = bool(tcfg["tf32"])
-    torch.backends.cudnn.allow_tf32 = bool(tcfg["tf32"])
+    with process_group(dev) as ranks:
+        tcfg, dcfg = exp["train"], exp["data"]
+        seed = int(tcfg["seed"])
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        deterministic = bool(tcfg["deterministic"])
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if deterministic or torch.are_deterministic_algorithms_enabled():  # set both ways
+            # warn_only: max_pool3d's CUDA backward (clDice's soft skeleton) has no
+            # deterministic kernel; torch warns about it rather than stopping the run. CPU runs
+            # are exact.
+            torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        torch.backends.cudnn.benchmark = not deterministic and dev.type == "cuda"
+        torch.backends.cuda.matmul.allow_tf32 = bool(tcfg["tf32"])
+        torch.backends.cudnn.allow_tf32 = bool(tcfg["tf32"])
 
-    batch_size = int(phase["batch_size"])
-    accumulate = int(phase.get("accumulate", 1))
-    effective_batch = batch_size * accumulate
-    steps_per_epoch = int(tcfg["steps_per_epoch"])
-    epochs = int(tcfg["epochs"])
-    total_steps = max_steps if max_steps is not None else steps_per_epoch * epochs
-    base_lr = scaled_lr(tcfg, effective_batch)
-    precision = phase.get("precision") or "fp32"
-    if precision not in PRECISIONS:
-        raise CtsegError(f"phase precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    autocast_dtype = PRECISIONS[precision]
-    memory_format = (
-        torch.channels_last_3d if phase.get("channels_last") else torch.contiguous_format
-    )
-
-    model = build_model(exp["model"]).to(dev, memory_format=memory_format)
-    step_model = torch.compile(model) if phase.get("compile") else model
-    if tcfg["optimizer"] == "adamw":
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=base_lr, weight_decay=tcfg["weight_decay"]
-        )
-    elif tcfg["optimizer"] == "sgd":
-        optimizer = torch.optim.SGD(
-            model.parameters(),
-            lr=base_lr,
-            momentum=tcfg["momentum"],
-            weight_decay=tcfg["weight_decay"],
-            nesterov=True,
-        )
-    else:
-        raise CtsegError(f"train.optimizer must be adamw or sgd, got {tcfg['optimizer']!r}")
-
-    def schedule(step: int) -> float:
-        return lr_at(
-            step,
-            base_lr=1.0,
-            warmup=int(tcfg["warmup_steps"]),
-            total=total_steps,
-            min_ratio=float(tcfg["min_lr_ratio"]),
-        )
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    scaler = torch.amp.GradScaler(dev.type, enabled=autocast_dtype is torch.float16)
-    losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
-    fp = fingerprint(exp)
-
-    step, epoch, sample_index = 0, 0, 0
-    resume_path = state_dir / "resume.pt" if state_dir is not None else None
-    if resume_path is not None and resume_path.exists():
-        state = load_checkpoint(resume_path, fp)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        step, epoch = int(state["step"]), int(state["epoch"])
-        sample_index = int(state["sample_index"])  # where the interrupted run's loader was
-
-    samples_needed = total_steps * effective_batch
-    dataset = PatchDataset(
-        scratch,
-        train_ids,
-        patch_size=dcfg["patch_size"],
-        fmt=exp["scratch_format"],
-        fg_fraction=dcfg["fg_fraction"],
-        augment=dcfg["augment"],
-        seed=seed,
-        length=samples_needed,
-        runtime_targets=dcfg["runtime_targets"],
-    )
-    loader = build_loader(dataset, phase, seed=seed, start=sample_index, device=dev)
-    # device_prefetch: batches come converted on the device, the next one's copy issued (on a
-    # side CUDA stream) before this one is handed out; `feed` then reports the time it spent.
-    feed = DevicePrefetcher(loader, dev) if phase.get("device_prefetch") else None
-    batches = iter(loader if feed is None else feed)
-    if no_data:
-        # The compute ceiling: the same steps on batches that are already on the device.
-        resident = [
-            next(batches) if feed is not None else to_device(next(batches), dev)
-            for _ in range(accumulate)
-        ]
-
-    gpu = GpuMonitor(dev)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    # Snakemake deletes a job's declared outputs before it reruns it, so the logs a resumed run
-    # appends to live beside the resumable checkpoint and are copied out when training ends.
-    log_dir = state_dir if state_dir is not None else out_dir
-    log_dir.mkdir(parents=True, exist_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    steps_log: list[dict[str, Any]] = []
-    epochs_log: list[dict[str, Any]] = []
-    peak_rss = host_rss_bytes()
-
-    # --- loop -----------------------------------------------------------------------------
-    bar = tqdm(total=total_steps, initial=step, disable=not progress, unit="step", desc="train")
-    model.train()
-    while step < total_steps:
-        step_start = time.perf_counter()
-        data_wait = h2d = 0.0
-        terms_sum: dict[str, float] = {}
-        loss_sum = 0.0
-        optimizer.zero_grad(set_to_none=True)
-        for micro in range(accumulate):
-            if no_data:
-                batch = resident[micro]
-            else:
-                if feed is not None:
-                    feed.transfer_s = 0.0  # stays 0 where no next batch was left to send
-                t0 = time.perf_counter()
-                fetched = next(batches)
-                t1 = time.perf_counter()
-                if feed is None:
-                    batch = to_device(fetched, dev, non_blocking=True)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize(dev)
-                    data_wait += t1 - t0
-                    h2d += time.perf_counter() - t1
-                else:
-                    # The call blocked in the loader, then issued the next batch's transfer.
-                    batch = fetched
-                    data_wait += (t1 - t0) - feed.transfer_s
-                    h2d += feed.transfer_s
-            image = batch["image"].contiguous(memory_format=memory_format)
-            with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = step_model(image)
-            total, terms = compute_losses(logits, batch, **losses_cfg)
-            scaler.scale(total / accumulate).backward()
-            loss_sum += float(total.detach()) / accumulate
-            for name, value in terms.items():
-                terms_sum[name] = terms_sum.get(name, 0.0) + float(value.detach()) / accumulate
-        # The norm of the true (unscaled) gradients, before clipping; inf max_norm: no clip.
-        scaler.unscale_(optimizer)
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(
-                model.parameters(), float(tcfg["grad_clip"] or 0) or math.inf
+        batch_size = int(phase["batch_size"])  # per process
+        accumulate = int(phase.get("accumulate", 1))  # micro-batches per step, all processes
+        if accumulate % ranks.world:
+            raise CtsegError(
+                f"phase accumulate {accumulate} is not a multiple of the {ranks.world} "
+                "processes (train() takes a step's micro-batches over all of them; see ddp_phase)"
             )
+        micro_steps = accumulate // ranks.world  # this process's share of them
+        effective_batch = batch_size * accumulate
+        steps_per_epoch = int(tcfg["steps_per_epoch"])
+        epochs = int(tcfg["epochs"])
+        total_steps = max_steps if max_steps is not None else steps_per_epoch * epochs
+        base_lr = scaled_lr(tcfg, effective_batch)
+        precision = phase.get("precision") or "fp32"
+        if precision not in PRECISIONS:
+            raise CtsegError(
+                f"phase precision must be one of {list(PRECISIONS)}, got {precision!r}"
+            )
+        autocast_dtype = PRECISIONS[precision]
+        memory_format = (
+            torch.channels_last_3d if phase.get("channels_last") else torch.contiguous_format
         )
-        scaler.step(optimizer)
-        scaler.update()
-        lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
+
+        model = build_model(exp["model"]).to(dev, memory_format=memory_format)
+        if tcfg["optimizer"] == "adamw":
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=base_lr, weight_decay=tcfg["weight_decay"]
+            )
+        elif tcfg["optimizer"] == "sgd":
+            optimizer = torch.optim.SGD(
+                model.parameters(),
+                lr=base_lr,
+                momentum=tcfg["momentum"],
+                weight_decay=tcfg["weight_decay"],
+                nesterov=True,
+            )
+        else:
+            raise CtsegError(f"train.optimizer must be adamw or sgd, got {tcfg['optimizer']!r}")
+
+        def schedule(step: int) -> float:
+            return lr_at(
+                step,
+                base_lr=1.0,
+                warmup=int(tcfg["warmup_steps"]),
+                total=total_steps,
+                min_ratio=float(tcfg["min_lr_ratio"]),
+            )
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scaler = torch.amp.GradScaler(dev.type, enabled=autocast_dtype is torch.float16)
+        losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
+        fp = fingerprint(exp)
+
+        # Every rank loads the checkpoint (rank 0 wrote it) and goes on from the same state.
+        step, epoch, sample_index = 0, 0, 0
+        resume_path = state_dir / "resume.pt" if state_dir is not None else None
+        if resume_path is not None and resume_path.exists():
+            state = load_checkpoint(resume_path, fp)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"])
+            step, epoch = int(state["step"]), int(state["epoch"])
+            sample_index = int(state["sample_index"])  # where the interrupted run's loader was
+            if ranks.main:
+                print(f"resumed at step {step} (epoch {epoch}) from {resume_path}", file=sys.stderr)
+
+        # DDP: the weights are broadcast from rank 0 once, then every synchronised backward
+        # averages the gradients over the ranks.
+        if ranks.world > 1:
+            ddp_model = DistributedDataParallel(
+                model, device_ids=[dev.index] if dev.type == "cuda" else None
+            )
+            skip_sync = ddp_model.no_sync  # micro-batches before a step's last: local grads
+        else:
+            ddp_model, skip_sync = model, contextlib.nullcontext
+        step_model = torch.compile(ddp_model) if phase.get("compile") else ddp_model
+
+        dataset = PatchDataset(
+            scratch,
+            train_ids,
+            patch_size=dcfg["patch_size"],
+            fmt=exp["scratch_format"],
+            fg_fraction=dcfg["fg_fraction"],
+            augment=dcfg["augment"],
+            seed=seed,
+            length=sample_index + (total_steps - step) * effective_batch,
+            runtime_targets=dcfg["runtime_targets"],
+        )
+        loader = build_loader(
+            dataset,
+            phase,
+            seed=seed,
+            start=sample_index,
+            device=dev,
+            rank=ranks.rank,
+            world=ranks.world,
+        )
+        # device_prefetch: batches come converted on the device, the next one's copy issued (on
+        # a side CUDA stream) before this one is handed out; `feed` reports the time it spent.
+        feed = DevicePrefetcher(loader, dev) if phase.get("device_prefetch") else None
+        batches = iter(loader if feed is None else feed)
+        if no_data:
+            # The compute ceiling: the same steps on batches that are already on the device.
+            resident = [
+                next(batches) if feed is not None else to_device(next(batches), dev)
+                for _ in range(micro_steps)
+            ]
+
+        gpu = GpuMonitor(dev)
         if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        step_s = time.perf_counter() - step_start
-        step += 1
+            torch.cuda.reset_peak_memory_stats(dev)
+        # Snakemake deletes a job's declared outputs before it reruns it, so the logs a resumed
+        # run appends to live beside the resumable checkpoint and are copied out at the end.
+        log_dir = state_dir if state_dir is not None else out_dir
+        if ranks.main:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            out_dir.mkdir(parents=True, exist_ok=True)
+        steps_log: list[dict[str, Any]] = []
+        epochs_log: list[dict[str, Any]] = []
+        peak_rss_mb = host_rss_bytes() / 2**20
 
-        rss = host_rss_bytes()
-        peak_rss = max(peak_rss, rss)
-        row = {
-            "epoch": epoch,
-            "step": step,
-            "data_wait_s": data_wait,
-            "h2d_s": h2d,
-            "compute_s": step_s - data_wait - h2d,
-            "step_s": step_s,
-            "samples_per_s": effective_batch / step_s,
-            "loss": loss_sum,
-            **terms_sum,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "gpu_util": gpu.utilisation(),
-            "vram_peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20
-            if dev.type == "cuda"
-            else float("nan"),
-            "host_rss_mb": rss / 2**20,
-        }
-        steps_log.append(row)
-        wait_pct = (
-            100 * sum(r["data_wait_s"] for r in steps_log) / sum(r["step_s"] for r in steps_log)
+        # --- loop -------------------------------------------------------------------------
+        bar = tqdm(
+            total=total_steps,
+            initial=step,
+            disable=not progress or not ranks.main,
+            unit="step",
+            desc="train",
         )
-        bar.set_postfix(loss=f"{loss_sum:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
-        bar.update(1)
-
-        # --- evaluation and checkpoint, once per epoch ------------------------------------
-        if max_steps is None and step % steps_per_epoch == 0:
-            val = evaluate(model, exp, phase, scratch, val_ids, dev, losses_cfg, memory_format)
-            epoch_rows = [r for r in steps_log if r["epoch"] == epoch]
-            epochs_log.append(
-                {
-                    "epoch": epoch,
-                    "step": step,
-                    "train_loss": statistics.fmean(r["loss"] for r in epoch_rows),
-                    "samples_per_s": effective_batch
-                    * len(epoch_rows)
-                    / sum(r["step_s"] for r in epoch_rows),
-                    "data_wait_fraction": sum(r["data_wait_s"] for r in epoch_rows)
-                    / sum(r["step_s"] for r in epoch_rows),
-                    **val,
-                }
+        model.train()
+        while step < total_steps:
+            step_start = time.perf_counter()
+            data_wait = h2d = 0.0
+            terms_sum: dict[str, float] = {}
+            loss_sum = 0.0
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(micro_steps):
+                if no_data:
+                    batch = resident[micro]
+                else:
+                    if feed is not None:
+                        feed.transfer_s = 0.0  # stays 0 where no next batch was left to send
+                    t0 = time.perf_counter()
+                    fetched = next(batches)
+                    t1 = time.perf_counter()
+                    if feed is None:
+                        batch = to_device(fetched, dev, non_blocking=True)
+                        if dev.type == "cuda":
+                            torch.cuda.synchronize(dev)
+                        data_wait += t1 - t0
+                        h2d += time.perf_counter() - t1
+                    else:
+                        # The call blocked in the loader, then issued the next batch's transfer.
+                        batch = fetched
+                        data_wait += (t1 - t0) - feed.transfer_s
+                        h2d += feed.transfer_s
+                image = batch["image"].contiguous(memory_format=memory_format)
+                last_micro = micro == micro_steps - 1
+                with contextlib.nullcontext() if last_micro else skip_sync():
+                    with torch.autocast(
+                        dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+                    ):
+                        logits = step_model(image)
+                    total, terms = compute_losses(logits, batch, **losses_cfg)
+                    scaler.scale(total / micro_steps).backward()
+                loss_sum += float(total.detach()) / micro_steps
+                for name, value in terms.items():
+                    terms_sum[name] = terms_sum.get(name, 0.0) + float(value.detach()) / micro_steps
+            # The norm of the true (unscaled) gradients, before clipping; inf max_norm: no clip.
+            scaler.unscale_(optimizer)
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), float(tcfg["grad_clip"] or 0) or math.inf
+                )
             )
-            epoch += 1
-            # Logs first, then the checkpoint: a run killed between the two redoes the epoch
-            # and its rows replace the ones already written, so no row is lost or doubled.
-            write_csv(log_dir / "epochs.csv", _merge_log(log_dir / "epochs.csv", epochs_log))
-            write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
-            epochs_log, steps_log = [], []
-            if resume_path is not None:
+            scaler.step(optimizer)
+            scaler.update()
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            step_s = time.perf_counter() - step_start
+            step += 1
+            sample_index += effective_batch
+
+            # One row for the step of all ranks together (see the module docstring).
+            shared = across_ranks(
+                ranks,
+                dev,
+                mean={
+                    "data_wait_s": data_wait,
+                    "h2d_s": h2d,
+                    "loss": loss_sum,
+                    **terms_sum,
+                    "gpu_util": gpu.utilisation(),
+                },
+                largest={
+                    "step_s": step_s,
+                    "vram_peak_mb": torch.cuda.max_memory_allocated(dev) / 2**20
+                    if dev.type == "cuda"
+                    else float("nan"),
+                },
+                total={"host_rss_mb": host_rss_bytes() / 2**20},
+            )
+            peak_rss_mb = max(peak_rss_mb, shared["host_rss_mb"])
+            row = {
+                "epoch": epoch,
+                "step": step,
+                "data_wait_s": shared["data_wait_s"],
+                "h2d_s": shared["h2d_s"],
+                "compute_s": shared["step_s"] - shared["data_wait_s"] - shared["h2d_s"],
+                "step_s": shared["step_s"],
+                "samples_per_s": effective_batch / shared["step_s"],
+                "loss": shared["loss"],
+                **{name: shared[name] for name in terms_sum},
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "gpu_util": shared["gpu_util"],
+                "vram_peak_mb": shared["vram_peak_mb"],
+                "host_rss_mb": shared["host_rss_mb"],
+            }
+            steps_log.append(row)
+            wait_pct = (
+                100 * sum(r["data_wait_s"] for r in steps_log) / sum(r["step_s"] for r in steps_log)
+            )
+            bar.set_postfix(loss=f"{row['loss']:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
+            bar.update(1)
+
+            # --- evaluation and checkpoint, once per epoch --------------------------------
+            if max_steps is None and step % steps_per_epoch == 0:
+                val = evaluate(
+                    model, exp, phase, scratch, val_ids, dev, losses_cfg, memory_format, ranks
+                )
+                epoch_rows = [r for r in steps_log if r["epoch"] == epoch]
+                epochs_log.append(
+                    {
+                        "epoch": epoch,
+                        "step": step,
+                        "train_loss": statistics.fmean(r["loss"] for r in epoch_rows),
+                        "samples_per_s": effective_batch
+                        * len(epoch_rows)
+                        / sum(r["step_s"] for r in epoch_rows),
+                        "data_wait_fraction": sum(r["data_wait_s"] for r in epoch_rows)
+                        / sum(r["step_s"] for r in epoch_rows),
+                        **val,
+                    }
+                )
+                epoch += 1
+                # Logs first, then the checkpoint: a run killed between the two redoes the
+                # epoch and its rows replace the ones already written, so no row is lost or
+                # doubled. Rank 0 writes; the others hold the same rows and weights.
+                if ranks.main:
+                    write_csv(
+                        log_dir / "epochs.csv", _merge_log(log_dir / "epochs.csv", epochs_log)
+                    )
+                    write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
+                epochs_log, steps_log = [], []
+                if resume_path is not None and ranks.main:
+                    save_checkpoint(
+                        resume_path,
+                        {
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "scaler": scaler.state_dict(),
+                            "rng": rng_state(),
+                            "step": step,
+                            "epoch": epoch,
+                            "sample_index": sample_index,
+                            "world_size": ranks.world,
+                            "fingerprint": fp,
+                        },
+                    )
+        bar.close()
+
+        if ranks.main:
+            if steps_log or max_steps is not None:
+                write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
+            if log_dir != out_dir:
+                for name in ("steps.csv", "epochs.csv"):
+                    if (log_dir / name).exists():
+                        with atomic_path(out_dir / name) as tmp:
+                            shutil.copyfile(log_dir / name, tmp)
+            if final_weights is not None:
                 save_checkpoint(
-                    resume_path,
+                    final_weights,
                     {
                         "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "scaler": scaler.state_dict(),
-                        "rng": rng_state(),
-                        "step": step,
-                        "epoch": epoch,
-                        "sample_index": step * effective_batch,
+                        "model_config": dict(exp["model"]),
+                        "patch_size": list(dcfg["patch_size"]),
                         "fingerprint": fp,
+                        "step": step,
                     },
                 )
-    bar.close()
-
-    if steps_log or max_steps is not None:
-        write_csv(log_dir / "steps.csv", _merge_log(log_dir / "steps.csv", steps_log))
-    if log_dir != out_dir:
-        for name in ("steps.csv", "epochs.csv"):
-            if (log_dir / name).exists():
-                with atomic_path(out_dir / name) as tmp:
-                    shutil.copyfile(log_dir / name, tmp)
-    if final_weights is not None:
-        save_checkpoint(
-            final_weights,
-            {
-                "model": model.state_dict(),
-                "model_config": dict(exp["model"]),
-                "patch_size": list(dcfg["patch_size"]),
-                "fingerprint": fp,
-                "step": step,
+        # A collective: no rank returns before rank 0's files are written.
+        digests = gathered(ranks, parameter_digest(model))
+        peak_vram = across_ranks(
+            ranks,
+            dev,
+            largest={
+                "mb": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else 0.0
             },
-        )
-    return {
-        "steps": step,
-        "peak_host_rss_mb": peak_rss / 2**20,
-        "peak_vram_mb": torch.cuda.max_memory_allocated(dev) / 2**20
-        if dev.type == "cuda"
-        else None,
-        "device": str(dev),
-    }
+        )["mb"]
+        return {
+            "steps": step,
+            "peak_host_rss_mb": peak_rss_mb,
+            "peak_vram_mb": peak_vram if dev.type == "cuda" else None,
+            "device": str(dev),
+            "world_size": ranks.world,
+            "param_sha256": digests,
+        }
 
 
 def _merge_log(path: Path, new_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -487,8 +713,13 @@ def evaluate(
     dev: torch.device,
     losses_cfg: Mapping[str, Any],
     memory_format: torch.memory_format,
+    ranks: Ranks = Ranks(),
 ) -> dict[str, float]:
-    """Loss and Dice on a fixed set of validation patches (the same ones every epoch)."""
+    """Loss and Dice on a fixed set of validation patches (the same ones every epoch).
+
+    Under DDP each rank scores every world-th batch and the results are gathered: the mean
+    (an exact fsum) and the voxel counts come out as one process computes them.
+    """
     n_batches = int(exp["train"]["val_batches"])
     if not val_ids or n_batches == 0:
         return {"val_loss": float("nan"), "val_dice": float("nan")}
@@ -503,7 +734,9 @@ def evaluate(
         seed=int(exp["train"]["seed"]) + 1,
         length=n_batches * batch_size,
     )
-    loader = build_loader(dataset, {**phase, "workers": 0}, seed=0, device=dev)
+    loader = build_loader(
+        dataset, {**phase, "workers": 0}, seed=0, device=dev, rank=ranks.rank, world=ranks.world
+    )
     model.eval()
     losses, intersection, denominator = [], 0.0, 0.0
     for host_batch in loader:
@@ -515,5 +748,10 @@ def evaluate(
         intersection += inter
         denominator += denom
     model.train()
+    if ranks.world > 1:
+        shares = gathered(ranks, (losses, intersection, denominator))
+        losses = [loss for share in shares for loss in share[0]]
+        intersection = sum(share[1] for share in shares)
+        denominator = sum(share[2] for share in shares)
     dice = 2 * intersection / denominator if denominator else 1.0
     return {"val_loss": statistics.fmean(losses), "val_dice": dice}

@@ -154,12 +154,25 @@ MAIN_PROCESS_MB = 4000
 WORKER_MB = 1500
 
 
+def phase_gpus(phase):
+    """GPUs a phase trains on, one torchrun process each: the phase's own `gpus`, else the
+    experiment's train.gpus (ctseg.train.configured_gpus decides the same way)."""
+    return int(PHASES[phase].get("gpus") or EXP["train"].get("gpus") or 1)
+
+
 def phase_threads(phase):
-    return max(1, PHASES[phase]["workers"]) + 1
+    return phase_gpus(phase) * (max(1, PHASES[phase]["workers"]) + 1)
 
 
 def phase_mem_mb(phase):
-    return MAIN_PROCESS_MB + WORKER_MB * PHASES[phase]["workers"]
+    return phase_gpus(phase) * (MAIN_PROCESS_MB + WORKER_MB * PHASES[phase]["workers"])
+
+
+def launcher(gpus):
+    """How a training job starts ctseg: as one process, or as `gpus` DDP processes."""
+    if gpus == 1:
+        return "ctseg"
+    return f"torchrun --standalone --nproc_per_node {gpus} -m ctseg.cli"
 
 
 def chosen_phases():
@@ -171,6 +184,18 @@ def chosen_phases():
             f"config 'phase': {config['phase']} is not in config/phases.yaml"
         )
     return [config["phase"]]
+
+
+def train_gpus():
+    """GPUs of the train job. torchrun's process count is fixed before `auto` chooses the
+    phase, so the trialled phases must agree on it."""
+    counts = {phase_gpus(p) for p in chosen_phases()}
+    if len(counts) > 1:
+        raise WorkflowError(
+            f"phase auto: the trialled phases {chosen_phases()} ask for different gpus "
+            f"({sorted(counts)}); trial phases with one GPU count, or choose a phase"
+        )
+    return counts.pop()
 
 
 def train_threads():

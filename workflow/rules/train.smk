@@ -14,9 +14,10 @@ rule train_trial:
         "../../environment.yml"
     threads: lambda wildcards: phase_threads(int(wildcards.phase))
     resources:
-        gpu=1,
+        gpu=lambda wildcards: phase_gpus(int(wildcards.phase)),
         mem_mb=lambda wildcards: phase_mem_mb(int(wildcards.phase)),
     params:
+        ctseg=lambda wildcards: launcher(phase_gpus(int(wildcards.phase))),
         experiment=json.dumps(EXP),
         phases=json.dumps(PHASES),
         clip=config["targets"]["clip_distance"],
@@ -26,7 +27,7 @@ rule train_trial:
             f"--previous {input.previous[0]}" if input.previous else ""
         ),
     shell:
-        "ctseg trial --experiment {params.experiment:q} --phases {params.phases:q} "
+        "{params.ctseg} trial --experiment {params.experiment:q} --phases {params.phases:q} "
         "--phase {wildcards.phase} {params.scratch} --split {input.split:q} "
         "--out {params.out:q} "
         "--clip-distance {params.clip} {params.previous} > {log} 2>&1"
@@ -54,9 +55,10 @@ rule train:
         "../../environment.yml"
     threads: train_threads()
     resources:
-        gpu=1,
+        gpu=train_gpus(),
         mem_mb=train_mem_mb(),
     params:
+        ctseg=launcher(train_gpus()),
         experiment=json.dumps(EXP),
         phases=json.dumps(PHASES),
         phase=config["phase"],
@@ -67,7 +69,7 @@ rule train:
         # before a rerun, and a preempted run must resume rather than start over.
         state=f"results/{EXP_NAME}/checkpoints",
     shell:
-        "ctseg train --experiment {params.experiment:q} --phases {params.phases:q} "
+        "{params.ctseg} train --experiment {params.experiment:q} --phases {params.phases:q} "
         "--phase {params.phase} --trials {input.trials:q} {params.scratch} "
         "--split {input.split:q} --out {params.out:q} "
         "--state-dir {params.state} --weights {output.weights:q} "
