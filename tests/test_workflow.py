@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import tifffile
 import torch
+import yaml
 import zarr
 from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
@@ -233,3 +234,16 @@ def test_lint_and_format_are_clean(tmp_path: Path):
         timeout=300,
     )
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_every_config_key_is_documented():
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    readme = (REPO / "config" / "README.md").read_text()
+    keys = []
+    for key, value in config.items():
+        if isinstance(value, dict) and key != "codec":
+            keys += [f"{key}.{sub}" for sub in value]
+        else:
+            keys.append(key)
+    undocumented = [key for key in keys if f"`{key}`" not in readme]
+    assert undocumented == []
