@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Rules call the `ctseg` command, so the environment's bin/ must be on PATH for snakemake.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: demo test lint bench clean browser
 
