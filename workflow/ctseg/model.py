@@ -287,3 +287,24 @@ def build_model(cfg: Mapping[str, object]) -> UNet3D:
             raise ValueError(f"model config: filters={filters!r}: expected a list of integers")
         kwargs["filters"] = tuple(filters)
     return UNet3D(**kwargs)
+
+
+def portable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state as CPU tensors in the standard (row-major) layout.
+
+    A channels_last_3d model holds its weights with permuted strides, and a tensor whose
+    non-unit dimensions happen to be in order (a 1x1x1 conv's weight) even counts as
+    contiguous while its last stride is not 1, so ``.contiguous()`` leaves it as it is. Every
+    reader of saved weights (checkpoints, digests, inference) therefore gets this copy: plain
+    strides, the same bytes whatever memory format the model trained in.
+    """
+    return {
+        name: tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        for name, tensor in model.state_dict().items()
+    }
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's values as bytes in row-major order, whatever its strides or device."""
+    plain = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format).reshape(-1)
+    return plain.view(torch.uint8).numpy().tobytes()

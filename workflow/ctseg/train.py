@@ -69,7 +69,7 @@ from tqdm import tqdm
 from ctseg.data import DevicePrefetcher, PatchDataset, build_loader, to_device
 from ctseg.io import CtsegError, atomic_path
 from ctseg.losses import compute_losses, loss_settings
-from ctseg.model import build_model
+from ctseg.model import build_model, portable_state_dict, tensor_bytes
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -325,7 +325,7 @@ def parameter_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor_bytes(param))
     return digest.hexdigest()
 
 
@@ -640,7 +640,7 @@ def train(
                     save_checkpoint(
                         resume_path,
                         {
-                            "model": model.state_dict(),
+                            "model": portable_state_dict(model),
                             "optimizer": optimizer.state_dict(),
                             "scheduler": scheduler.state_dict(),
                             "scaler": scaler.state_dict(),
@@ -666,7 +666,7 @@ def train(
                 save_checkpoint(
                     final_weights,
                     {
-                        "model": model.state_dict(),
+                        "model": portable_state_dict(model),
                         "model_config": dict(exp["model"]),
                         "patch_size": list(dcfg["patch_size"]),
                         "fingerprint": fp,
