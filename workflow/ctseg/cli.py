@@ -270,6 +270,7 @@ def cmd_infer(args: argparse.Namespace) -> None:
         tta_flips=args.tta_flips,
         device=device,
         memory_budget_mb=args.memory_budget_mb,
+        device_budget_mb=args.device_budget_mb,
     )
     mask = postprocess(
         Path(args.probabilities),
@@ -417,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-component-voxels", type=int, default=0)
     p.add_argument("--fill-holes", action="store_true")
     p.add_argument("--memory-budget-mb", type=float, default=512)
+    p.add_argument(
+        "--device-budget-mb",
+        type=float,
+        default=None,
+        help="hold the whole volume on the device when it fits (default: --memory-budget-mb; "
+        "0: always stream)",
+    )
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_infer)
 

@@ -25,6 +25,25 @@ the sum is never zero.
 Flip TTA (``tta_flips``) averages the probabilities over all 8 combinations of flips of the
 three axes (identity included), at 8x the cost.
 
+Resident or streamed
+--------------------
+A volume whose working set fits ``device_budget_mb`` (default: ``memory_budget_mb``; on a CPU
+run the device is host memory) is *resident*: it is read and normalised once, copied to the
+device once, and every window crop, forward, flip, Gaussian weighting and accumulation happens
+there; the divided result comes back as float16 and is written in one go. Nothing returns to
+the host per window, so a GPU never waits on a copy or on numpy. The working set
+(`resident_bytes`) is the float32 input and accumulator of the padded volume (8 bytes a voxel),
+the raw volume and the float16 result (on the device and the host), and one batch of windows;
+a real 320^3 uint8 volume needs about 0.4 GB. Larger volumes are streamed (below). Both paths
+read with the same function, run the same windows in the same order, and divide by the same
+factorised weights, so they agree to float32 rounding before the float16 store (bit for bit on
+the test's pointwise model).
+
+Batches are made of (window, flip) pairs: with ``tta_flips`` the 8 flipped copies of a window
+share forwards with other windows, so every forward but the last is ``batch_size`` inputs. The
+Gaussian map is symmetric under every flip, so a flipped output is weighted before it is flipped
+back.
+
 Streaming
 ---------
 Windows are processed row by row in z (a row = every window with the same z start). After a
@@ -228,6 +247,14 @@ def resolve_amp(amp: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" if amp is None else bool(amp)
 
 
+def _check_output(logits: torch.Tensor, x: torch.Tensor) -> None:
+    if logits.shape != x.shape:
+        raise CtsegError(
+            f"model output of shape {tuple(logits.shape)} for input {tuple(x.shape)}: "
+            "expected one channel of the input's size"
+        )
+
+
 def predict_windows(
     model: torch.nn.Module,
     crops: np.ndarray,
@@ -245,11 +272,7 @@ def predict_windows(
         xi = x.flip(dims) if dims else x
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(xi)
-        if logits.shape != xi.shape:
-            raise CtsegError(
-                f"model output of shape {tuple(logits.shape)} for input {tuple(xi.shape)}: "
-                "expected one channel of the input's size"
-            )
+        _check_output(logits, xi)
         p = torch.sigmoid(logits.float())
         p = p.flip(dims) if dims else p
         total = p if total is None else total.add_(p)
@@ -259,6 +282,22 @@ def predict_windows(
 
 
 # ----------------------------------------------------------------------------- inference
+def weight_norms(
+    shape: Shape3, starts: Sequence[Sequence[int]], window: Shape3
+) -> tuple[np.ndarray, np.ndarray]:
+    """sum(w) as float32 factors: (Z,) along z and (Y, X) in the plane.
+
+    float32, so the division happens in place and allocates nothing volume-sized; both paths
+    divide by these same arrays, first by the plane, then by z.
+    """
+    norm_z = weight_sum_1d(shape[0], window[0], starts[0]).astype(np.float32)
+    norm_yx = np.outer(
+        weight_sum_1d(shape[1], window[1], starts[1]),
+        weight_sum_1d(shape[2], window[2], starts[2]),
+    ).astype(np.float32)
+    return norm_z, norm_yx
+
+
 class BlendAccumulator:
     """Weighted probabilities of the z-range [z0, z0 + depth) that is not yet written.
 
@@ -271,12 +310,7 @@ class BlendAccumulator:
         self.z0 = 0
         self.acc = np.zeros((0, *shape[1:]), np.float32)
         self.peak_bytes = 0
-        self.norm_z = weight_sum_1d(shape[0], window[0], starts[0]).astype(np.float32)
-        # float32, so a flush divides in place and allocates nothing volume-sized.
-        self.norm_yx = np.outer(
-            weight_sum_1d(shape[1], window[1], starts[1]),
-            weight_sum_1d(shape[2], window[2], starts[2]),
-        ).astype(np.float32)
+        self.norm_z, self.norm_yx = weight_norms(shape, starts, window)
 
     def grow_to(self, z1: int) -> None:
         """Extend the held range to end at z1, keeping the unflushed remainder."""
@@ -308,13 +342,17 @@ class BlendAccumulator:
         self.z0 = z_to
 
 
-def _check_settings(overlap: float, batch_size: int, memory_budget_mb: float) -> None:
+def _check_settings(
+    overlap: float, batch_size: int, memory_budget_mb: float, device_budget_mb: float | None = None
+) -> None:
     if not 0 <= overlap < 1:
         raise CtsegError(f"overlap={overlap!r}: expected 0 <= overlap < 1")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise CtsegError(f"batch_size={batch_size!r}: expected a positive integer")
     if not memory_budget_mb > 0:
         raise CtsegError(f"memory_budget_mb={memory_budget_mb!r}: expected a positive number")
+    if device_budget_mb is not None and not device_budget_mb >= 0:
+        raise CtsegError(f"device_budget_mb={device_budget_mb!r}: expected a number >= 0")
 
 
 def _plane_bytes(image: zarr.Array, window: Shape3) -> tuple[int, int]:
@@ -330,6 +368,118 @@ def _crops(x: np.ndarray, z0: int, batch: Sequence[Shape3], window: Shape3) -> n
     return np.stack([x[z - z0 : z - z0 + wz, y : y + wy, xx : xx + wx] for z, y, xx in batch])
 
 
+# ----------------------------------------------------------------------------- resident
+def padded_shape(shape: Sequence[int], window: Sequence[int]) -> Shape3:
+    """The volume zero-padded at the far end of every axis shorter than the window."""
+    return tuple(max(int(s), int(w)) for s, w in zip(shape, window, strict=True))  # type: ignore[return-value]
+
+
+def resident_bytes(
+    shape: Sequence[int], window: Sequence[int], itemsize: int, batch_size: int
+) -> int:
+    """Working set of the resident path (see the module docstring), model activations excluded
+    as in the streaming budget: float32 input and accumulator of the padded volume, the raw
+    volume, the float16 result on the device and on the host, and a batch of crops, outputs and
+    flipped outputs in float32."""
+    return (
+        8 * math.prod(padded_shape(shape, window))
+        + (itemsize + 4) * math.prod(shape)
+        + 12 * batch_size * math.prod(window)
+    )
+
+
+def _flip(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return t.flip(dims) if dims else t
+
+
+def _blend_resident(
+    model: torch.nn.Module,
+    image: zarr.Array,
+    low: float,
+    high: float,
+    win: Shape3,
+    starts: Sequence[Sequence[int]],
+    *,
+    batch_size: int,
+    tta_flips: bool,
+    device: torch.device,
+    amp: bool,
+    progress: tqdm | None = None,
+) -> np.ndarray:
+    """Blended probabilities of the whole volume, computed on `device`, as a float16 host array.
+
+    The caller puts the model in eval mode on `device` and holds `torch.inference_mode`.
+    """
+    shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
+    padded = padded_shape(shape, win)
+    # Read and normalised on the host by the same function as the streamed slabs (identical
+    # inputs on both paths), then one copy to the device.
+    x = torch.from_numpy(_read_slab(image, 0, shape[0], low, high, padded)).to(device)
+    acc = torch.zeros(padded, dtype=torch.float32, device=device)
+    flips = FLIP_DIMS if tta_flips else ((),)
+    weight = torch.from_numpy(gaussian_importance_map(win)).to(device)
+    if len(flips) > 1:
+        weight /= len(flips)  # the TTA mean folded into the weight (exact: a power of two)
+    # (window, flip) pairs in window-major order; FLIP_DIMS index (B, C, Z, Y, X), a crop is
+    # (Z, Y, X).
+    items = [
+        (pos, tuple(d - 2 for d in dims)) for pos in itertools.product(*starts) for dims in flips
+    ]
+    wz, wy, wx = win
+    for k in range(0, len(items), batch_size):
+        batch = items[k : k + batch_size]
+        crops = torch.stack(
+            [_flip(x[z : z + wz, y : y + wy, xx : xx + wx], dims) for (z, y, xx), dims in batch]
+        )[:, None]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(crops)
+        _check_output(logits, crops)
+        probs = torch.sigmoid(logits.float())[:, 0].mul_(weight)
+        for ((z, y, xx), dims), p in zip(batch, probs, strict=True):
+            acc[z : z + wz, y : y + wy, xx : xx + wx] += _flip(p, dims)
+        if progress is not None:
+            progress.update(len(batch) / len(flips))
+    del x
+    norm_z, norm_yx = weight_norms(shape, starts, win)
+    result = acc[: shape[0], : shape[1], : shape[2]]
+    result /= torch.from_numpy(norm_yx).to(device)
+    result /= torch.from_numpy(norm_z).to(device)[:, None, None]
+    return result.half().cpu().numpy()
+
+
+def predict_volume(
+    model: torch.nn.Module,
+    image_store: Path,
+    *,
+    window: Sequence[int],
+    overlap: float = 0.5,
+    batch_size: int = 4,
+    tta_flips: bool = False,
+    device: str | torch.device = "cpu",
+    amp: bool | None = None,
+) -> np.ndarray:
+    """Blended probabilities of a whole volume, held on `device`, as a float16 host array.
+
+    The resident path of `infer_volume` without the store: the volume must fit the device.
+    """
+    win = _check_window(window)
+    _check_settings(overlap, batch_size, 1)
+    image, low, high = open_image(Path(image_store))
+    starts = [window_starts(int(s), w, overlap) for s, w in zip(image.shape, win, strict=True)]
+    dev = torch.device(device)
+    tune_malloc()
+    was_training = model.training
+    model.to(dev).eval()
+    try:
+        with torch.inference_mode():
+            return _blend_resident(
+                model, image, low, high, win, starts, batch_size=batch_size,
+                tta_flips=tta_flips, device=dev, amp=resolve_amp(amp, dev),
+            )  # fmt: skip
+    finally:
+        model.train(was_training)
+
+
 def infer_volume(
     model: torch.nn.Module,
     image_store: Path,
@@ -342,29 +492,34 @@ def infer_volume(
     device: str | torch.device = "cpu",
     amp: bool | None = None,
     memory_budget_mb: float = 512,
+    device_budget_mb: float | None = None,
 ) -> dict[str, Any]:
-    """Blended sliding-window probabilities of `image_store`, streamed to a float16 Zarr store.
+    """Blended sliding-window probabilities of `image_store`, written to a float16 Zarr store.
 
-    The model is moved to `device` and run in eval mode (its training flag is restored after).
-    The store is chunked like the input and written atomically. Returns counts and timings.
+    Resident on `device` when `resident_bytes` fits ``device_budget_mb`` (None: the same as
+    ``memory_budget_mb``; 0 always streams), else streamed in z-slabs under
+    ``memory_budget_mb`` (module docstring). The model is moved to `device` and run in eval
+    mode (its training flag is restored after). The store is chunked like the input and
+    written atomically. Returns counts and timings.
     """
     image_store, prob_store = Path(image_store), Path(prob_store)
     win = _check_window(window)
-    _check_settings(overlap, batch_size, memory_budget_mb)
+    _check_settings(overlap, batch_size, memory_budget_mb, device_budget_mb)
     image, low, high = open_image(image_store)
     shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
     dev = torch.device(device)
     use_amp = resolve_amp(amp, dev)
 
     starts = [window_starts(s, w, overlap) for s, w in zip(shape, win, strict=True)]
+    n_flips = len(FLIP_DIMS) if tta_flips else 1
+    needed = resident_bytes(shape, win, image.dtype.itemsize, batch_size)
+    device_budget = (memory_budget_mb if device_budget_mb is None else device_budget_mb) * 2**20
+    resident = needed <= device_budget
     plane_acc, plane_in = _plane_bytes(image, win)
     budget = memory_budget_mb * 2**20
     slabs = plan_slabs(
         shape[0], win[0], starts[0], int(image.chunks[0]), plane_acc, plane_in, budget
     )
-    padded = (win[0], max(shape[1], win[1]), max(shape[2], win[2]))
-    weight = torch.from_numpy(gaussian_importance_map(win)).to(dev)
-    blend = BlendAccumulator(shape, starts, win)
     n_windows = math.prod(len(s) for s in starts)
     attributes = {
         "source": str(image_store),
@@ -386,24 +541,17 @@ def infer_volume(
     try:
         with atomic_path(prob_store) as tmp, torch.inference_mode():
             out = create_volume(tmp, shape, np.float16, image.chunks, attributes=attributes)
-            for slab in slabs:
-                blend.grow_to(slab.z1)
-                x = _read_slab(image, slab.z0, slab.z1, low, high, padded)
-                positions = list(itertools.product(slab.rows, starts[1], starts[2]))
-                for k in range(0, len(positions), batch_size):
-                    batch = positions[k : k + batch_size]
-                    probs = predict_windows(
-                        model,
-                        _crops(x, slab.z0, batch, win),
-                        weight,
-                        tta_flips=tta_flips,
-                        device=dev,
-                        amp=use_amp,
-                    )
-                    blend.add(probs, batch)
-                    bar.update(len(batch))
-                del x  # the next slab's input is read before this one would be collected
-                blend.flush(slab.flush_to, out)
+            if resident:
+                out[...] = _blend_resident(
+                    model, image, low, high, win, starts, batch_size=batch_size,
+                    tta_flips=tta_flips, device=dev, amp=use_amp, progress=bar,
+                )  # fmt: skip
+                accumulator_bytes = 4 * math.prod(padded_shape(shape, win))
+            else:
+                accumulator_bytes = _blend_streamed(
+                    model, image, low, high, win, starts, slabs, out, batch_size=batch_size,
+                    tta_flips=tta_flips, device=dev, amp=use_amp, progress=bar,
+                )  # fmt: skip
     finally:
         bar.close()
         model.train(was_training)
@@ -412,14 +560,59 @@ def infer_volume(
         "shape": list(shape),
         "window": list(win),
         "windows": n_windows,
-        "forward_windows": n_windows * (len(FLIP_DIMS) if tta_flips else 1),
-        "slabs": len(slabs),
-        "accumulator_peak_mb": blend.peak_bytes / 2**20,
-        "budget_exceeded": max(slab_costs(slabs, plane_acc, plane_in)) > budget,
+        "forward_windows": n_windows * n_flips,
+        "mode": "resident" if resident else "streamed",
+        "resident_mb": needed / 2**20,
+        "device_budget_mb": device_budget / 2**20,
+        "slabs": 1 if resident else len(slabs),
+        "accumulator_peak_mb": accumulator_bytes / 2**20,
+        "budget_exceeded": not resident and max(slab_costs(slabs, plane_acc, plane_in)) > budget,
         "amp": use_amp,
         "seconds": seconds,
         "voxels_per_s": math.prod(shape) / seconds if seconds > 0 else float("inf"),
     }
+
+
+def _blend_streamed(
+    model: torch.nn.Module,
+    image: zarr.Array,
+    low: float,
+    high: float,
+    win: Shape3,
+    starts: Sequence[Sequence[int]],
+    slabs: Sequence[Slab],
+    out: zarr.Array,
+    *,
+    batch_size: int,
+    tta_flips: bool,
+    device: torch.device,
+    amp: bool,
+    progress: tqdm,
+) -> int:
+    """Slab by slab into `out`; returns the accumulator's peak bytes."""
+    shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
+    padded = (win[0], max(shape[1], win[1]), max(shape[2], win[2]))
+    weight = torch.from_numpy(gaussian_importance_map(win)).to(device)
+    blend = BlendAccumulator(shape, starts, win)
+    for slab in slabs:
+        blend.grow_to(slab.z1)
+        x = _read_slab(image, slab.z0, slab.z1, low, high, padded)
+        positions = list(itertools.product(slab.rows, starts[1], starts[2]))
+        for k in range(0, len(positions), batch_size):
+            batch = positions[k : k + batch_size]
+            probs = predict_windows(
+                model,
+                _crops(x, slab.z0, batch, win),
+                weight,
+                tta_flips=tta_flips,
+                device=device,
+                amp=amp,
+            )
+            blend.add(probs, batch)
+            progress.update(len(batch))
+        del x  # the next slab's input is read before this one would be collected
+        blend.flush(slab.flush_to, out)
+    return blend.peak_bytes
 
 
 def slab_costs(slabs: Sequence[Slab], plane_acc: int, plane_in: int) -> list[int]:
@@ -550,6 +743,7 @@ def infer_records(
     window: Sequence[int] | None = None,
     amp: bool | None = None,
     memory_budget_mb: float = 512,
+    device_budget_mb: float | None = None,
 ) -> list[dict[str, Any]]:
     """`<out_dir>/<id>.tif` and `<prob_dir>/<id>.zarr` for every image store; one row each.
 
@@ -576,6 +770,7 @@ def infer_records(
             device=dev,
             amp=amp,
             memory_budget_mb=memory_budget_mb,
+            device_budget_mb=device_budget_mb,
         )
         post = postprocess(
             prob,

@@ -14,7 +14,12 @@ rule infer:
     threads: 2
     resources:
         gpu=1,
-        mem_mb=lambda wildcards: 2000 + 2 * config["infer"]["memory_budget_mb"],
+        # Streamed: twice the slab budget; resident on a CPU: the device budget is host memory.
+        mem_mb=lambda wildcards: 2000
+        + max(
+            2 * config["infer"]["memory_budget_mb"],
+            config["infer"]["device_budget_mb"],
+        ),
     params:
         overlap=config["infer"]["overlap"],
         batch=config["infer"]["batch_size"],
@@ -23,12 +28,14 @@ rule infer:
         min_size=config["infer"]["min_component_voxels"],
         fill="--fill-holes" if config["infer"]["fill_holes"] else "",
         budget=config["infer"]["memory_budget_mb"],
+        device_budget=config["infer"]["device_budget_mb"],
     shell:
         "ctseg infer {input.weights:q} {input.image:q} --mask {output.mask:q} "
         "--probabilities {output.probabilities:q} --overlap {params.overlap} "
         "--batch-size {params.batch} {params.tta} --threshold {params.threshold} "
         "--min-component-voxels {params.min_size} {params.fill} "
-        "--memory-budget-mb {params.budget} > {log} 2>&1"
+        "--memory-budget-mb {params.budget} --device-budget-mb {params.device_budget} "
+        "> {log} 2>&1"
 
 
 rule predict:

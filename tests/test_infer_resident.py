@@ -1,0 +1,183 @@
+"""Resident inference (whole volume on the device) against streaming, and the budget's choice."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+from torch import nn
+
+from ctseg import infer
+from ctseg.cli import main as cli_main
+from ctseg.io import CtsegError
+from ctseg.model import build_model
+from ctseg.store import create_volume, open_volume
+from ctseg.train import save_checkpoint
+
+LOW, HIGH = 20.0, 220.0
+
+
+def image_store(path: Path, shape, chunks=(8, 16, 16), seed=0) -> Path:
+    rng = np.random.default_rng(seed)
+    zz = np.arange(shape[0])[:, None, None]
+    volume = np.clip(rng.integers(0, 256, size=shape) * 0.5 + 100 * np.sin(zz / 5.0) + 60, 0, 255)
+    attributes = {"p0_5": LOW, "p99_5": HIGH}
+    arr = create_volume(path, shape, np.uint8, chunks, attributes=attributes)
+    arr[...] = volume.astype(np.uint8)
+    return path
+
+
+def decisive_unet(seed=0) -> nn.Module:
+    """A random U-Net whose logits are spread out (so the mask is not a coin toss at 0.5)."""
+    torch.manual_seed(seed)
+    model = build_model({"filters": [4, 8]}).eval()
+    head = model.heads[0]
+    with torch.no_grad():
+        head.weight.mul_(8)
+        head.bias.zero_()
+        # Centre the logits on an input like the test volumes: about half the mask is 1.
+        head.bias.sub_(model(torch.rand(1, 1, 16, 16, 16)).median())
+    return model
+
+
+class Recorder(nn.Module):
+    """Records the batch size of every forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.batches: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batches.append(x.shape[0])
+        return self.inner(x)
+
+
+def run(tmp_path, store, name, model, **kw):
+    kw.setdefault("window", (16, 16, 16))
+    kw.setdefault("batch_size", 3)
+    info = infer.infer_volume(model, store, tmp_path / f"{name}.zarr", **kw)
+    prob = open_volume(tmp_path / f"{name}.zarr")
+    assert prob.dtype == np.float16
+    mask = tmp_path / f"{name}.tif"
+    infer.postprocess(tmp_path / f"{name}.zarr", mask, threshold=0.5)
+    return info, prob[...].astype(np.float32), tifffile.imread(mask)
+
+
+@pytest.mark.parametrize(
+    "shape,tta",
+    [
+        ((44, 30, 34), False),  # several slabs when streamed
+        ((40, 12, 20), False),  # y smaller than the window: padded on both paths
+        ((20, 18, 16), True),  # flip TTA, with flips batched across windows
+    ],
+)
+def test_resident_equals_streamed(tmp_path, shape, tta):
+    store = image_store(tmp_path / "img.zarr", shape)
+    model = decisive_unet()
+    streamed, p_s, m_s = run(tmp_path, store, "s", model, memory_budget_mb=0.02, tta_flips=tta)
+    resident, p_r, m_r = run(
+        tmp_path, store, "r", model, memory_budget_mb=0.02, device_budget_mb=64, tta_flips=tta
+    )
+    assert streamed["mode"] == "streamed" and resident["mode"] == "resident"
+    assert resident["slabs"] == 1
+    if shape[0] > 32:
+        assert streamed["slabs"] > 1
+    # float16 storage: one unit in the last place at 0.5..1 is 2^-11.
+    np.testing.assert_allclose(p_r, p_s, atol=2**-11, rtol=0)
+    assert 0.05 < m_r.mean() < 0.95  # the mask comparison is not trivial
+    np.testing.assert_array_equal(m_r, m_s)
+
+
+def test_the_device_budget_decides_resident_or_streamed(tmp_path):
+    shape, window, batch = (40, 24, 24), (16, 16, 16), 3
+    store = image_store(tmp_path / "img.zarr", shape)
+    needed = infer.resident_bytes(shape, window, 1, batch)
+    assert needed >= 8 * math.prod(shape)  # at least the float32 input and accumulator
+    model = nn.Conv3d(1, 1, 1)
+    kw = {"window": window, "batch_size": batch, "memory_budget_mb": 0.05}
+    fits = infer.infer_volume(
+        model, store, tmp_path / "a.zarr", device_budget_mb=needed / 2**20, **kw
+    )
+    over = infer.infer_volume(
+        model, store, tmp_path / "b.zarr", device_budget_mb=(needed - 1) / 2**20, **kw
+    )
+    never = infer.infer_volume(model, store, tmp_path / "c.zarr", device_budget_mb=0, **kw)
+    # No device budget given: the host budget decides (a CPU's device is the host).
+    default_small = infer.infer_volume(model, store, tmp_path / "d.zarr", **kw)
+    default_big = infer.infer_volume(model, store, tmp_path / "e.zarr", window=window,
+                                     batch_size=batch, memory_budget_mb=needed / 2**20)  # fmt: skip
+    assert fits["mode"] == "resident" and fits["resident_mb"] == pytest.approx(needed / 2**20)
+    assert over["mode"] == never["mode"] == default_small["mode"] == "streamed"
+    assert over["slabs"] > 1
+    assert default_big["mode"] == "resident"
+    reference = open_volume(tmp_path / "a.zarr")[...]
+    for name in "bcde":
+        np.testing.assert_array_equal(open_volume(tmp_path / f"{name}.zarr")[...], reference)
+
+
+def test_flips_and_windows_share_full_batches(tmp_path):
+    shape, batch = (20, 18, 16), 5
+    store = image_store(tmp_path / "img.zarr", shape)
+    recorder = Recorder(nn.Conv3d(1, 1, 1))
+    info, _, _ = run(
+        tmp_path, store, "t", recorder, window=(12, 12, 12), batch_size=batch,
+        tta_flips=True, device_budget_mb=64,
+    )  # fmt: skip
+    items = info["windows"] * 8
+    assert info["mode"] == "resident" and info["forward_windows"] == items
+    assert sum(recorder.batches) == items
+    assert recorder.batches[:-1] == [batch] * (len(recorder.batches) - 1)
+    assert len(recorder.batches) == math.ceil(items / batch)  # not 8 * ceil(windows / batch)
+
+
+def test_predict_volume_returns_what_infer_volume_writes(tmp_path):
+    store = image_store(tmp_path / "img.zarr", (30, 20, 26))
+    model = decisive_unet(seed=2)
+    model.train()
+    probs = infer.predict_volume(model, store, window=(16, 16, 16), batch_size=2)
+    assert model.training  # the training flag is restored
+    assert probs.dtype == np.float16 and probs.shape == (30, 20, 26)
+    info = infer.infer_volume(
+        model, store, tmp_path / "p.zarr", window=(16, 16, 16), batch_size=2, device_budget_mb=64
+    )
+    assert info["mode"] == "resident"
+    np.testing.assert_array_equal(open_volume(tmp_path / "p.zarr")[...], probs)
+
+
+def test_resident_path_errors_leave_no_output(tmp_path):
+    store = image_store(tmp_path / "img.zarr", (16, 16, 16))
+    with pytest.raises(CtsegError, match="expected one channel"):
+        infer.infer_volume(
+            nn.Conv3d(1, 2, 1), store, tmp_path / "p.zarr", window=(8, 8, 8), device_budget_mb=64
+        )
+    assert not (tmp_path / "p.zarr").exists()
+    with pytest.raises(CtsegError, match="device_budget_mb"):
+        infer.infer_volume(
+            nn.Conv3d(1, 1, 1), store, tmp_path / "p.zarr", window=(8, 8, 8), device_budget_mb=-1
+        )
+
+
+def test_cli_passes_the_device_budget(tmp_path, capsys):
+    store = image_store(tmp_path / "img.zarr", (24, 20, 20))
+    model = decisive_unet()
+    weights = tmp_path / "last.pt"
+    save_checkpoint(
+        weights,
+        {"model": model.state_dict(), "model_config": {"filters": [4, 8]},
+         "patch_size": [16, 16, 16]},
+    )  # fmt: skip
+    modes = []
+    for budget in ("0", "64"):
+        assert cli_main([
+            "infer", str(weights), str(store), "--mask", str(tmp_path / f"m{budget}.tif"),
+            "--probabilities", str(tmp_path / f"p{budget}.zarr"), "--memory-budget-mb", "0.02",
+            "--device-budget-mb", budget, "--device", "cpu",
+        ]) == 0  # fmt: skip
+        modes.append(json.loads(capsys.readouterr().out)["inference"]["mode"])
+    assert modes == ["streamed", "resident"]
