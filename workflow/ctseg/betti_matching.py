@@ -1,0 +1,495 @@
+"""Exact Betti matching of two binary 3D masks, as Betti-Matching-3D computes it.
+
+TopoScore (DOMAIN.md, "The competition metric", 4.) needs, per octant tile and per dimension
+k, the number m_k of persistence intervals of the prediction that Betti matching pairs with
+intervals of the label. The reference computes it with Betti-Matching-3D (Stucki et al., ICML
+2023, and the efficient 3D algorithm of Stucki et al., 2024): induced matchings (Bauer and
+Lesnick) of both barcodes into the barcode of the comparison image. This module computes the
+same counts with numpy and numba; it was written from the method, not from that code.
+
+The set-up the reference uses
+-----------------------------
+* Inputs are the *inverted* masks (segmentation = 0, background = 1) and the comparison image
+  is their pointwise minimum, whose value-0 set is the union U of the two masks.
+* V-construction cubical complex: voxels are vertices, a cell's value is the max of its
+  vertices. The value-0 sublevel set of input k is the cubical complex K_k of mask k with
+  6-connected foreground; its complement behaves 26-connected. The value-1 set is the whole
+  tile, which is contractible, so every interval is [0, 1) except one essential component.
+* Ties are broken by a total order: value first, then the cell's index, lexicographic in
+  (axis 0, axis 1, axis 2, type), where the type of an edge is its direction and the type of a
+  square is the axis it is normal to. All results below depend on this order, so it is
+  reproduced exactly. Intervals of zero length (birth and death at the same value) are ignored.
+
+Why a binary filtration makes this cheap
+----------------------------------------
+With only the values 0 and 1 every counted interval is born at 0 and dies at 1, so the induced
+matching is decided purely by the tie-breaking order and by which side of the 0/1 split the
+cells of a class lie on. Working that out per dimension:
+
+* Dimension 0 (union-find over voxels, edges in the comparison image's order). After all
+  value-0 edges of the comparison image, its components are the 6-connected components of U
+  and background singletons. The value-1 edges then merge components one at a time in index
+  order. A merge is a matched pair exactly when both merging components contain prediction
+  voxels *and* label voxels: then the younger side's oldest prediction voxel is the birth of a
+  finite prediction interval, likewise for the label, and the comparison interval has positive
+  length. The count is order-dependent (a prediction-only and a label-only component that meet
+  first create a new "full" component), so the merges are replayed in the reference's order.
+* Dimension 2 (union-find on the dual graph: 2x2x2 cubes plus one outside vertex, squares
+  processed in reverse order, the older component being the one with the larger value, then
+  the larger index). Each input's pass also tracks, for every merge that is an interval of that
+  input, the death cube that the *comparison* image's values give the merged class (the image
+  of that interval); a comparison interval is matched when its death cube was recorded by both
+  inputs' passes. Three replayed union-finds per tile.
+* Dimension 1 (matrix reduction). The reference reduces the comparison image's squares
+  (columns in the comparison's order) with edges ordered by input k's values (the image
+  barcode), and matches a comparison interval with death square t when both image pivots of t
+  are births of finite input intervals. For binary inputs this simplifies: an image pivot e of
+  t has input value 0 exactly when the reduced column is a cycle inside K_k; e is then the
+  largest edge of a cycle in K_k, hence a positive edge, and it cannot be killed by a value-0
+  square of input k (that square's reduced column lies in the span the column was reduced
+  against, and adding it would lower the pivot below e). So e is always the birth of a finite
+  interval of input k, and a value-1 square t is matched iff *both* image reductions give it a
+  pivot of input value 0. The comparison's own and the inputs' own reductions are not needed:
+  two image reductions per tile. Pivots of a reduced boundary matrix do not depend on how the
+  reduction is carried out, so a plain left-to-right reduction (with stored reduced columns)
+  gives the reference's pivots; squares that the dimension-2 pass found positive in the
+  comparison image reduce to zero and are skipped (clearing), as the reference does.
+
+The per-tile feature counts p_k and g_k are computed elsewhere (`ctseg.metrics`) from Betti
+numbers; this module only supplies m_k.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# A row's rank in input k's order: value in the high bits, the cell index below it.
+_VALUE_SHIFT = 40
+_KEY_MASK = (1 << _VALUE_SHIFT) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Union-find helpers
+
+
+@njit(cache=True)
+def _find(parent: np.ndarray, x: int) -> int:
+    root = x
+    while parent[root] != root:
+        root = parent[root]
+    while parent[x] != root:  # path compression
+        nxt = parent[x]
+        parent[x] = root
+        x = nxt
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Dimension 0
+
+
+@njit(cache=True)
+def _dim0_matched(pred: np.ndarray, gt: np.ndarray) -> int:
+    """Matched finite dimension-0 intervals of one tile (pred, gt: 3D uint8, 1 = foreground)."""
+    nx, ny, nz = pred.shape
+    n = nx * ny * nz
+    p = pred.ravel()
+    g = gt.ravel()
+    parent = np.arange(n)
+    # bit 0: the component holds prediction voxels, bit 1: label voxels.
+    flags = (p + 2 * g).astype(np.uint8)
+    strides = (ny * nz, nz, 1)
+    # Phase 1: value-0 edges of the comparison image (both ends in the union). No interval of
+    # positive length ends here, so only the partition and the flags matter, not the order.
+    for v in range(n):
+        if p[v] == 0 and g[v] == 0:
+            continue
+        x, y, z = v // (ny * nz), (v // nz) % ny, v % nz
+        for t in range(3):
+            if (t == 0 and x + 1 >= nx) or (t == 1 and y + 1 >= ny) or (t == 2 and z + 1 >= nz):
+                continue
+            w = v + strides[t]
+            if p[w] == 0 and g[w] == 0:
+                continue
+            a, b = _find(parent, v), _find(parent, w)
+            if a != b:
+                parent[b] = a
+                flags[a] |= flags[b]
+    # Phase 2: value-1 edges in index order; a merge of two components that both hold
+    # prediction and label voxels is a matched pair.
+    matched = 0
+    for v in range(n):
+        x, y, z = v // (ny * nz), (v // nz) % ny, v % nz
+        in_union = p[v] != 0 or g[v] != 0
+        for t in range(3):
+            if (t == 0 and x + 1 >= nx) or (t == 1 and y + 1 >= ny) or (t == 2 and z + 1 >= nz):
+                continue
+            w = v + strides[t]
+            if in_union and (p[w] != 0 or g[w] != 0):
+                continue  # a value-0 edge, already processed
+            a, b = _find(parent, v), _find(parent, w)
+            if a == b:
+                continue
+            if flags[a] == 3 and flags[b] == 3:
+                matched += 1
+            parent[b] = a
+            flags[a] |= flags[b]
+    return matched
+
+
+# ---------------------------------------------------------------------------------------------
+# Dimension 2 (dual union-find) and the comparison image's positive squares
+
+
+@njit(cache=True)
+def _cube_values(fg: np.ndarray) -> np.ndarray:
+    """Value of every 2x2x2 cube (1 unless all 8 voxels are foreground), flattened, then the
+    outside vertex (2)."""
+    nx, ny, nz = fg.shape
+    # One extra entry for the outside vertex, whose value (infinite there) exceeds every cube's.
+    out = np.full((nx - 1) * (ny - 1) * (nz - 1) + 1, 2, dtype=np.uint8)
+    i = 0
+    for x in range(nx - 1):
+        for y in range(ny - 1):
+            for z in range(nz - 1):
+                full = True
+                for dx in range(2):
+                    for dy in range(2):
+                        for dz in range(2):
+                            if fg[x + dx, y + dy, z + dz] == 0:
+                                full = False
+                out[i] = 0 if full else 1
+                i += 1
+    return out
+
+
+@njit(cache=True)
+def _square_value(fg: np.ndarray, x: int, y: int, z: int, t: int) -> int:
+    """0 when all 4 voxels of the square are foreground, else 1 (squares must exist)."""
+    if t == 0:  # normal to axis 0: spans axes 1 and 2
+        ok = fg[x, y, z] & fg[x, y, z + 1] & fg[x, y + 1, z] & fg[x, y + 1, z + 1]
+    elif t == 1:  # spans axes 0 and 2
+        ok = fg[x, y, z] & fg[x, y, z + 1] & fg[x + 1, y, z] & fg[x + 1, y, z + 1]
+    else:  # spans axes 0 and 1
+        ok = fg[x, y, z] & fg[x, y + 1, z] & fg[x + 1, y, z] & fg[x + 1, y + 1, z]
+    return 0 if ok else 1
+
+
+@njit(cache=True)
+def _square_order(fg: np.ndarray) -> np.ndarray:
+    """Keys (voxel * 3 + type) of all squares, value-0 squares first, each part by key."""
+    nx, ny, nz = fg.shape
+    n = nx * ny * nz
+    zeros = np.empty(3 * n, dtype=np.int64)
+    ones = np.empty(3 * n, dtype=np.int64)
+    n0 = 0
+    n1 = 0
+    for x in range(nx):
+        for y in range(ny):
+            for z in range(nz):
+                v = (x * ny + y) * nz + z
+                for t in range(3):
+                    if t == 0 and (y + 1 >= ny or z + 1 >= nz):
+                        continue
+                    if t == 1 and (x + 1 >= nx or z + 1 >= nz):
+                        continue
+                    if t == 2 and (x + 1 >= nx or y + 1 >= ny):
+                        continue
+                    if _square_value(fg, x, y, z, t) == 0:
+                        zeros[n0] = v * 3 + t
+                        n0 += 1
+                    else:
+                        ones[n1] = v * 3 + t
+                        n1 += 1
+    out = np.empty(n0 + n1, dtype=np.int64)
+    out[:n0] = zeros[:n0]
+    out[n0:] = ones[:n1]
+    return out
+
+
+@njit(cache=True)
+def _dual_ends(key: int, nx: int, ny: int, nz: int) -> tuple[int, int]:
+    """The two cubes (or the outside vertex) on either side of a square."""
+    mx, my, mz = nx - 1, ny - 1, nz - 1
+    outside = mx * my * mz
+    v, t = key // 3, key % 3
+    x, y, z = v // (ny * nz), (v // nz) % ny, v % nz
+    if t == 0:
+        a = outside if x == 0 else ((x - 1) * my + y) * mz + z
+        b = outside if x == mx else (x * my + y) * mz + z
+    elif t == 1:
+        a = outside if y == 0 else (x * my + y - 1) * mz + z
+        b = outside if y == my else (x * my + y) * mz + z
+    else:
+        a = outside if z == 0 else (x * my + y) * mz + z - 1
+        b = outside if z == mz else (x * my + y) * mz + z
+    return a, b
+
+
+@njit(cache=True)
+def _dual_older(values: np.ndarray, a: int, b: int) -> bool:
+    """True when cube a is older than b in the dual order: larger value, then larger index."""
+    if values[a] != values[b]:
+        return values[a] > values[b]
+    return a > b
+
+
+@njit(cache=True)
+def _dual_image_deaths(
+    fg: np.ndarray, values: np.ndarray, comp_values: np.ndarray
+) -> np.ndarray:
+    """One input's dual pass: a mask over cubes of the comparison-image death cubes of its
+    finite dimension-2 intervals (the image of each interval in the comparison image)."""
+    nx, ny, nz = fg.shape
+    n_cubes = values.shape[0] - 1
+    parent = np.arange(n_cubes + 1)
+    # Per root: the oldest cube of the component in the input's and the comparison's values.
+    best_in = np.arange(n_cubes + 1)
+    best_comp = np.arange(n_cubes + 1)
+    recorded = np.zeros(n_cubes + 1, dtype=np.uint8)
+    order = _square_order(fg)
+    for i in range(order.shape[0] - 1, -1, -1):
+        key = order[i]
+        a, b = _dual_ends(key, nx, ny, nz)
+        ra, rb = _find(parent, a), _find(parent, b)
+        if ra == rb:
+            continue
+        # The younger component in the input's order dies here.
+        if _dual_older(values, best_in[ra], best_in[rb]):
+            young_in = best_in[rb]
+        else:
+            young_in = best_in[ra]
+        if _dual_older(comp_values, best_comp[ra], best_comp[rb]):
+            young_comp = best_comp[rb]
+            keep_comp = best_comp[ra]
+        else:
+            young_comp = best_comp[ra]
+            keep_comp = best_comp[rb]
+        keep_in = best_in[ra] if young_in == best_in[rb] else best_in[rb]
+        v, t = key // 3, key % 3
+        face_value = _square_value(fg, v // (ny * nz), (v // nz) % ny, v % nz, t)
+        if face_value != values[young_in]:
+            recorded[young_comp] = 1
+        parent[rb] = ra
+        best_in[ra] = keep_in
+        best_comp[ra] = keep_comp
+    return recorded
+
+
+@njit(cache=True)
+def _dim2_matched_and_clearing(
+    pred: np.ndarray, gt: np.ndarray, union: np.ndarray
+) -> tuple[int, np.ndarray]:
+    """Matched dimension-2 intervals, and a mask over square keys of the squares that are
+    positive in the comparison image (they reduce to zero in dimension 1 and are skipped)."""
+    nx, ny, nz = pred.shape
+    positive = np.zeros(3 * nx * ny * nz, dtype=np.uint8)
+    if nx < 2 or ny < 2 or nz < 2:
+        return 0, positive  # no cubes: the reference computes nothing in dimension 2
+    n_cubes = (nx - 1) * (ny - 1) * (nz - 1)
+    values_p = _cube_values(pred)
+    values_g = _cube_values(gt)
+    values_c = _cube_values(union)
+    seen_p = _dual_image_deaths(pred, values_p, values_c)
+    seen_g = _dual_image_deaths(gt, values_g, values_c)
+    parent = np.arange(n_cubes + 1)
+    best = np.arange(n_cubes + 1)
+    order = _square_order(union)
+    matched = 0
+    for i in range(order.shape[0] - 1, -1, -1):
+        key = order[i]
+        a, b = _dual_ends(key, nx, ny, nz)
+        ra, rb = _find(parent, a), _find(parent, b)
+        if ra == rb:
+            continue
+        positive[key] = 1
+        if _dual_older(values_c, best[ra], best[rb]):
+            young, keep = best[rb], best[ra]
+        else:
+            young, keep = best[ra], best[rb]
+        v, t = key // 3, key % 3
+        face_value = _square_value(union, v // (ny * nz), (v // nz) % ny, v % nz, t)
+        if face_value != values_c[young] and seen_p[young] and seen_g[young]:
+            matched += 1
+        parent[rb] = ra
+        best[ra] = keep
+    return matched, positive
+
+
+# ---------------------------------------------------------------------------------------------
+# Dimension 1: image reductions
+
+
+@njit(cache=True)
+def _edge_rank(fg: np.ndarray, x: int, y: int, z: int, t: int, key: int) -> int:
+    if t == 0:
+        both = fg[x, y, z] & fg[x + 1, y, z]
+    elif t == 1:
+        both = fg[x, y, z] & fg[x, y + 1, z]
+    else:
+        both = fg[x, y, z] & fg[x, y, z + 1]
+    value = 0 if both else 1
+    return (value << _VALUE_SHIFT) | key
+
+
+@njit(cache=True)
+def _boundary_ranks(fg: np.ndarray, key: int, out: np.ndarray) -> None:
+    """The 4 edges of square `key`, as ranks in the input's order, sorted ascending."""
+    nx, ny, nz = fg.shape
+    v, t = key // 3, key % 3
+    x, y, z = v // (ny * nz), (v // nz) % ny, v % nz
+    sx, sy = ny * nz, nz
+    if t == 0:  # edges along axes 1 and 2
+        out[0] = _edge_rank(fg, x, y, z, 1, 3 * v + 1)
+        out[1] = _edge_rank(fg, x, y, z + 1, 1, 3 * (v + 1) + 1)
+        out[2] = _edge_rank(fg, x, y, z, 2, 3 * v + 2)
+        out[3] = _edge_rank(fg, x, y + 1, z, 2, 3 * (v + sy) + 2)
+    elif t == 1:  # edges along axes 0 and 2
+        out[0] = _edge_rank(fg, x, y, z, 0, 3 * v)
+        out[1] = _edge_rank(fg, x, y, z + 1, 0, 3 * (v + 1))
+        out[2] = _edge_rank(fg, x, y, z, 2, 3 * v + 2)
+        out[3] = _edge_rank(fg, x + 1, y, z, 2, 3 * (v + sx) + 2)
+    else:  # edges along axes 0 and 1
+        out[0] = _edge_rank(fg, x, y, z, 0, 3 * v)
+        out[1] = _edge_rank(fg, x, y + 1, z, 0, 3 * (v + sy))
+        out[2] = _edge_rank(fg, x, y, z, 1, 3 * v + 1)
+        out[3] = _edge_rank(fg, x + 1, y, z, 1, 3 * (v + sx) + 1)
+    for i in range(1, 4):  # insertion sort of 4 values
+        value = out[i]
+        j = i - 1
+        while j >= 0 and out[j] > value:
+            out[j + 1] = out[j]
+            j -= 1
+        out[j + 1] = value
+
+
+@njit(cache=True)
+def _add_sorted(a: np.ndarray, na: int, b: np.ndarray, nb: int, out: np.ndarray) -> int:
+    """Symmetric difference of two ascending arrays (Z/2 column addition) into `out`."""
+    i = j = k = 0
+    while i < na and j < nb:
+        if a[i] < b[j]:
+            out[k] = a[i]
+            i += 1
+            k += 1
+        elif a[i] > b[j]:
+            out[k] = b[j]
+            j += 1
+            k += 1
+        else:
+            i += 1
+            j += 1
+    while i < na:
+        out[k] = a[i]
+        i += 1
+        k += 1
+    while j < nb:
+        out[k] = b[j]
+        j += 1
+        k += 1
+    return k
+
+
+@njit(cache=True)
+def _image_fg_pivots(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> np.ndarray:
+    """Reduce the comparison image's squares (`columns`, in its order) with edges ranked by
+    input `fg`; for every value-1 column (from index `first_value1` on) return 1 when its pivot
+    is an edge of value 0 in the input (both ends in the mask), else 0."""
+    nx, ny, nz = fg.shape
+    n_edges = 3 * nx * ny * nz
+    owner = np.full(n_edges, -1, dtype=np.int64)  # edge key -> column square key
+    stored_at = np.full(n_edges, -1, dtype=np.int64)  # -> offset of its reduced column, or -1
+    stored_len = np.zeros(n_edges, dtype=np.int32)
+    store = np.empty(1 << 16, dtype=np.int64)
+    store_used = 0
+    work = np.empty(1 << 12, dtype=np.int64)
+    spare = np.empty(1 << 12, dtype=np.int64)
+    other = np.empty(4, dtype=np.int64)
+    result = np.zeros(columns.shape[0] - first_value1, dtype=np.uint8)
+    for i in range(columns.shape[0]):
+        key = columns[i]
+        _boundary_ranks(fg, key, work)
+        length = 4
+        reduced = False
+        while length > 0:
+            pivot_edge = work[length - 1] & _KEY_MASK
+            j = owner[pivot_edge]
+            if j < 0:
+                break
+            reduced = True
+            if stored_at[pivot_edge] < 0:
+                _boundary_ranks(fg, j, other)
+                src = other
+                start, n_other = 0, 4
+            else:
+                src = store
+                start, n_other = stored_at[pivot_edge], stored_len[pivot_edge]
+            if length + n_other > spare.shape[0]:
+                size = 2 * (length + n_other)
+                spare = np.empty(size, dtype=np.int64)
+                grown = np.empty(size, dtype=np.int64)
+                grown[:length] = work[:length]
+                work = grown
+            length = _add_sorted(work, length, src[start : start + n_other], n_other, spare)
+            work, spare = spare, work
+        if length == 0:
+            continue  # a positive square: its boundary is already a boundary
+        pivot_edge = work[length - 1] & _KEY_MASK
+        owner[pivot_edge] = key
+        if reduced:
+            if store_used + length > store.shape[0]:
+                grown = np.empty(2 * (store_used + length), dtype=np.int64)
+                grown[:store_used] = store[:store_used]
+                store = grown
+            store[store_used : store_used + length] = work[:length]
+            stored_at[pivot_edge] = store_used
+            stored_len[pivot_edge] = length
+            store_used += length
+        if i >= first_value1 and (work[length - 1] >> _VALUE_SHIFT) == 0:
+            result[i - first_value1] = 1
+    return result
+
+
+def _dim1_matched(
+    pred: np.ndarray, gt: np.ndarray, union: np.ndarray, positive: np.ndarray
+) -> int:
+    order = _square_order(union)
+    keep = positive[order] == 0  # clearing: comparison-positive squares reduce to zero
+    n_zero = int(np.count_nonzero(_is_value0(union, order)))
+    columns = order[keep]
+    first_value1 = int(np.count_nonzero(keep[:n_zero]))
+    fg_pivot_p = _image_fg_pivots(pred, columns, first_value1)
+    fg_pivot_g = _image_fg_pivots(gt, columns, first_value1)
+    return int(np.count_nonzero(fg_pivot_p & fg_pivot_g))
+
+
+@njit(cache=True)
+def _is_value0(fg: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    nx, ny, nz = fg.shape
+    out = np.zeros(keys.shape[0], dtype=np.bool_)
+    for i in range(keys.shape[0]):
+        v, t = keys[i] // 3, keys[i] % 3
+        out[i] = _square_value(fg, v // (ny * nz), (v // nz) % ny, v % nz, t) == 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def matched_counts(pred: np.ndarray, gt: np.ndarray) -> tuple[int, int, int]:
+    """(m_0, m_1, m_2): matched finite intervals of one tile, as Betti-Matching-3D counts them
+    on the inverted masks. `pred` and `gt` are 3D boolean masks (True = segmentation) of the
+    same shape. Symmetric in its two arguments."""
+    pred = np.ascontiguousarray(pred, dtype=np.uint8)
+    gt = np.ascontiguousarray(gt, dtype=np.uint8)
+    if pred.shape != gt.shape or pred.ndim != 3:
+        raise ValueError(f"expected two 3D masks of one shape, got {pred.shape} and {gt.shape}")
+    if not pred.any() or not gt.any():
+        return 0, 0, 0  # nothing can be matched with an empty side
+    union = pred | gt
+    m0 = _dim0_matched(pred, gt)
+    m2, positive = _dim2_matched_and_clearing(pred, gt, union)
+    m1 = _dim1_matched(pred, gt, union, positive)
+    return int(m0), int(m1), int(m2)
