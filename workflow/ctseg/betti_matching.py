@@ -85,6 +85,17 @@ def _find(parent: np.ndarray, x: int) -> int:
     return root
 
 
+@njit(cache=True)
+def _union(parent: np.ndarray, size: np.ndarray, a: int, b: int) -> int:
+    """Join roots a and b by size and return the new root. Which root survives is irrelevant:
+    every attribute the passes need (flags, oldest cubes) is kept per root by the callers."""
+    if size[a] < size[b]:
+        a, b = b, a
+    parent[b] = a
+    size[a] += size[b]
+    return a
+
+
 # ---------------------------------------------------------------------------------------------
 # Dimension 0
 
@@ -97,6 +108,7 @@ def _dim0_matched(pred: np.ndarray, gt: np.ndarray) -> int:
     p = pred.ravel()
     g = gt.ravel()
     parent = np.arange(n)
+    size = np.ones(n, dtype=np.int64)
     # bit 0: the component holds prediction voxels, bit 1: label voxels.
     flags = (p + 2 * g).astype(np.uint8)
     strides = (ny * nz, nz, 1)
@@ -114,8 +126,8 @@ def _dim0_matched(pred: np.ndarray, gt: np.ndarray) -> int:
                 continue
             a, b = _find(parent, v), _find(parent, w)
             if a != b:
-                parent[b] = a
-                flags[a] |= flags[b]
+                merged = flags[a] | flags[b]
+                flags[_union(parent, size, a, b)] = merged
     # Phase 2: value-1 edges in index order; a merge of two components that both hold
     # prediction and label voxels is a matched pair.
     matched = 0
@@ -133,8 +145,8 @@ def _dim0_matched(pred: np.ndarray, gt: np.ndarray) -> int:
                 continue
             if flags[a] == 3 and flags[b] == 3:
                 matched += 1
-            parent[b] = a
-            flags[a] |= flags[b]
+            merged = flags[a] | flags[b]
+            flags[_union(parent, size, a, b)] = merged
     return matched
 
 
@@ -244,6 +256,7 @@ def _dual_image_deaths(
     nx, ny, nz = fg.shape
     n_cubes = values.shape[0] - 1
     parent = np.arange(n_cubes + 1)
+    size = np.ones(n_cubes + 1, dtype=np.int64)
     # Per root: the oldest cube of the component in the input's and the comparison's values.
     best_in = np.arange(n_cubes + 1)
     best_comp = np.arange(n_cubes + 1)
@@ -257,23 +270,20 @@ def _dual_image_deaths(
             continue
         # The younger component in the input's order dies here.
         if _dual_older(values, best_in[ra], best_in[rb]):
-            young_in = best_in[rb]
+            young_in, keep_in = best_in[rb], best_in[ra]
         else:
-            young_in = best_in[ra]
+            young_in, keep_in = best_in[ra], best_in[rb]
         if _dual_older(comp_values, best_comp[ra], best_comp[rb]):
-            young_comp = best_comp[rb]
-            keep_comp = best_comp[ra]
+            young_comp, keep_comp = best_comp[rb], best_comp[ra]
         else:
-            young_comp = best_comp[ra]
-            keep_comp = best_comp[rb]
-        keep_in = best_in[ra] if young_in == best_in[rb] else best_in[rb]
+            young_comp, keep_comp = best_comp[ra], best_comp[rb]
         v, t = key // 3, key % 3
         face_value = _square_value(fg, v // (ny * nz), (v // nz) % ny, v % nz, t)
         if face_value != values[young_in]:
             recorded[young_comp] = 1
-        parent[rb] = ra
-        best_in[ra] = keep_in
-        best_comp[ra] = keep_comp
+        root = _union(parent, size, ra, rb)
+        best_in[root] = keep_in
+        best_comp[root] = keep_comp
     return recorded
 
 
@@ -294,6 +304,7 @@ def _dim2_matched_and_clearing(
     seen_p = _dual_image_deaths(pred, values_p, values_c)
     seen_g = _dual_image_deaths(gt, values_g, values_c)
     parent = np.arange(n_cubes + 1)
+    size = np.ones(n_cubes + 1, dtype=np.int64)
     best = np.arange(n_cubes + 1)
     order = _square_order(union)
     matched = 0
@@ -312,8 +323,7 @@ def _dim2_matched_and_clearing(
         face_value = _square_value(union, v // (ny * nz), (v // nz) % ny, v % nz, t)
         if face_value != values_c[young] and seen_p[young] and seen_g[young]:
             matched += 1
-        parent[rb] = ra
-        best[ra] = keep
+        best[_union(parent, size, ra, rb)] = keep
     return matched, positive
 
 

@@ -19,8 +19,11 @@ rule evaluate:
         f"results/benchmarks/evaluate/{EXP_NAME}.tsv"
     conda:
         "../../environment.yml"
+    # Volumes are scored in parallel, one process per thread (Snakemake caps it at --cores);
+    # a 320^3 volume needs about 1 GB per process.
+    threads: 8
     params:
         out=lambda wildcards, output: Path(output.summary).parent,
     shell:
         "ctseg evaluate --predictions {input.predictions:q} --labels {input.labels:q} "
-        "--out {params.out:q} > {log} 2>&1"
+        "--out {params.out:q} --workers {threads} > {log} 2>&1"
