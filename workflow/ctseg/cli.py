@@ -292,7 +292,11 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from ctseg.metrics import evaluate_pairs
 
     summary = evaluate_pairs(
-        [Path(p) for p in args.predictions], [Path(p) for p in args.labels], Path(args.out)
+        [Path(p) for p in args.predictions],
+        [Path(p) for p in args.labels],
+        Path(args.out),
+        workers=args.workers,
+        topo_method=args.topo_method,
     )
     print(json.dumps(summary, indent=1))
 
@@ -437,6 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictions", nargs="+", required=True)
     p.add_argument("--labels", nargs="+", required=True, help="in the same order")
     p.add_argument("--out", required=True, help="evaluation directory")
+    p.add_argument("--workers", type=int, default=1, help="volumes scored in parallel")
+    p.add_argument(
+        "--topo-method",
+        choices=["betti_matching", "betti_counts"],
+        default="betti_matching",
+        help="exact Betti matching, or the faster upper bound min(p_k, g_k)",
+    )
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("report", help="one self-contained HTML report of a run")
