@@ -3,15 +3,20 @@
 The seeds' GPU waited 15-17 s of every 18 s step because distance transforms ran in the data
 workers. Here the targets are precomputed (`ctseg.targets`) and staged to scratch
 (`ctseg.store` describes the layout); a worker only slices arrays, applies an exact cube
-symmetry and unpacks bit flags. `runtime_targets=True` puts the seeds' status quo back (targets
-recomputed per sample from the label plus a halo) as a benchmark baseline; it yields the same
-samples.
+symmetry and writes the sample into its batch buffer. `runtime_targets=True` puts the seeds'
+status quo back (targets recomputed per sample from the label plus a halo) as a benchmark
+baseline; it yields the same samples.
 
 Sample `i` is a pure function of `(seed, i)`: the stream does not depend on the number of
 workers, and a run resumes by starting the sampler at the next index (`build_loader(start=)`).
 
-Batches travel as uint8 (the image may be uint16). `to_device` turns them into what the model
-and the losses use:
+A sample is packed into one row of bytes (`PackedLayout`): the four binary targets as one
+bit-flag byte per voxel, the image as stored (uint8 or uint16), sdt as stored (float16) and a
+48-byte header; `build_loader` yields a batch as one uint8 tensor (`PackedBatch`), which a worker
+writes in place into a reused shared-memory buffer (`_SlotPool`, `PackedLoader`). Ten tensors
+of 9 MB a sample used to cost more to hand over than the sample cost to read. `to_device`
+copies the rows to the device in one transfer and unpacks them there into what the model and
+the losses use:
 - ``image``: float32 (B, 1, Z, Y, X), scaled to [0, 1] by the volume's [p0_5, p99_5] and
   clipped, then intensity-augmented (values outside [0, 1] only from the added noise);
 - ``label`` (0/1/2), ``ignore``, ``skeleton``, ``tube`` (0/1): uint8 (B, 1, Z, Y, X), a quarter
@@ -19,6 +24,10 @@ and the losses use:
 - ``sdt``: float32 (B, 1, Z, Y, X), clipped signed distance, positive outside the foreground;
 - ``intensity``, ``aug``: float32 (B, 2) and (B, 6) on the device; ``index``, ``worker``:
   int64 (B,) left on the host for logging.
+`to_device` also takes the host layout, `SAMPLE_KEYS`, that `PatchDataset.__getitem__` returns
+and `default_collate` batches (and that ``packed_batch[key]`` unpacks on the host): image and
+sdt as stored, the planes as uint8, intensity and aug float32, index int64, worker an int.
+Both give the same device batch, bit for bit.
 
 Padding outside the volume: image 0, label 2 (so ``ignore`` 1: the loss must skip voxels that do
 not exist), skeleton and tube 0, sdt +clip_distance (outside the foreground).
@@ -154,29 +163,257 @@ def _pack(label: np.ndarray, skeleton: np.ndarray, tube: np.ndarray) -> np.ndarr
     return packed
 
 
-def _bit(bits: np.ndarray, name: str) -> np.ndarray:
-    """One flag of `ctseg.store.MASK_BITS` as a 0/1 uint8 array."""
-    plane = np.right_shift(bits, np.uint8(MASK_BITS[name].bit_length() - 1))
-    plane &= np.uint8(1)
-    return plane
+def unpack_bits(bits: Any) -> dict[str, Any]:
+    """label (0/1/2), ignore, skeleton and tube (0/1) from `ctseg.store.MASK_BITS` flags.
 
-
-def _unpack(bits: np.ndarray) -> dict[str, np.ndarray]:
-    """label (0/1/2), ignore, skeleton and tube from packed bit flags.
-
-    foreground is bit 1 and ignore bit 2, so bits & 3 is the label; should both be set, XOR
-    with (ignore & foreground) turns the 3 into 2 (ignore wins). Bit operations only:
-    np.minimum on uint8 measured 10x slower than a shift here.
+    `bits` is a uint8 NumPy array or torch tensor (on any device); each plane comes back as the
+    same kind, dtype and shape. foreground is bit 1 and ignore bit 2, so bits & 3 is the label;
+    should both be set, XOR with (ignore & foreground) turns the 3 into 2 (ignore wins). Bit
+    operations only: np.minimum on uint8 measured 10x slower than a shift here.
     """
-    ignore = _bit(bits, "ignore")
-    label = np.bitwise_and(bits, np.uint8(3))
-    label ^= np.bitwise_and(ignore, bits)
+    shift = {name: bit.bit_length() - 1 for name, bit in MASK_BITS.items()}
+    ignore = (bits >> shift["ignore"]) & 1
     return {
-        "label": label,
+        "label": (bits & 3) ^ (ignore & bits),
         "ignore": ignore,
-        "skeleton": _bit(bits, "skeleton"),
-        "tube": _bit(bits, "tube"),
+        "skeleton": (bits >> shift["skeleton"]) & 1,
+        "tube": (bits >> shift["tube"]) & 1,
     }
+
+
+# -- the packed sample ----------------------------------------------------------------------
+# A DataLoader worker hands each tensor of a batch to the main process through its own
+# shared-memory segment (create, fill, send a file descriptor, map it again there). With ten
+# tensors a sample that fixed cost was 10-20 ms per sample on 2 cores, several times the 3 ms
+# of reading a raw patch, and made two workers slower than none. So a sample travels as one
+# row of bytes and a batch as one uint8 tensor: the four binary targets as one bit-flag byte
+# per voxel, the image in its stored dtype, sdt in float16 (as stored: exact), and the small
+# per-sample values in a 48-byte header. `to_device` unpacks it on the device.
+
+_META_F32 = ("p0_5", "p99_5", *(f"aug_{name}" for name in aug.AUG_FIELDS))
+_META_I64 = ("index", "worker")
+_META_BYTES = 4 * len(_META_F32) + 8 * len(_META_I64)
+_ALIGN = 8  # every section starts on 8 bytes, so any dtype view of it is aligned
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each field of a sample lies in its row of bytes (one row of a `PackedBatch`).
+
+    Sections, each 8-byte aligned: a header of float32 p0_5, p99_5 and the `aug` vector, then
+    int64 index and worker; sdt (float16, the patch); the image (its stored dtype); the bit
+    flags (uint8, `ctseg.store.MASK_BITS`). At 72x136x136 and uint8 that is 4 bytes a voxel,
+    against 7 bytes in ten tensors before.
+    """
+
+    patch: tuple[int, int, int]
+    image_dtype: str
+
+    @property
+    def voxels(self) -> int:
+        return math.prod(self.patch)
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        image_bytes = self.voxels * np.dtype(self.image_dtype).itemsize
+        sdt = _aligned(_META_BYTES)
+        image = _aligned(sdt + 2 * self.voxels)
+        bits = _aligned(image + image_bytes)
+        return {"sdt": sdt, "image": image, "bits": bits, "end": _aligned(bits + self.voxels)}
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets["end"]
+
+    @property
+    def gaps(self) -> list[tuple[int, int]]:
+        """The alignment padding between sections, as byte ranges."""
+        at = self.offsets
+        ends = {
+            "sdt": _META_BYTES,
+            "image": at["sdt"] + 2 * self.voxels,
+            "bits": at["image"] + self.voxels * np.dtype(self.image_dtype).itemsize,
+            "end": at["bits"] + self.voxels,
+        }
+        return [(ends[k], at[k]) for k in ends if ends[k] < at[k]]
+
+    def arrays(self, row: np.ndarray) -> dict[str, np.ndarray]:
+        """Writable NumPy views of one row (uint8, `nbytes`): header parts and patches."""
+        at = self.offsets
+        n = self.voxels
+        f32 = row[: 4 * len(_META_F32)].view(np.float32)
+        i64 = row[4 * len(_META_F32) : _META_BYTES].view(np.int64)
+        image_bytes = n * np.dtype(self.image_dtype).itemsize
+        return {
+            "intensity": f32[:2],
+            "aug": f32[2:],
+            "index": i64[:1],
+            "worker": i64[1:],
+            "sdt": row[at["sdt"] : at["sdt"] + 2 * n].view(np.float16).reshape(self.patch),
+            "image": row[at["image"] : at["image"] + image_bytes]
+            .view(self.image_dtype)
+            .reshape(self.patch),
+            "bits": row[at["bits"] : at["bits"] + n].reshape(self.patch),
+        }
+
+    def fields(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of a batch (B, `nbytes`) uint8 tensor on any device, without copying.
+
+        intensity (B, 2) and aug (B, 6) float32, index and worker (B,) int64, and the patches
+        as (B, 1, Z, Y, X): sdt float16, image in its stored dtype, bits uint8.
+        """
+        at = self.offsets
+        n = self.voxels
+        batch = rows.shape[0]
+        shape = (batch, 1, *self.patch)
+        f32 = rows[:, : 4 * len(_META_F32)].view(torch.float32)
+        i64 = rows[:, 4 * len(_META_F32) : _META_BYTES].view(torch.int64)
+        image_dtype = torch.from_numpy(np.empty(0, self.image_dtype)).dtype
+        image_bytes = n * np.dtype(self.image_dtype).itemsize
+        return {
+            "intensity": f32[:, :2],
+            "aug": f32[:, 2:],
+            "index": i64[:, 0],
+            "worker": i64[:, 1],
+            "sdt": rows[:, at["sdt"] : at["sdt"] + 2 * n].view(torch.float16).reshape(shape),
+            "image": rows[:, at["image"] : at["image"] + image_bytes]
+            .view(image_dtype)
+            .reshape(shape),
+            "bits": rows[:, at["bits"] : at["bits"] + n].reshape(shape),
+        }
+
+
+class PackedBatch:
+    """A batch as the training loader yields it: `rows`, one uint8 tensor (B, layout.nbytes).
+
+    One tensor per batch, so a worker hands the main process one shared-memory buffer (see the
+    comment above `PackedLayout`); `to_device` copies it to the device in one transfer and
+    unpacks it there. Reading a key of `SAMPLE_KEYS` (``batch["label"]``, ``batch["index"]``)
+    unpacks just that field on the host, in the layout `default_collate` of samples gives, for
+    inspection and logging; the training path never does.
+
+    `slot` names the worker buffer the batch came in (worker id, worker pid, slot number), and
+    `in_slot` says whether `rows` still are that buffer; `PackedLoader` copies such a batch out
+    and hands the buffer back before anyone sees it (see `_SlotPool`).
+    """
+
+    __slots__ = ("in_slot", "layout", "rows", "slot")
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        layout: PackedLayout,
+        slot: tuple[int, int, int] | None = None,
+        in_slot: bool = False,
+    ) -> None:
+        if rows.dtype != torch.uint8 or rows.ndim != 2 or rows.shape[1] != layout.nbytes:
+            raise ValueError(
+                f"packed rows must be uint8 (B, {layout.nbytes}), got {rows.dtype} "
+                f"{tuple(rows.shape)}"
+            )
+        self.rows = rows
+        self.layout = layout
+        self.slot = slot
+        self.in_slot = in_slot and slot is not None
+
+    def __len__(self) -> int:
+        return len(SAMPLE_KEYS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SAMPLE_KEYS)
+
+    def __contains__(self, key: object) -> bool:
+        return key in SAMPLE_KEYS
+
+    def keys(self) -> tuple[str, ...]:
+        return SAMPLE_KEYS
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in SAMPLE_KEYS:
+            raise KeyError(key)
+        if key in ("label", "ignore", "skeleton", "tube"):
+            return _unpack_planes(self.layout.fields(self.rows)["bits"])[key]
+        return self.unpacked(keys=(key,))[key]
+
+    def unpacked(self, keys: Sequence[str] = SAMPLE_KEYS) -> dict[str, torch.Tensor]:
+        """Fields on the host in the layout of `default_collate` of samples (`SAMPLE_KEYS`):
+        planes unpacked, nothing converted; the image and sdt are views of `rows`."""
+        fields = self.layout.fields(self.rows)
+        out: dict[str, torch.Tensor] = {}
+        if any(k in keys for k in ("label", "ignore", "skeleton", "tube")):
+            out.update(_unpack_planes(fields["bits"]))
+        for key in ("image", "sdt"):
+            out[key] = fields[key]
+        for key in ("intensity", "aug", "index", "worker"):
+            out[key] = fields[key].clone()  # small; keeps no view of the big buffer alive
+        return {key: out[key] for key in keys}
+
+    def pin_memory(self) -> PackedBatch:
+        """Called by the DataLoader's pin-memory thread (it looks for this method first)."""
+        return PackedBatch(self.rows.pin_memory(), self.layout, self.slot, in_slot=False)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.shape[0])
+
+
+def _unpack_planes(bits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`unpack_bits` of a uint8 tensor: NumPy on the host, torch elsewhere.
+
+    On the host torch spreads each uint8 op over its OpenMP threads; on 2 busy cores that
+    measured 24 ms per op on a 72x136x136 patch, NumPy 0.05 ms.
+    """
+    if bits.device.type == "cpu":
+        return {k: torch.from_numpy(v) for k, v in unpack_bits(bits.numpy()).items()}
+    return {k: v.contiguous() for k, v in unpack_bits(bits).items()}
+
+
+class _SlotPool:
+    """A loader worker's shared-memory batch buffers, reused once the main process is done.
+
+    Filling fresh shared memory costs a page fault per 4 KiB in the worker: measured 0.74 ms
+    per MB on 2 cores, 3.9 ms for a 72x136x136 sample, more than reading the sample. So each
+    worker keeps its buffers ("slots"). A batch names its slot; `PackedLoader` copies the batch
+    out of it in the main process and only then sends the slot back on `returns`, this
+    worker's queue; the worker takes back its returned slots before each batch. A slot is
+    never written while the main process may still read it, and a worker with no free slot
+    allocates a new one, so nothing waits on the main process: the slots grow to the number of
+    this worker's batches in flight, which the DataLoader bounds (prefetch_factor).
+    """
+
+    def __init__(self, returns: Any) -> None:
+        self.pid = os.getpid()
+        self.returns = returns  # None: nobody hands slots back; every batch gets a new one
+        self.slots: list[torch.UntypedStorage | None] = []
+        self.free: list[int] = []
+
+    def rows(self, batch: int, nbytes: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """A (batch, nbytes) uint8 view of a free slot, and the slot's name."""
+        info = get_worker_info()
+        worker = -1 if info is None else int(info.id)
+        while self.returns is not None and not self.returns.empty():
+            pid, slot = self.returns.get()
+            if pid == self.pid:  # a slot of an earlier worker process with this id: not ours
+                self.free.append(slot)
+        need = batch * nbytes
+        while self.free:
+            slot = self.free.pop()
+            storage = self.slots[slot]
+            if storage is not None and storage.nbytes() >= need:
+                break
+            self.slots[slot] = None  # too small for this layout: let it go
+        else:
+            # As torch's default_collate does in a worker: allocated shared, so the batch
+            # crosses to the main process as a file descriptor, without a copy.
+            storage = torch.UntypedStorage._new_shared(need)
+            slot = len(self.slots)
+            self.slots.append(storage)
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return flat[:need].view(batch, nbytes), (worker, self.pid, slot)
 
 
 @dataclass(frozen=True)
@@ -375,7 +612,7 @@ class PatchDataset(Dataset):
         """The 0/1/2 label of a box inside the volume (no padding)."""
         box = tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size, strict=True))
         if record.masks is not None:
-            return _unpack(np.asarray(record.masks[box]))["label"]
+            return unpack_bits(np.asarray(record.masks[box]))["label"]
         label = (np.asarray(record.planes["foreground"][box]) != 0).view(np.uint8).copy()
         label[np.asarray(record.planes["ignore"][box]) != 0] = 2
         return label
@@ -408,22 +645,29 @@ class PatchDataset(Dataset):
 
     def _patch(
         self,
+        out: np.ndarray,
         source: Any,
         origin: Any,
         start: np.ndarray,
         fill: float,
         order: int,
         geometry: aug.Geometry,
-    ) -> np.ndarray:
-        """The augmented, padded patch as a fresh C-contiguous array."""
-        out = np.empty(self.patch_size, source.dtype)
+    ) -> None:
+        """Write the augmented, padded patch into `out` (a C-contiguous view of a packed row).
+
+        `out` may be of a wider dtype than `source` (a uint8 volume in a batch with a uint16
+        one): the values are then written unchanged.
+        """
         if geometry.warp is None:
             # Write through a view that undoes the flips/permutation: one pass, no extra copy.
             _write_window(aug.source_view(out, geometry, self.spacing), source, origin, start, fill)
-            return out
-        _write_window(out, source, origin, start, fill)
-        warped = aug.apply_geometric(out, geometry, order=order, cval=fill, spacing=self.spacing)
-        return np.ascontiguousarray(warped)
+            return
+        # Warps interpolate in the source's dtype, as they always did, and are then copied.
+        window = np.empty(self.patch_size, source.dtype)
+        _write_window(window, source, origin, start, fill)
+        out[...] = aug.apply_geometric(
+            window, geometry, order=order, cval=fill, spacing=self.spacing
+        )
 
     def plan(self, index: int) -> SamplePlan:
         """Everything random about sample `index`, drawn from ``default_rng([seed, index])``."""
@@ -447,8 +691,8 @@ class PatchDataset(Dataset):
             intensity=aug.draw_intensity(rng, self.augment.get("intensity")),
         )
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        plan = self.plan(index)
+    def _write(self, plan: SamplePlan, out: Mapping[str, np.ndarray]) -> None:
+        """Read, pad and augment the sample of `plan` into `out` (`PackedLayout.arrays`)."""
         record = self._record(plan.record)
         start = np.array(plan.start)
         clip = float(record.params["clip_distance"])
@@ -457,21 +701,130 @@ class PatchDataset(Dataset):
         else:
             bits_source = self._bits_source(record, start, self.patch_size)
             sdt_source = (record.sdt, (0, 0, 0))
-        image = self._patch(record.image, (0, 0, 0), start, 0, 1, plan.geometry)
-        bits = self._patch(*bits_source, start, MASK_PAD, 0, plan.geometry)
-        sdt = self._patch(*sdt_source, start, clip, 0, plan.geometry)
-
-        planes = {name: torch.from_numpy(plane[None]) for name, plane in _unpack(bits).items()}
+        self._patch(out["image"], record.image, (0, 0, 0), start, 0, 1, plan.geometry)
+        self._patch(out["bits"], *bits_source, start, MASK_PAD, 0, plan.geometry)
+        self._patch(out["sdt"], *sdt_source, start, clip, 0, plan.geometry)
+        out["intensity"][...] = record.intensity
+        out["aug"][...] = plan.intensity
+        out["index"][...] = plan.index
         info = get_worker_info()
-        return {
-            "image": torch.from_numpy(image[None]),
-            **planes,
-            "sdt": torch.from_numpy(sdt[None]),
-            "intensity": torch.from_numpy(record.intensity.copy()),
-            "aug": torch.from_numpy(plan.intensity),
-            "index": torch.tensor(plan.index, dtype=torch.int64),
-            "worker": -1 if info is None else int(info.id),
-        }
+        out["worker"][...] = -1 if info is None else int(info.id)
+
+    def packed(self, indices: Sequence[int], pool: _SlotPool | None = None) -> PackedBatch:
+        """Samples `indices` as one `PackedBatch`, each written straight into its row.
+
+        The rows come from `pool` (a loader worker's shared buffers) or else from the heap.
+        """
+        plans = [self.plan(i) for i in indices]
+        if not plans:
+            raise IndexError("a packed batch needs at least one sample")
+        # One layout per batch: a batch mixing uint8 and uint16 volumes carries uint16.
+        dtype = np.result_type(*(self._record(p.record).image.dtype for p in plans))
+        layout = PackedLayout(self.patch_size, np.dtype(dtype).name)
+        slot = None
+        if pool is None:
+            rows = torch.empty((len(plans), layout.nbytes), dtype=torch.uint8)
+        else:
+            rows, slot = pool.rows(len(plans), layout.nbytes)
+        host = rows.numpy()
+        for plan, row in zip(plans, host, strict=True):
+            for lo, hi in layout.gaps:
+                row[lo:hi] = 0  # alignment padding: a row's bytes are a function of the sample
+            self._write(plan, layout.arrays(row))
+        return PackedBatch(rows, layout, slot, in_slot=slot is not None)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Sample `index` unpacked on the host, as `SAMPLE_KEYS` (module docstring): the image
+        and sdt as stored, the four binary targets as uint8 planes, each patch (1, Z, Y, X)."""
+        sample = {k: v[0] for k, v in self.packed([index]).unpacked().items()}
+        sample["worker"] = int(sample["worker"])
+        return sample
+
+
+class _PackedStream(Dataset):
+    """What `build_loader` gives the DataLoader: a whole batch per fetch, as a `PackedBatch`.
+
+    The DataLoader calls `__getitems__` with a batch's indices when a dataset has it; the
+    collate function then passes the batch through (`_as_batch`). In a worker the rows are
+    that worker's shared slots (`_SlotPool`), handed back through `returns[worker id]`.
+    """
+
+    def __init__(self, dataset: PatchDataset) -> None:
+        self.dataset = dataset
+        self.returns: list[Any] | None = None  # set by PackedLoader before workers start
+        self._pool: _SlotPool | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices: Sequence[int]) -> PackedBatch:
+        info = get_worker_info()
+        if info is None:
+            return self.dataset.packed(indices)
+        if self._pool is None or self._pool.pid != os.getpid():
+            returns = None if self.returns is None else self.returns[info.id]
+            self._pool = _SlotPool(returns)
+        return self.dataset.packed(indices, self._pool)
+
+    def __getitem__(self, index: int) -> PackedBatch:
+        return self.__getitems__([index])
+
+
+def _as_batch(batch: PackedBatch) -> PackedBatch:
+    """The collate function of a packed loader: the batch is already one tensor."""
+    return batch
+
+
+class PackedLoader(DataLoader):
+    """The DataLoader of `build_loader`: yields `PackedBatch`es whose rows are private.
+
+    A worker's batch arrives in one of that worker's shared slots (`_SlotPool`). Before it is
+    yielded it is copied out (the pin-memory thread's copy counts, when pinning is on) and the
+    slot goes back to the worker, so what the caller holds is never overwritten. The main
+    process keeps the slots mapped while it iterates, so receiving a reused slot costs no new
+    mapping or page faults.
+    """
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers > 0 and isinstance(self.dataset, _PackedStream):
+            # Fresh queues for the workers this call starts (persistent ones start once).
+            context = self.multiprocessing_context or torch.multiprocessing
+            self.dataset.returns = [context.SimpleQueue() for _ in range(self.num_workers)]
+        return super()._get_iterator()
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        batches = super().__iter__()
+        returns = getattr(self.dataset, "returns", None)
+        mapped: dict[tuple[int, int, int], torch.UntypedStorage] = {}
+        try:
+            for batch in batches:
+                if isinstance(batch, PackedBatch) and batch.slot is not None:
+                    batch = _claim(batch, returns, mapped)
+                yield batch
+        finally:
+            mapped.clear()
+
+
+def _claim(
+    batch: PackedBatch,
+    returns: list[Any] | None,
+    mapped: dict[tuple[int, int, int], torch.UntypedStorage],
+) -> PackedBatch:
+    """A private copy of a batch that arrived in a worker's slot; then the slot goes back."""
+    rows = batch.rows
+    if batch.in_slot:
+        mapped[batch.slot] = rows.untyped_storage()  # torch's cache then finds it mapped
+        tune_malloc()  # the copies come from a warm heap, not fresh pages each time
+        own = torch.empty(rows.shape, dtype=torch.uint8)
+        np.copyto(own.numpy(), rows.numpy())  # one thread; torch's copy_ would use OpenMP
+        rows = own
+    worker, pid, slot = batch.slot
+    if returns is not None and 0 <= worker < len(returns):
+        returns[worker].put((pid, slot))
+    return PackedBatch(rows, batch.layout)
 
 
 class StreamSampler(Sampler[int]):
@@ -532,7 +885,10 @@ def build_loader(
 ) -> DataLoader:
     """A DataLoader from a phase's loader settings (config/phases.yaml).
 
-    Keys: workers, batch_size, prefetch_factor and persistent_workers (only with workers > 0),
+    For a `PatchDataset` it is a `PackedLoader` yielding `PackedBatch`es (module docstring).
+    Keys: workers (0: samples are read in the main process, which on a small machine can be
+    the fastest setting), batch_size, prefetch_factor and persistent_workers (only with
+    workers > 0; torch refuses them otherwise, so they are dropped),
     pin_memory (only with a CUDA device that exists), mp_context (fork, spawn or forkserver;
     only with workers > 0), drop_last. The sampler walks the stream from `start`, so a run
     resumed at sample `start` gets the batches the interrupted run would have got next (when
@@ -546,6 +902,7 @@ def build_loader(
     if batch_size < 1:
         raise CtsegError(f"phase batch_size must be >= 1, got {batch_size}")
     on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    packed = isinstance(dataset, PatchDataset)
     kwargs: dict[str, Any] = {
         "batch_size": batch_size,
         "sampler": StreamSampler(start, len(dataset), rank=rank, world=world, chunk=batch_size),
@@ -555,6 +912,8 @@ def build_loader(
         "worker_init_fn": functools.partial(seed_worker, seed=int(seed)),
         "generator": torch.Generator().manual_seed(int(seed)),
     }
+    if packed:
+        kwargs["collate_fn"] = _as_batch
     if workers > 0:
         context = phase.get("mp_context") or "fork"
         if context not in MP_CONTEXTS:
@@ -567,22 +926,58 @@ def build_loader(
             prefetch_factor=prefetch,
             persistent_workers=bool(phase.get("persistent_workers", False)),
         )
-    return DataLoader(dataset, **kwargs)
+    if not packed:
+        return DataLoader(dataset, **kwargs)
+    return PackedLoader(_PackedStream(dataset), **kwargs)
 
 
-def to_device(
-    batch: Mapping[str, Any], device: str | torch.device, non_blocking: bool = False
-) -> dict[str, Any]:
-    """Move a uint8 batch to `device` and convert it there (see the module docstring)."""
-    device = torch.device(device)
-    out: dict[str, Any] = {}
-    intensity = batch["intensity"].to(device, torch.float32, non_blocking=non_blocking)
-    image = batch["image"].to(device, non_blocking=non_blocking).to(torch.float32)
+def _normalised(
+    image: torch.Tensor, intensity: torch.Tensor, aug_host: torch.Tensor
+) -> torch.Tensor:
+    """float32 image scaled by [p0_5, p99_5] to [0, 1], clipped, then intensity-augmented."""
+    image = image.to(torch.float32)
     view = (-1,) + (1,) * (image.ndim - 1)
     low = intensity[:, 0].reshape(view)
     span = (intensity[:, 1] - intensity[:, 0]).clamp_min(1e-6).reshape(view)
     image = image.sub_(low).div_(span).clamp_(0.0, 1.0)
-    out["image"] = aug.apply_intensity(image, batch["aug"])
+    return aug.apply_intensity(image, aug_host)
+
+
+def _packed_to_device(
+    batch: PackedBatch, device: torch.device, non_blocking: bool
+) -> dict[str, Any]:
+    """One host-to-device copy of the rows, then every field unpacked and converted there."""
+    host = batch.layout.fields(batch.rows)
+    fields = batch.layout.fields(batch.rows.to(device, non_blocking=non_blocking))
+    intensity = fields["intensity"].contiguous()
+    out: dict[str, Any] = {"image": _normalised(fields["image"], intensity, host["aug"].clone())}
+    out.update(_unpack_planes(fields["bits"]))
+    out["sdt"] = fields["sdt"].to(torch.float32).contiguous()
+    out["intensity"] = intensity
+    out["aug"] = fields["aug"].contiguous()
+    out["index"] = host["index"].clone()
+    out["worker"] = host["worker"].clone()
+    return out
+
+
+def to_device(
+    batch: Mapping[str, Any] | PackedBatch,
+    device: str | torch.device,
+    non_blocking: bool = False,
+) -> dict[str, Any]:
+    """Move a batch to `device` and convert it there (see the module docstring).
+
+    `batch` is what `build_loader` yields (a `PackedBatch`: one transfer, unpacked on the
+    device) or `default_collate` of `PatchDataset` samples (the host layout, one transfer per
+    field); both give the same result, bit for bit.
+    """
+    device = torch.device(device)
+    if isinstance(batch, PackedBatch):
+        return _packed_to_device(batch, device, non_blocking)
+    out: dict[str, Any] = {}
+    intensity = batch["intensity"].to(device, torch.float32, non_blocking=non_blocking)
+    image = batch["image"].to(device, non_blocking=non_blocking)
+    out["image"] = _normalised(image, intensity, batch["aug"])
     for name in ("label", "ignore", "skeleton", "tube"):
         out[name] = batch[name].to(device, non_blocking=non_blocking)
     out["sdt"] = batch["sdt"].to(device, non_blocking=non_blocking).to(torch.float32)

@@ -1,0 +1,262 @@
+"""Tests for the packed loader: one uint8 tensor per batch, unpacked on the device.
+
+The reference is the host layout (`SAMPLE_KEYS`: ten tensors per sample, as the loader sent
+them before) built by `default_collate` from `PatchDataset.__getitem__`; the packed batch must
+give the same device batch bit for bit. Scratch records are written here: uint8 and uint16
+images, targets from `ctseg.targets.targets_reference`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from jsonschema import Draft202012Validator
+from torch.utils.data import default_collate
+
+import ctseg.data
+from ctseg.data import (
+    SAMPLE_KEYS,
+    DevicePrefetcher,
+    PackedBatch,
+    PackedLayout,
+    PatchDataset,
+    build_loader,
+    to_device,
+    unpack_bits,
+)
+from ctseg.store import MASK_BITS, pack_masks
+from ctseg.targets import targets_reference
+
+PATCH = (12, 20, 20)
+CLIP = 4.0
+PARAMS = {"clip_distance": CLIP, "skeleton_method": "medial_surface", "tube_dilations": 2}
+AUGMENT = {
+    "flip": True,
+    "permute": True,
+    "intensity": {"prob": 0.7, "scale": [0.9, 1.1], "gamma": [0.8, 1.25], "noise_std": 0.05},
+}
+PHASE = {
+    "workers": 2,
+    "batch_size": 3,
+    "prefetch_factor": 2,
+    "persistent_workers": False,
+    "pin_memory": False,
+    "mp_context": "fork",
+    "drop_last": True,
+}
+SCHEMA = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "phases.schema.yaml"
+
+
+def write_record(root: Path, rid: str, shape: tuple[int, ...], dtype: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    z, y, x = np.indices(shape)
+    label = (((z + 2 * y + 3 * x) % 9) < 2).astype(np.uint8)
+    label[: shape[0] // 3] = np.where(
+        rng.random(label[: shape[0] // 3].shape) < 0.5, 2, label[: shape[0] // 3]
+    )
+    targets = targets_reference(label, **PARAMS)
+    top = 60000 if dtype == "uint16" else 250
+    image = (rng.random(shape) * top).astype(dtype)
+    folder = root / rid
+    folder.mkdir(parents=True)
+    np.save(folder / "image.npy", image)
+    np.save(folder / "masks.npy", pack_masks(targets))
+    np.save(folder / "sdt.npy", targets["sdt"])
+    np.save(folder / "fg_locations.npy", np.argwhere(targets["foreground"]).astype(np.int32))
+    meta = {"p0_5": float(np.percentile(image, 0.5)), "p99_5": float(np.percentile(image, 99.5))}
+    (folder / "meta.json").write_text(json.dumps({**meta, "targets": PARAMS}))
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("packed_scratch")
+    write_record(root, "a", (30, 34, 34), "uint8", 0)
+    write_record(root, "b", (26, 30, 30), "uint8", 1)
+    write_record(root, "w", (28, 32, 32), "uint16", 2)
+    return root
+
+
+def dataset(root: Path, ids=("a", "b"), length: int = 24) -> PatchDataset:
+    return PatchDataset(
+        root,
+        ids,
+        patch_size=PATCH,
+        fmt="raw",
+        fg_fraction=0.5,
+        augment=AUGMENT,
+        seed=3,
+        length=length,
+    )
+
+
+def assert_equal_batches(got: dict, expected: dict, keys=SAMPLE_KEYS) -> None:
+    for key in keys:
+        a, b = got[key], expected[key]
+        assert a.dtype == b.dtype and a.shape == b.shape, key
+        assert torch.equal(a, b), key
+
+
+def rows_but_worker(batch: PackedBatch) -> torch.Tensor:
+    """The batch's bytes with the worker ids zeroed: the rest is a function of the samples."""
+    rows = batch.rows.clone()
+    batch.layout.fields(rows)["worker"][:] = 0
+    return rows
+
+
+def test_unpack_bits_inverts_pack_masks_for_numpy_and_torch():
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 3, (5, 6, 7)).astype(np.uint8)
+    targets = {
+        "foreground": label == 1,
+        "ignore": label == 2,
+        "skeleton": rng.random(label.shape) < 0.3,
+        "tube": rng.random(label.shape) < 0.5,
+    }
+    bits = pack_masks(targets)
+    for planes in (
+        unpack_bits(bits),
+        {k: v.numpy() for k, v in unpack_bits(torch.from_numpy(bits)).items()},
+    ):
+        np.testing.assert_array_equal(planes["label"], label)
+        for name in ("ignore", "skeleton", "tube"):
+            np.testing.assert_array_equal(
+                planes[name], targets[name].astype(np.uint8), err_msg=name
+            )
+    # Should foreground and ignore both be set, ignore wins: the voxel is unlabelled.
+    both = np.array([MASK_BITS["foreground"] | MASK_BITS["ignore"]], np.uint8)
+    assert unpack_bits(both)["label"].tolist() == [2]
+
+
+def test_layout_sections_are_aligned_and_disjoint():
+    for dtype in ("uint8", "uint16"):
+        layout = PackedLayout((7, 9, 11), dtype)  # odd voxel count: padding is needed
+        at = layout.offsets
+        assert all(v % 8 == 0 for v in at.values())
+        assert at["sdt"] >= 48 and at["image"] >= at["sdt"] + 2 * 693
+        assert at["bits"] >= at["image"] + 693 * np.dtype(dtype).itemsize
+        assert layout.nbytes == at["end"] >= at["bits"] + 693
+    # 4 bytes a uint8 voxel plus the header, against 7 in the host layout.
+    assert PackedLayout((72, 136, 136), "uint8").nbytes < 4.001 * 72 * 136 * 136
+
+
+def test_packed_device_batch_equals_the_host_layout_batch(scratch):
+    ds = dataset(scratch)
+    loader = build_loader(ds, {**PHASE, "workers": 0}, seed=0)
+    seen_noise = False
+    for k, batch in enumerate(loader):
+        assert isinstance(batch, PackedBatch) and batch.rows.dtype == torch.uint8
+        indices = range(k * 3, k * 3 + 3)
+        host = default_collate([ds[i] for i in indices])
+        assert batch["index"].tolist() == list(indices)
+        # The host view of the packed batch is the old host batch, field by field.
+        assert_equal_batches(batch, host, [k for k in SAMPLE_KEYS if k != "worker"])
+        got, expected = to_device(batch, "cpu"), to_device(host, "cpu")
+        assert set(got) == set(expected)
+        assert_equal_batches(got, expected)
+        for key in ("image", "label", "ignore", "skeleton", "tube", "sdt"):
+            assert got[key].is_contiguous(), key
+        assert got["image"].dtype == torch.float32 and got["sdt"].dtype == torch.float32
+        seen_noise |= bool((host["aug"][:, 4] > 0).any())
+    assert seen_noise  # the comparison covered on-device noise too
+
+
+def test_uint16_and_mixed_batches(scratch):
+    ds = dataset(scratch, ids=("a", "w"), length=12)
+    dtypes = set()
+    for start in range(0, 12, 2):
+        batch = ds.packed([start, start + 1])
+        records = {ds.ids[ds.plan(i).record] for i in (start, start + 1)}
+        dtypes.add(batch.layout.image_dtype)
+        if records == {"a", "w"}:
+            # Mixed: the uint8 patch travels widened, with its values unchanged.
+            assert batch.layout.image_dtype == "uint16"
+            for i, sample in zip(
+                (start, start + 1), (batch["image"][0], batch["image"][1]), strict=True
+            ):
+                assert torch.equal(sample.to(torch.int32), ds[i]["image"].to(torch.int32))
+            continue
+        host = default_collate([ds[i] for i in (start, start + 1)])
+        assert_equal_batches(to_device(batch, "cpu"), to_device(host, "cpu"))
+    assert dtypes == {"uint8", "uint16"}
+
+
+def test_workers_reuse_their_buffers_without_corrupting_held_batches(scratch, monkeypatch):
+    """Batches kept by the caller stay intact while the workers fill their slots again."""
+    slots: list[tuple[int, int, int]] = []
+    claim = ctseg.data._claim
+
+    def spy(batch, *args):
+        slots.append(batch.slot)
+        return claim(batch, *args)
+
+    monkeypatch.setattr(ctseg.data, "_claim", spy)
+    ds = dataset(scratch, length=60)
+    inline = list(build_loader(ds, {**PHASE, "workers": 0}, seed=0))
+    assert not slots  # no workers, no slots
+    for context in ("fork", "spawn"):
+        slots.clear()
+        phase = {**PHASE, "mp_context": context}
+        loader = build_loader(ds, phase, seed=0)
+        held = list(loader)  # all 20 batches alive at once
+        assert len(held) == len(inline) == 20
+        # 10 batches per worker in a few slots: reused, yet every held batch is intact.
+        assert len(slots) == 20 and len(set(slots)) <= 2 * (PHASE["prefetch_factor"] + 2)
+        for got, expected in zip(held, inline, strict=True):
+            assert got.slot is None and not got.in_slot  # a private copy
+            assert torch.equal(rows_but_worker(got), rows_but_worker(expected))
+        workers = torch.cat([b["worker"] for b in held])
+        assert set(workers.tolist()) == {0, 1}
+    # A second epoch of the same loader (new workers) gives the same stream again.
+    again = list(loader)
+    for a, b in zip(again, inline, strict=True):
+        assert torch.equal(rows_but_worker(a), rows_but_worker(b))
+
+
+def test_persistent_workers_keep_their_slots_across_epochs(scratch):
+    ds = dataset(scratch, length=24)
+    phase = {**PHASE, "persistent_workers": True}
+    loader = build_loader(ds, phase, seed=0)
+    first, second = list(loader), list(loader)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a.rows, b.rows)
+
+
+def test_device_prefetcher_gives_the_host_layout_result(scratch):
+    ds = dataset(scratch, length=9)
+    loader = build_loader(ds, {**PHASE, "workers": 0}, seed=0)
+    for k, got in enumerate(DevicePrefetcher(loader, "cpu")):
+        host = default_collate([ds[i] for i in range(3 * k, 3 * k + 3)])
+        assert_equal_batches(got, to_device(host, "cpu"))
+
+
+def test_a_phase_may_run_without_workers(scratch):
+    """workers: 0 passes the schema with every key listed, and the loader drops the keys
+    torch refuses without workers."""
+    schema = yaml.safe_load(SCHEMA.read_text())
+    phase = {
+        "workers": 0,
+        "batch_size": 2,
+        "prefetch_factor": 4,
+        "persistent_workers": True,
+        "pin_memory": True,
+        "mp_context": "spawn",
+        "drop_last": True,
+        "device_prefetch": True,
+        "precision": "fp32",
+        "channels_last": False,
+        "compile": False,
+    }
+    Draft202012Validator(schema).validate({"phases": {"7": phase}})
+    with pytest.raises(Exception, match="-1"):
+        Draft202012Validator(schema).validate({"phases": {"7": {**phase, "workers": -1}}})
+    loader = build_loader(dataset(scratch, length=4), phase, seed=0)
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
+    assert not loader.persistent_workers
+    batches = list(DevicePrefetcher(loader, "cpu"))
+    assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3]]
+    assert all(b["worker"].tolist() == [-1, -1] for b in batches)
