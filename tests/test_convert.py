@@ -638,6 +638,55 @@ def test_slice_directory_with_a_3d_slice(tmp_path):
     expect_error(tmp_path / "slices", tmp_path / "vol.zarr", "slice_5.tif", "one 2D page")
 
 
+def test_slice_directory_with_a_missing_slice_is_rejected(tmp_path):
+    paths = write_slices(tmp_path / "slices", random_volume((8, 20, 24)), "slice_{:04d}.tif")
+    paths[5].unlink()
+
+    message = expect_error(tmp_path / "slices", tmp_path / "vol.zarr", "slices", "missing")
+    assert "number(s) 5;" in message and "slice_0000.tif and slice_0007.tif" in message
+
+
+@pytest.mark.parametrize(
+    "stray",
+    ["extra.tif", "slice_0005 (copy).tif", "slice_0003.tiff", "scan_0001.tif"],
+)
+def test_slice_directory_with_a_stray_tiff_is_rejected(tmp_path, stray):
+    paths = write_slices(tmp_path / "slices", random_volume((8, 20, 24)), "slice_{:04d}.tif")
+    tifffile.imwrite(tmp_path / "slices" / stray, random_volume((20, 24)))
+
+    message = expect_error(tmp_path / "slices", tmp_path / "vol.zarr", repr(stray))
+    assert "slice_<number>.tif" in message and "move them out" in message
+    stray_path = tmp_path / "slices" / stray
+    stray_path.unlink()
+    convert(tmp_path / "slices", tmp_path / "vol.zarr")  # without it, the same slices convert
+    assert open_volume(tmp_path / "vol.zarr").shape == (len(paths), 20, 24)
+
+
+def test_two_files_with_the_same_slice_number_are_rejected(tmp_path):
+    write_slices(tmp_path / "slices", random_volume((4, 20, 24)))
+    tifffile.imwrite(tmp_path / "slices" / "slice_02.tif", random_volume((20, 24)))
+
+    expect_error(tmp_path / "slices", tmp_path / "vol.zarr", "slice_02.tif", "slice_2.tif")
+
+
+def test_unnumbered_slices_are_rejected(tmp_path):
+    (tmp_path / "slices").mkdir()
+    for name in ("top.tif", "bottom.tif"):
+        tifffile.imwrite(tmp_path / "slices" / name, random_volume((20, 24)))
+
+    expect_error(tmp_path / "slices", tmp_path / "vol.zarr", "must be numbered", "'top.tif'")
+
+
+def test_slices_may_start_at_any_number_and_change_digit_count(tmp_path):
+    data = random_volume((12, 20, 24))
+    (tmp_path / "slices").mkdir()
+    for z, plane in enumerate(data):
+        tifffile.imwrite(tmp_path / "slices" / f"scan_v2_{z + 95}.TIF", plane)
+
+    convert(tmp_path / "slices", tmp_path / "vol.zarr")
+    np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

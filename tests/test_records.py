@@ -82,3 +82,30 @@ def test_missing_columns_and_missing_csv(tmp_path):
 
 def test_check_id_accepts_kaggle_ids():
     assert check_id("1004283650", "x.csv") == "1004283650"
+
+
+def test_train_csv_with_only_a_header_is_named(tmp_path):
+    root = make_dataset(tmp_path, [])
+    with pytest.raises(CtsegError, match=r"train\.csv: no records, only a header"):
+        read_records(root)
+
+
+def test_test_csv_with_only_a_header_means_no_test_records(tmp_path):
+    records = read_records(make_dataset(tmp_path, ["a"]))
+    assert list(records["split"]) == ["train"]
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_empty_scroll_id_is_named_with_its_row(tmp_path, empty):
+    root = make_dataset(tmp_path, ["a", "b", "c"])
+    (root / "train.csv").write_text(f"id,scroll_id\na,1\nb,{empty}\nc,2\n")
+    with pytest.raises(CtsegError, match=r"train\.csv: empty scroll_id in row\(s\) \[3\]"):
+        read_records(root)
+
+
+def test_scroll_ids_stay_as_written(tmp_path):
+    root = make_dataset(tmp_path, ["a", "b", "c"])
+    (root / "train.csv").write_text("id,scroll_id\na,2\nb,034117\nc, 2\n")
+    records = read_records(root)
+    # Not 2.0, not 34117: the config names scroll ids as they are written.
+    assert list(records["scroll_id"]) == ["2", "034117", "2"]

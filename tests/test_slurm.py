@@ -91,7 +91,7 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
         "train",
         f"results/{EXPERIMENT}/phases/phase{trial_phase}/summary.json",
         # A preprocessing job: a test volume is not upstream of training.
-        f"results/zarr/images/{test_id}.zarr",
+        f"results/preprocessed/demo/zarr/images/{test_id}.zarr",
     ]
     proc = subprocess.run(
         [
@@ -120,7 +120,7 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
     assert "SLURM status is: 'FAILED'" in output, output
     assert not (workdir / "results" / EXPERIMENT / "last.pt").exists()
     assert not (workdir / "results" / EXPERIMENT / "phases" / f"phase{trial_phase}").exists()
-    assert not (workdir / "results" / "zarr" / "images" / f"{test_id}.zarr").exists()
+    assert not (workdir / "results/preprocessed/demo/zarr/images" / f"{test_id}.zarr").exists()
 
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     status_queries = [c for c in calls if c["cmd"] in ("sacct", "squeue") and "--name" in c["argv"]]

@@ -19,7 +19,13 @@ import pytest
 import zarr
 
 from ctseg.io import CtsegError, sha256_file
-from ctseg.stage import expand_scratch, select_records, stage_records, write_split
+from ctseg.stage import (
+    check_staged,
+    expand_scratch,
+    select_records,
+    stage_records,
+    write_split,
+)
 from ctseg.store import (
     MASK_BITS,
     create_in_group,
@@ -228,6 +234,13 @@ def test_select_records_keeps_one_train_and_one_val() -> None:
 def test_select_records_rejects_bad_choices(subset: dict, split: dict, named: str) -> None:
     with pytest.raises(CtsegError, match=named):
         select_records(records_table(), {**SUBSET, **subset}, {**SPLIT, **split})
+
+
+def test_select_records_names_records_without_a_scroll_id() -> None:
+    # A table that did not come through records.read_csv (which rejects empty scroll ids).
+    records = pd.DataFrame({"id": ["a", "b", "c"], "scroll_id": pd.array(["1", None, "2"])})
+    with pytest.raises(CtsegError, match=r"record\(s\) \['b'\] have no scroll_id"):
+        select_records(records, {**SUBSET, "scroll_ids": [1]}, SPLIT)
 
 
 def test_write_split_writes_csv_atomically(tmp_path: Path) -> None:
@@ -646,3 +659,59 @@ def test_s3_source_stages_the_same_bytes_as_local(tmp_path: Path, s3_endpoint) -
     # Same content, other address: the fingerprint ignores the URL, so nothing is copied.
     moved = stage_records(str(source), ids, tmp_path / "remote-zarr", fmt="zarr")
     assert moved["records_skipped"] == 2
+
+
+# --------------------------------------------------------------------------- check_staged
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zarr"])
+def test_check_staged_passes_an_intact_copy(store, tmp_path: Path, fmt: str) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest, fmt=fmt)
+    manifest = check_staged(dest, IDS)
+    assert manifest["ids"] == IDS
+    check_staged(dest, IDS[:1])  # a subset of what is staged
+
+
+@pytest.mark.parametrize(
+    ("damage", "named", "problem"),
+    [
+        (lambda d: (d / "r1" / "sdt.npy").unlink(), "r1/sdt.npy", "is missing"),
+        (lambda d: os.truncate(d / "r2" / "image.npy", 100), "r2/image.npy", "has 100 bytes"),
+        (lambda d: (d / "r0" / "meta.json").write_text("{}"), "r0/meta.json", "bytes"),
+        (
+            lambda d: (d / "r0" / "meta.json").write_bytes(
+                (d / "r0" / "meta.json").read_bytes().replace(b"0", b"1")
+            ),
+            "r0/meta.json",
+            "sha256",
+        ),
+        (lambda d: (d / "r1" / "manifest.json").unlink(), "r1/manifest.json", "missing"),
+        (lambda d: (d / "manifest.json").unlink(), "scratch/manifest.json", "nothing is staged"),
+    ],
+    ids=["deleted", "truncated", "rewritten", "same-size", "record-manifest", "manifest"],
+)
+def test_check_staged_names_the_damaged_file_and_the_fix(
+    store, tmp_path: Path, damage, named: str, problem: str
+) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS, dest)
+    damage(dest)
+    with pytest.raises(CtsegError) as info:
+        check_staged(dest, IDS)
+    message = str(info.value)
+    assert named in message and problem in message, message
+    assert "snakemake -R stage" in message and "\n" not in message
+    # What the message says repairs it: staging again.
+    stage_records(str(source), IDS, dest)
+    check_staged(dest, IDS)
+
+
+def test_check_staged_names_records_that_were_not_staged(store, tmp_path: Path) -> None:
+    source, _ = store
+    dest = tmp_path / "scratch"
+    stage_records(str(source), IDS[:2], dest)
+    with pytest.raises(CtsegError, match=r"\['r2'\] are not staged here"):
+        check_staged(dest, IDS)

@@ -31,18 +31,19 @@ def test_precompute_targets_end_to_end(workflow_dir: Path):
     assert len(test) == TINY_CONFIG["demo"]["n_test"]
 
     results = workflow_dir / "results"
+    store = results / "preprocessed" / TINY_CONFIG["dataset"]  # one store root per dataset
     target_cfg = TINY_CONFIG["targets"]
     for record_id in train["id"]:
         image_tif = tifffile.imread(demo / "train_images" / f"{record_id}.tif")
         label_tif = tifffile.imread(demo / "train_labels" / f"{record_id}.tif")
-        image = zarr.open_array(str(results / "zarr" / "images" / f"{record_id}.zarr"), mode="r")
-        label = zarr.open_array(str(results / "zarr" / "labels" / f"{record_id}.zarr"), mode="r")
+        image = zarr.open_array(str(store / "zarr" / "images" / f"{record_id}.zarr"), mode="r")
+        label = zarr.open_array(str(store / "zarr" / "labels" / f"{record_id}.zarr"), mode="r")
         np.testing.assert_array_equal(image[:], image_tif)
         np.testing.assert_array_equal(label[:], label_tif)
         assert image.chunks == (16, 16, 16)
         assert len(image.attrs["source_sha256"]) == 64
 
-        targets = zarr.open_group(str(results / "targets" / f"{record_id}.zarr"), mode="r")
+        targets = zarr.open_group(str(store / "targets" / f"{record_id}.zarr"), mode="r")
         reference = targets_reference(
             label_tif,
             clip_distance=target_cfg["clip_distance"],
@@ -62,8 +63,8 @@ def test_precompute_targets_end_to_end(workflow_dir: Path):
 
     # Test volumes are converted, and the demo keeps their labels for evaluation.
     for record_id in test["id"]:
-        assert (results / "zarr" / "images" / f"{record_id}.zarr").is_dir()
-        assert (results / "zarr" / "labels" / f"{record_id}.zarr").is_dir()
+        assert (store / "zarr" / "images" / f"{record_id}.zarr").is_dir()
+        assert (store / "zarr" / "labels" / f"{record_id}.zarr").is_dir()
 
     # Every rule wrote its log and its benchmark.
     assert (results / "logs" / "demo_data.log").exists()

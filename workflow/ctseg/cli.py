@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -138,7 +140,7 @@ def _phase_settings(phases: dict, phase: str) -> tuple[int, dict]:
 def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
     """The scratch copy to train from; with --stage-from, staged here first (per_job): by rank
     0 under torchrun, while the others wait."""
-    from ctseg.stage import expand_scratch, stage_records
+    from ctseg.stage import check_staged, expand_scratch, stage_records
 
     scratch = expand_scratch(args.scratch)
     if args.stage_from:
@@ -152,6 +154,8 @@ def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
             )
             print(json.dumps({"staged": summary}, default=str))
         ranks.barrier()
+    # A file deleted or cut short since staging would fail deep inside the loader workers.
+    check_staged(scratch, [i for ids in _split_ids(args.split) for i in ids])
     return scratch
 
 
@@ -258,6 +262,9 @@ def cmd_infer(args: argparse.Namespace) -> None:
     from ctseg.infer import infer_volume, load_model, postprocess
     from ctseg.train import pick_device
 
+    # Before the (long) inference, which would otherwise run only to have postprocess refuse it.
+    if not 0 <= args.threshold < 1:
+        raise CtsegError(f"--threshold {args.threshold!r}: expected 0 <= threshold < 1")
     device = pick_device(args.device)
     model, patch = load_model(Path(args.weights), device)
     stats = infer_volume(
@@ -469,14 +476,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum: int, frame: object) -> None:
+    # SIGTERM (Snakemake stopping a job, a scheduler's preemption) unwinds like an error, so
+    # each step's temporary output is removed on the way out instead of being left behind.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if on_main_thread else None
     func: Callable[[argparse.Namespace], None] = args.func
     try:
         func(args)
     except CtsegError as exc:
         print(f"ctseg {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -13,13 +13,16 @@ background thread while the calling thread counts the histogram. With room for t
 budget, one slab is read while the previous one is written.
 
 Nothing silently wrong: a truncated or corrupt TIFF, a volume that is not 3D, an unsupported
-dtype, a shape that disagrees with the image or label values outside {0, 1, 2} raise
-`CtsegError` naming the file, and `atomic_path` leaves nothing behind at ``dest``.
+dtype, a shape that disagrees with the image, label values outside {0, 1, 2}, a slice directory
+with a gap or a stray file, or too little free space raise `CtsegError` naming the file, and
+nothing is left behind at ``dest``: `ctseg.io.fresh_output` writes to a temporary sibling,
+removes it on any error (a full disk included), and removes a killed run's before starting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import re
@@ -36,7 +39,7 @@ import tifffile
 import zarr
 from tqdm import tqdm
 
-from ctseg.io import CtsegError, atomic_path, sha256_file, sha256_files
+from ctseg.io import CtsegError, bytes_on_disk, fresh_output, sha256_file, sha256_files
 from ctseg.store import create_volume, make_compressors
 
 Shape3 = tuple[int, int, int]
@@ -57,6 +60,10 @@ MAX_HISTOGRAM_PIECE = 1 << 18
 # Counting uint8 in pairs allocates 65536 counts (512 KiB) per piece: below this piece size
 # that costs more than it saves, and more memory than the budget's histogram share.
 MIN_PAIR_PIECE = 1 << 17
+# Room for a chunk's codec header (blosc stores what does not compress behind 16-32 bytes) and
+# for zarr.json, in the free-space estimate.
+CHUNK_OVERHEAD = 64
+METADATA_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -86,20 +93,72 @@ def read_header(source: Path) -> tuple[Shape3, np.dtype]:
     return src.shape, src.dtype
 
 
-def _natural_key(name: str) -> tuple[list[str | int], str]:
-    # slice_2 before slice_10; the raw name breaks ties such as slice_01 and slice_1.
-    parts: list[str | int] = [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-    return parts, name
+# The last run of digits in a slice file's name is its z number: "slice_0042.tif" is slice 42 of
+# the naming ("slice_", ".tif"). The prefix is lazy so that the number is the last one.
+SLICE_NAME = re.compile(r"^(.*?)(\d+)(\D*)$")
 
 
 def _slice_files(directory: Path) -> list[Path]:
+    """The slice files in z order, after checking that they form one gapless numbered series.
+
+    A directory of slices has no header that says how many there are, so a stray file
+    ("extra.tif", "slice_0005 (copy).tif") would become a slice, and a missing one would make a
+    shorter volume, both without a word. Every TIFF in the directory must follow the naming of
+    the others, one number each, with no number left out.
+    """
     # Hidden files are skipped: macOS leaves "._slice_0001.tif" resource forks beside the slices.
     files = [
         p
         for p in directory.iterdir()
         if p.suffix.lower() in TIFF_SUFFIXES and not p.name.startswith(".") and p.is_file()
     ]
-    return sorted(files, key=lambda p: _natural_key(p.name))
+    if not files:
+        return []
+    series: dict[tuple[str, str], list[tuple[int, Path]]] = {}
+    unnumbered = []
+    for path in files:
+        match = SLICE_NAME.match(path.name)
+        if match is None:
+            unnumbered.append(path)
+        else:
+            key = (match[1], match[3].lower())
+            series.setdefault(key, []).append((int(match[2]), path))
+    if not series:
+        raise CtsegError(
+            f"{directory}: slice files must be numbered (e.g. slice_0000.tif), found "
+            f"{_names(unnumbered)}"
+        )
+    # The naming most files share is the series; anything else is a stray file.
+    (prefix, suffix), numbered = max(series.items(), key=lambda item: (len(item[1]), item[0]))
+    stray = unnumbered + [
+        p for key, items in series.items() if key != (prefix, suffix) for _, p in items
+    ]
+    if stray:
+        raise CtsegError(
+            f"{directory}: {len(stray)} file(s) do not follow the naming {prefix}<number>{suffix} "
+            f"of the other {len(numbered)} slices: {_names(stray)}; move them out of the directory"
+        )
+    numbered.sort(key=lambda item: (item[0], item[1].name))
+    numbers = [n for n, _ in numbered]
+    for (a, first), (b, second) in itertools.pairwise(numbered):
+        if a == b:
+            raise CtsegError(
+                f"{directory}: {first.name} and {second.name} are both slice {a}; remove one"
+            )
+    missing = sorted(set(range(numbers[0], numbers[-1] + 1)) - set(numbers))
+    if missing:
+        shown = ", ".join(str(n) for n in missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise CtsegError(
+            f"{directory}: {len(missing)} slice(s) missing between {numbered[0][1].name} and "
+            f"{numbered[-1][1].name}: number(s) {shown}; restore them (the volume would be "
+            "silently shorter)"
+        )
+    return [p for _, p in numbered]
+
+
+def _names(paths: list[Path]) -> str:
+    names = sorted(p.name for p in paths)
+    return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 @contextlib.contextmanager
@@ -501,6 +560,24 @@ class _SlabWriter:
             future.result()  # the first error, if any
 
 
+def _bytes_needed(dest: Path, src: _Source, chunks: Shape3, shards: Shape3 | None) -> int:
+    """Disk space the store may take: every chunk stored uncompressed (what a volume that does
+    not compress, such as CT noise, comes close to), each chunk or shard file in whole blocks."""
+    # The grid `ctseg.store.create_volume` makes: chunks clipped to the shape, shards whole chunks.
+    chunk = [min(int(c), s) for c, s in zip(chunks, src.shape, strict=True)]
+    per_file = chunk
+    if shards is not None:
+        per_file = [
+            max(c, min(s, int(n)) // c * c)
+            for s, c, n in zip(src.shape, chunk, shards, strict=True)
+        ]
+    chunks_per_file = math.prod(-(-f // c) for f, c in zip(per_file, chunk, strict=True))
+    n_files = math.prod(-(-s // f) for s, f in zip(src.shape, per_file, strict=True))
+    # Per chunk: its bytes plus a codec header; per shard: its index (16 bytes a chunk).
+    file_size = chunks_per_file * (math.prod(chunk) * src.dtype.itemsize + CHUNK_OVERHEAD + 16)
+    return bytes_on_disk(dest.parent, file_size, n_files) + METADATA_BYTES
+
+
 def _check_grid(name: str, value: Any) -> None:
     try:
         valid = len(value) == 3 and all(int(v) >= 1 for v in value)
@@ -587,7 +664,8 @@ def _convert(
     }
     budget = memory_budget_mb * 2**20
     nz = src.shape[0]
-    with atomic_path(dest) as tmp:
+    needed = _bytes_needed(dest, src, chunks, shards)
+    with fresh_output(dest, needed, f"convert {src.path.name}") as tmp:
         arr = create_volume(tmp, src.shape, src.dtype, chunks, codec, shards, attrs)
         unit_depth = (arr.shards or arr.chunks)[0]
         depth, n_buffers = _slab_plan(src.shape, src.dtype.itemsize, unit_depth, budget)

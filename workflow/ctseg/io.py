@@ -6,16 +6,24 @@ never leaves a partial output where Snakemake (or a person) would take it for a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
+import fcntl
 import hashlib
 import os
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+# atomic_path names its temporaries ".<name>.tmp-<pid>-<8 hex>".
+TEMP_NAME = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")
+# A full disk and a full quota: both are fixed by freeing space, not by a plain rerun.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class CtsegError(Exception):
@@ -88,3 +96,169 @@ def sha256_files(paths: list[Path]) -> str:
             while block := handle.read(1 << 20):
                 digest.update(block)
     return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _existing(path: str | Path) -> Path:
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds `path` (or would, once it is created)."""
+    return shutil.disk_usage(_existing(path)).free
+
+
+def bytes_on_disk(path: str | Path, file_size: int, count: int = 1) -> int:
+    """What `count` files of `file_size` bytes take on the filesystem of `path`: each file
+    fills whole blocks, which for small chunk files (4 KiB of data) can double the size."""
+    block = max(os.statvfs(_existing(path)).f_frsize, 1)
+    return count * -(-int(file_size) // block) * block
+
+
+def check_free_space(path: str | Path, needed: int, what: str, reserve_bytes: int = 0) -> None:
+    """Refuse to start a write of `needed` bytes that cannot fit: failing up front leaves
+    nothing to clean up, where running out half way leaves a partial output behind."""
+    free = free_bytes(path)
+    if needed > 0 and needed > free - reserve_bytes:
+        raise CtsegError(
+            f"{path}: not enough free space to {what}: {needed} bytes needed, {free} bytes free"
+            f" ({reserve_bytes} bytes reserved); free some space and rerun"
+        )
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The out-of-space OSError behind `exc` (itself, a cause or a member of a group), if any.
+
+    zarr and thread or process pools re-raise a write error from where it happened, sometimes
+    as the cause of another exception; the errno is what tells a full disk from a bad input.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(current.exceptions)
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return None
+
+
+@contextlib.contextmanager
+def disk_full_is_an_error(path: str | Path, what: str) -> Iterator[None]:
+    """Turn running out of space inside the block into a one-line `CtsegError` naming `path`.
+
+    Use it outside `atomic_path`, so that the partial output is gone when the message says so.
+    """
+    try:
+        yield
+    except CtsegError:
+        raise
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is None:
+            raise
+        raise CtsegError(
+            f"{path}: no space left on the device while {what} ({full.strerror or full}; "
+            f"{free_bytes(path)} bytes free now); the partial output was removed: free some "
+            "space and rerun"
+        ) from exc
+
+
+def stale_temporaries(final: str | Path) -> list[Path]:
+    """Temporary siblings that `atomic_path` made for `final` in earlier runs."""
+    final = Path(final)
+    prefix = f".{final.name}.tmp-"
+    if not final.parent.is_dir():
+        return []
+    return sorted(
+        p for p in final.parent.iterdir() if p.name.startswith(prefix) and TEMP_NAME.match(p.name)
+    )
+
+
+@contextlib.contextmanager
+def _output_lock(final: Path) -> Iterator[None]:
+    """An exclusive lock on ``.<name>.lock`` beside `final`, removed again on release.
+
+    Held while an output is written, so that a later run may remove the temporaries it finds
+    (a killed run's) without ever removing a living run's. The kernel drops the lock when the
+    holder dies; a lock file left by a killed run is taken over and removed by the next one.
+    """
+    lock = final.with_name(f".{final.name}.lock")
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise CtsegError(f"{final}: another run is writing this output now") from exc
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        # The previous holder removed the file between our open and our lock: lock afresh.
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def fresh_output(final: str | Path, needed_bytes: int = 0, what: str = "write") -> Iterator[Path]:
+    """`atomic_path` for a large output, with what a killed or failed run needs:
+
+    - under a lock on `final`, the temporaries of earlier, killed runs are removed first (they
+      would otherwise fill the disk a little more on every retry);
+    - `needed_bytes` must be free before anything is written (`what` says what for);
+    - running out of space anyway is a `CtsegError` naming `final`, after the temporary is gone.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _output_lock(final):
+        for stale in stale_temporaries(final):
+            remove_path(stale)
+        check_free_space(final, needed_bytes, what)
+        try:
+            with disk_full_is_an_error(final, f"trying to {what}"), atomic_path(final) as tmp:
+                yield tmp
+        except BaseException:
+            # A write zarr still had in flight when the error (or SIGTERM, see ctseg.cli)
+            # reached this thread can land after atomic_path removed the temporary, and
+            # create it again: let those finish, then remove what they left.
+            _settle_zarr_writes()
+            for partial in stale_temporaries(final):
+                with contextlib.suppress(OSError):
+                    remove_path(partial)
+            raise
+
+
+def _settle_zarr_writes(timeout: float = 30.0) -> None:
+    """Wait for the tasks on zarr's I/O event loop, if zarr has started one in this process.
+
+    zarr runs every store operation as a task on its own thread; interrupting the thread that
+    waits for one (a signal) does not cancel it.
+    """
+    zarr_sync = sys.modules.get("zarr.core.sync")
+    if zarr_sync is None or zarr_sync.loop[0] is None:
+        return
+
+    async def drain() -> None:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if others:
+            await asyncio.wait(others, timeout=timeout)
+
+    with contextlib.suppress(Exception):
+        zarr_sync.sync(drain(), timeout=timeout)

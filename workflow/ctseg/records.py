@@ -26,18 +26,29 @@ def find_volume(folder: Path, record_id: str) -> Path | None:
     return None
 
 
-def read_csv(path: Path) -> pd.DataFrame:
+def read_csv(path: Path, require_rows: bool = False) -> pd.DataFrame:
+    """The id and scroll_id columns of a dataset csv, both as text, checked row by row.
+
+    Scroll ids stay text: read as numbers, one empty cell turns the column into floats
+    ("2.0"), which then no longer match the config's scroll ids.
+    """
     if not path.exists():
         raise CtsegError(f"{path}: file not found (expected columns id,scroll_id)")
     try:
-        table = pd.read_csv(path, dtype={"id": str})
+        table = pd.read_csv(path, dtype={"id": str, "scroll_id": str}, skipinitialspace=True)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise CtsegError(f"{path}: cannot be read as csv: {exc}") from exc
     missing = {"id", "scroll_id"} - set(table.columns)
     if missing:
         raise CtsegError(f"{path}: missing column(s) {sorted(missing)}; expected id,scroll_id")
-    if table["id"].isna().any():
-        raise CtsegError(f"{path}: empty id in row(s) {list(table.index[table['id'].isna()] + 2)}")
+    if require_rows and table.empty:
+        raise CtsegError(f"{path}: no records, only a header; list one id,scroll_id per row")
+    for column in ("id", "scroll_id"):
+        empty = table[column].isna() | (table[column].str.strip() == "")
+        if empty.any():
+            rows = list(table.index[empty] + 2)  # 1-based, after the header line
+            raise CtsegError(f"{path}: empty {column} in row(s) {rows}")
+    table["scroll_id"] = table["scroll_id"].str.strip()
     for record_id in table["id"]:
         check_id(record_id, path)
     duplicated = table["id"][table["id"].duplicated()].unique().tolist()
@@ -54,7 +65,7 @@ def read_records(dataset_dir: str | Path, require_files: bool = True) -> pd.Data
         csv_path = dataset_dir / f"{split}.csv"
         if split == "test" and not csv_path.exists():
             continue
-        table = read_csv(csv_path).assign(split=split)
+        table = read_csv(csv_path, require_rows=split == "train").assign(split=split)
         images, labels = [], []
         for record_id in table["id"]:
             image = find_volume(dataset_dir / f"{split}_images", record_id)

@@ -49,7 +49,6 @@ import json
 import math
 import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -64,7 +63,16 @@ import zarr
 from tqdm import tqdm
 from zarr.storage import FsspecStore
 
-from ctseg.io import CtsegError, atomic_path, check_id, sha256_file
+from ctseg.io import (
+    TEMP_NAME,
+    CtsegError,
+    atomic_path,
+    check_free_space,
+    check_id,
+    disk_full_is_an_error,
+    remove_path,
+    sha256_file,
+)
 from ctseg.store import MASK_BITS, TARGET_VOLUMES, pack_masks
 
 FORMATS = ("raw", "zarr")
@@ -80,8 +88,14 @@ SLAB_BYTES = 64 << 20
 BATCH_BYTES = 32 << 20
 BATCH_FILES = 256
 STREAM_BLOCK = 8 << 20
-# atomic_path names its temporaries ".<name>.tmp-<pid>-<8 hex>".
-TEMP_NAME = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")
+# `check_staged` rereads files up to this size (metadata, zarr.json) for their sha256; larger
+# ones are only checked for presence and size, so the check costs a stat per file.
+CHEAP_HASH_BYTES = 64 << 10
+# What repairs a damaged scratch copy: staging again, which keeps what still verifies.
+STAGE_FIX = (
+    "restage it with `snakemake -R stage` (with stage: per_job, rerun the training job, which "
+    "stages its own copy)"
+)
 
 Format = Literal["raw", "zarr"]
 Verify = Literal["size", "sha256"]
@@ -137,6 +151,11 @@ def _filter_subset(table: pd.DataFrame, subset: Mapping) -> pd.DataFrame:
             raise CtsegError(f"subset.ids: unknown id(s) {unknown}: not labelled training records")
         table = table[table["id"].isin(wanted)]
     if scroll_ids is not None:
+        if table["scroll_id"].isna().any():
+            # pandas keeps a missing value missing through astype(str); records.read_csv
+            # rejects them, so only a table built elsewhere gets here.
+            empty = table.loc[table["scroll_id"].isna(), "id"].tolist()
+            raise CtsegError(f"subset.scroll_ids: record(s) {empty} have no scroll_id")
         # Compare as text: the csv column may be read as int while config gives str, or back.
         wanted = {str(s) for s in scroll_ids}
         have = set(table["scroll_id"].astype(str))
@@ -609,6 +628,45 @@ def _current_entries(
     return entries
 
 
+def check_staged(scratch: Path, ids: Sequence[str], fix: str = STAGE_FIX) -> dict:
+    """Check, cheaply, that `scratch` still holds the staged copy of `ids` its manifest lists.
+
+    Training reads the scratch copy through memmaps in loader workers, where a deleted or
+    truncated file ends in a long traceback, again on every rerun, since nothing upstream
+    looks stale to Snakemake. This check runs before the loader is built: every file listed
+    for `ids` must exist with its recorded size, and files up to `CHEAP_HASH_BYTES` (the
+    metadata) must match their sha256. Bulk data is not reread; `stage_records` does that.
+    Raises `CtsegError` naming the first bad file and `fix`; returns the top manifest.
+    """
+    scratch = Path(scratch)
+    path = scratch / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        staged_ids = set(manifest["ids"])
+    except FileNotFoundError:
+        raise CtsegError(f"{path}: missing: nothing is staged in {scratch}; {fix}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CtsegError(f"{path}: unreadable staging manifest ({exc}); {fix}") from exc
+    absent = sorted(set(ids) - staged_ids)
+    if absent:
+        raise CtsegError(f"{path}: record(s) {absent} are not staged here; {fix}")
+    wanted = set(ids)
+    for entry in files:
+        record_id = entry["path"].split("/", 1)[0]
+        if record_id not in wanted:
+            continue
+        problem = _verify(scratch, [entry], check_sha256=False)
+        if problem is None and entry["size"] <= CHEAP_HASH_BYTES:
+            problem = _verify(scratch, [entry], check_sha256=True)
+        if problem is not None:
+            raise CtsegError(f"{scratch / entry['path']}: staged copy damaged: {problem}; {fix}")
+    for record_id in ids:
+        if not (scratch / record_id / MANIFEST).is_file():
+            raise CtsegError(f"{scratch / record_id / MANIFEST}: missing; {fix}")
+    return manifest
+
+
 def _write_json(path: Path, payload: Mapping) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
@@ -634,27 +692,8 @@ def _remove_stale_temps(dest: Path) -> int:
     # Only called under the lock, so no living run owns these.
     stale = [p for p in dest.iterdir() if TEMP_NAME.match(p.name)]
     for path in stale:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        remove_path(path)
     return len(stale)
-
-
-def _free_bytes(dest: Path) -> int:
-    existing = dest
-    while not existing.exists():
-        existing = existing.parent
-    return shutil.disk_usage(existing).free
-
-
-def _check_space(dest: Path, needed: int, reserve_bytes: int) -> None:
-    free = _free_bytes(dest)
-    if needed > 0 and needed > free - reserve_bytes:
-        raise CtsegError(
-            f"{dest}: not enough free space to stage: {needed} bytes needed, {free} bytes free "
-            f"({reserve_bytes} bytes reserved)"
-        )
 
 
 def _check_args(ids: Sequence[str], fmt: str, verify: str, workers: int, reserve: int) -> list:
@@ -773,7 +812,7 @@ def stage_records(
         )
         todo = [r for r, entries in zip(records, current, strict=True) if entries is None]
         needed = sum(_bytes_needed(r, fmt) for r in todo)
-        _check_space(dest, needed, reserve_bytes)
+        check_free_space(dest, needed, "stage", reserve_bytes)
         if not dest.exists():
             dest.mkdir(parents=True)
             stack.enter_context(_locked(dest))
@@ -782,14 +821,17 @@ def stage_records(
             (dest / MANIFEST).unlink(missing_ok=True)
         progress = _Progress(needed, len(todo))
         stack.callback(progress.close)
-        staged = _run_all(
-            lambda r: _stage_one(fs, r, dest, fmt, source, storage_options, progress),
-            todo,
-            workers,
-        )
-        by_id = {r.id: e for r, e in zip(records, current, strict=True) if e is not None}
-        by_id.update({r.id: e for r, e in zip(todo, staged, strict=True)})
-        _write_top_manifest(dest, records, by_id, fmt, source, verify)
+        # The space check above can be beaten by other writers on the same disk; a record that
+        # runs out of space is removed (atomic_path), and the records before it are kept.
+        with disk_full_is_an_error(dest, "staging"):
+            staged = _run_all(
+                lambda r: _stage_one(fs, r, dest, fmt, source, storage_options, progress),
+                todo,
+                workers,
+            )
+            by_id = {r.id: e for r, e in zip(records, current, strict=True) if e is not None}
+            by_id.update({r.id: e for r, e in zip(todo, staged, strict=True)})
+            _write_top_manifest(dest, records, by_id, fmt, source, verify)
 
     copied = [e for entries in staged for e in entries]
     return {

@@ -95,7 +95,7 @@ from scipy import ndimage
 from skimage.morphology import skeletonize
 from tqdm import tqdm
 
-from ctseg.io import CtsegError, atomic_path
+from ctseg.io import CtsegError, fresh_output
 from ctseg.store import TARGET_VOLUMES, create_in_group, open_volume
 
 SkeletonMethod = Literal["medial_surface", "medial_surface_fast", "lee3d"]
@@ -615,7 +615,9 @@ def _compute(
     n_blocks: int,
 ) -> dict[str, Any]:
     label_store = Path(plan.label_path)
-    with atomic_path(dest) as tmp:
+    # Uncompressed: four uint8 masks and the float16 distance per voxel, plus the locations.
+    needed = math.prod(plan.shape) * 6 + plan.max_samples * 12
+    with fresh_output(dest, needed, f"write the targets of {label_store.name}") as tmp:
         plan = replace(plan, dest_path=str(tmp))
         group = _create_group(plan, chunks, codec)
         counts = dict.fromkeys(("foreground", "ignore", "skeleton", "tube"), 0)

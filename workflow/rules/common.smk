@@ -16,6 +16,13 @@ validate(config, schema="../schemas/config.schema.yaml")
 ID_REGEX = "[A-Za-z0-9_.-]+"
 DATASET_DIR = Path("resources") / config["dataset"]
 IS_DEMO = config["dataset"] == "demo"
+# Each dataset's preprocessed stores under a root of their own, so that two datasets with a
+# common id never overwrite each other's. Below the root is the layout `ctseg stage` reads from
+# any source, local or remote: zarr/images/<id>.zarr, zarr/labels/<id>.zarr, targets/<id>.zarr.
+STORE = f"results/preprocessed/{config['dataset']}"
+IMAGE_STORE = f"{STORE}/zarr/images/{{id}}.zarr"
+LABEL_STORE = f"{STORE}/zarr/labels/{{id}}.zarr"
+TARGET_STORE = f"{STORE}/targets/{{id}}.zarr"
 
 
 wildcard_constraints:
@@ -79,9 +86,9 @@ def shape_arg(values):
 
 def preprocessed_outputs():
     return (
-        expand("results/zarr/images/{id}.zarr", id=ids())
-        + expand("results/zarr/labels/{id}.zarr", id=ids(labelled=True))
-        + expand("results/targets/{id}.zarr", id=ids(split="train"))
+        expand(IMAGE_STORE, id=ids())
+        + expand(LABEL_STORE, id=ids(labelled=True))
+        + expand(TARGET_STORE, id=ids(split="train"))
     )
 
 
@@ -121,6 +128,18 @@ def load_phases():
 EXP = load_experiment()
 EXP_NAME = EXP["name"]
 PHASES = load_phases()
+
+
+def check_trial_phases():
+    unknown = [p for p in EXP["trial"]["phases"] if p not in PHASES]
+    if unknown:
+        raise WorkflowError(
+            f"config/experiments/{EXP_NAME}.yaml: trial.phases names phase(s) {unknown} that "
+            f"config/phases.yaml does not define (it defines {sorted(PHASES)})"
+        )
+
+
+check_trial_phases()
 SCRATCH = str(expand_scratch(config["scratch"]) / EXP_NAME)
 
 
@@ -130,7 +149,8 @@ def training_records():
         [
             {"id": i, "scroll_id": RECORDS[i]["scroll_id"]}
             for i in ids(split="train", labelled=True)
-        ]
+        ],
+        columns=["id", "scroll_id"],
     )
 
 
@@ -225,7 +245,7 @@ def previous_trial(wildcards):
 
 def stage_source(wildcards):
     """Where stage reads the preprocessed store: the experiment's source, or results/."""
-    return EXP["source"] or "results"
+    return EXP["source"] or STORE
 
 
 def infer_ids():
@@ -245,6 +265,32 @@ def eval_ids():
     return list(SPLIT.loc[SPLIT["split"] == "val", "id"])
 
 
+def check_record_counts():
+    """Training needs a record to train on and evaluation one to score: say so before any job
+    runs, not as a usage error of `ctseg evaluate` after training."""
+    if not eval_ids():
+        if IS_DEMO:
+            why = "demo.n_test is 0; set it to 1 or more"
+        else:
+            n = len(SPLIT)
+            why = (
+                f"the val split of its {n} selected labelled record(s) is empty "
+                f"(split: {EXP['split']}); "
+                + (
+                    "label at least 2 records in train.csv/train_labels"
+                    if n < 2
+                    else "set split.val_fraction above 0 or list split.val_ids"
+                )
+            )
+        raise WorkflowError(
+            f"dataset {config['dataset']!r}, experiment {EXP_NAME!r}: no record to "
+            f"evaluate: {why}"
+        )
+
+
+check_record_counts()
+
+
 def prediction(record_id):
     return f"results/{EXP_NAME}/predictions/{record_id}.tif"
 
@@ -256,7 +302,7 @@ def overlay_ids(count=3):
 def overlay_args():
     """--overlay ID IMAGE LABEL PRED for the first few scored volumes."""
     return " ".join(
-        f"--overlay {i} results/zarr/images/{i}.zarr results/zarr/labels/{i}.zarr "
+        f"--overlay {i} {IMAGE_STORE.format(id=i)} {LABEL_STORE.format(id=i)} "
         f"{prediction(i)}"
         for i in overlay_ids()
     )
@@ -266,8 +312,8 @@ def training_data(wildcards):
     """What a training job reads: the staged scratch copy, or (per_job) the store it stages."""
     if config["stage"] == "per_job":
         return {
-            "images": local_store_inputs("results/zarr/images/{id}.zarr"),
-            "targets": local_store_inputs("results/targets/{id}.zarr"),
+            "images": local_store_inputs(IMAGE_STORE),
+            "targets": local_store_inputs(TARGET_STORE),
         }
     return {"manifest": f"{SCRATCH}/manifest.json"}
 

@@ -1,7 +1,7 @@
 rule infer:
     input:
         weights=f"results/{EXP_NAME}/last.pt",
-        image="results/zarr/images/{id}.zarr",
+        image=IMAGE_STORE,
     output:
         mask=f"results/{EXP_NAME}/predictions/{{id}}.tif",
         probabilities=directory(f"results/{EXP_NAME}/probabilities/{{id}}.zarr"),

@@ -2,7 +2,7 @@ rule convert_image:
     input:
         image_source,
     output:
-        directory("results/zarr/images/{id}.zarr"),
+        directory(IMAGE_STORE),
     log:
         "results/logs/convert_image/{id}.log",
     benchmark:
@@ -23,9 +23,9 @@ rule convert_image:
 rule convert_label:
     input:
         label=label_source,
-        image="results/zarr/images/{id}.zarr",
+        image=IMAGE_STORE,
     output:
-        directory("results/zarr/labels/{id}.zarr"),
+        directory(LABEL_STORE),
     log:
         "results/logs/convert_label/{id}.log",
     benchmark:
@@ -45,9 +45,9 @@ rule convert_label:
 
 rule targets:
     input:
-        "results/zarr/labels/{id}.zarr",
+        LABEL_STORE,
     output:
-        directory("results/targets/{id}.zarr"),
+        directory(TARGET_STORE),
     log:
         "results/logs/targets/{id}.log",
     benchmark:

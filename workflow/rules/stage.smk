@@ -22,8 +22,8 @@ rule stage:
     input:
         split=f"results/{EXP_NAME}/split.csv",
         # A remote source is already preprocessed; a local one is built by this workflow.
-        images=local_store_inputs("results/zarr/images/{id}.zarr"),
-        targets=local_store_inputs("results/targets/{id}.zarr"),
+        images=local_store_inputs(IMAGE_STORE),
+        targets=local_store_inputs(TARGET_STORE),
     output:
         manifest=f"{SCRATCH}/manifest.json",
     log:
