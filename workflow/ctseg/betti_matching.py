@@ -248,9 +248,7 @@ def _dual_older(values: np.ndarray, a: int, b: int) -> bool:
 
 
 @njit(cache=True)
-def _dual_image_deaths(
-    fg: np.ndarray, values: np.ndarray, comp_values: np.ndarray
-) -> np.ndarray:
+def _dual_image_deaths(fg: np.ndarray, values: np.ndarray, comp_values: np.ndarray) -> np.ndarray:
     """One input's dual pass: a mask over cubes of the comparison-image death cubes of its
     finite dimension-2 intervals (the image of each interval in the comparison image)."""
     nx, ny, nz = fg.shape
@@ -461,9 +459,7 @@ def _image_fg_pivots(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> 
     return result
 
 
-def _dim1_matched(
-    pred: np.ndarray, gt: np.ndarray, union: np.ndarray, positive: np.ndarray
-) -> int:
+def _dim1_matched(pred: np.ndarray, gt: np.ndarray, union: np.ndarray, positive: np.ndarray) -> int:
     order = _square_order(union)
     keep = positive[order] == 0  # clearing: comparison-positive squares reduce to zero
     n_zero = int(np.count_nonzero(_is_value0(union, order)))
