@@ -188,7 +188,7 @@ def test_load_checkpoint_names_the_file_when_it_is_unreadable(tmp_path: Path) ->
     path = tmp_path / "resume.pt"
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(CtsegError, match="resume.pt: cannot load checkpoint"):
-        load_checkpoint(path, "0" * 16)
+        load_checkpoint(path)
 
 
 # --------------------------------------------------------------------------- a full run
@@ -265,16 +265,18 @@ def test_checkpoint_holds_the_whole_training_state(basic_run: Path) -> None:
     assert not [p for p in basic_run.iterdir() if p.name.startswith(".")]
 
 
-def test_resume_with_another_model_config_is_a_clear_error(
+def test_resume_with_another_model_config_sets_the_checkpoint_aside(
     basic_run: Path, scratch: Path, tmp_path: Path
 ) -> None:
     state = tmp_path / "state"
     state.mkdir()
     (state / "resume.pt").write_bytes((basic_run / "state" / "resume.pt").read_bytes())
     other = experiment(model={"filters": [4, 4]})
-    with pytest.raises(CtsegError, match="different model config") as info:
-        run(scratch, tmp_path / "out", other, state_dir=state)
-    assert "resume.pt" in str(info.value)
+    summary = run(scratch, tmp_path / "out", other, state_dir=state)
+    assert summary["resume"] == "set_aside" and summary["steps"] == 6
+    assert "experiment.model.filters" in summary["changed"]
+    kept = Path(summary["set_aside"]) / "resume.pt"
+    assert kept.read_bytes() == (basic_run / "state" / "resume.pt").read_bytes()
 
 
 def test_resume_of_a_finished_run_trains_no_further(

@@ -67,7 +67,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ctseg.data import DevicePrefetcher, PatchDataset, build_loader, to_device
-from ctseg.io import CtsegError, atomic_path
+from ctseg.io import CtsegError, atomic_path, check_free_space, disk_full, free_bytes
 from ctseg.losses import compute_losses, loss_settings
 from ctseg.model import build_model, portable_state_dict, tensor_bytes
 
@@ -125,15 +125,112 @@ class GpuMonitor:
         return float(self._nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
 
 
-def fingerprint(exp: Mapping[str, Any]) -> str:
-    """What a checkpoint's weights depend on: resuming with a different model is an error."""
-    maths = {"model": exp["model"], "patch_size": exp["data"]["patch_size"]}
-    return hashlib.sha256(json.dumps(maths, sort_keys=True).encode()).hexdigest()[:16]
+# Experiment keys that cannot change the trained weights: where the data comes from and how it
+# is laid out on scratch (the staged data enters the identity by its fingerprints), the
+# trials, and what is logged or validated.
+NOT_MATHS = {
+    "name": None,
+    "source": None,
+    "scratch_format": None,
+    "trial": None,
+    "subset": None,
+    "split": None,
+    "train": ("log_every", "val_batches"),
+}
+
+
+def run_identity(
+    exp: Mapping[str, Any],
+    phase: Mapping[str, Any],
+    *,
+    data: Mapping[str, str],
+    total_steps: int,
+    clip_distance: float,
+) -> dict[str, Any]:
+    """Everything that determines a run's trained weights, as a JSON-able dict.
+
+    A checkpoint is resumed only by a run with the same identity: the experiment's settings
+    that change the maths, the phase's maths keys (workers or prefetch do not change the sample
+    stream, so a preempted run may resume under another loader phase), the staged data (each
+    record's role and source fingerprint) and the total step count.
+    """
+    settings: dict[str, Any] = {}
+    for key, value in exp.items():
+        dropped = NOT_MATHS.get(key, ())
+        if dropped is None:
+            continue
+        if isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k not in dropped}
+        settings[key] = value
+    maths = {
+        "batch_size": int(phase["batch_size"]),
+        "accumulate": int(phase.get("accumulate", 1)),
+        "precision": phase.get("precision") or "fp32",
+        "gpus": int(phase.get("gpus", 1)),
+    }
+    return json.loads(
+        json.dumps(
+            {
+                "experiment": settings,
+                "phase": maths,
+                "data": dict(sorted(data.items())),
+                "total_steps": int(total_steps),
+                "clip_distance": float(clip_distance),
+            },
+            sort_keys=True,
+        )
+    )
+
+
+def identity_digest(identity: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity_changes(old: Any, new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys where two identities differ (what a user changed), sorted."""
+    if not isinstance(old, Mapping):
+        return [prefix.rstrip(".") or "identity"]
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            changed += identity_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changed.append(f"{prefix}{key}")
+    return changed
 
 
 def save_checkpoint(path: Path, payload: Mapping[str, Any]) -> None:
-    with atomic_path(path) as tmp:
-        torch.save(dict(payload), tmp)
+    """Write a checkpoint atomically, refusing up front when it cannot fit.
+
+    torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
+    ... unexpected pos``, which never mentions space; a failed write is therefore checked
+    against the free space it needed, and reported as what it is.
+    """
+    needed = _payload_bytes(payload)
+    check_free_space(path.parent, needed, "save the checkpoint")
+    try:
+        with atomic_path(path) as tmp:
+            torch.save(dict(payload), tmp)
+    except Exception as exc:
+        if disk_full(exc) is None and free_bytes(path.parent) >= needed:
+            raise
+        raise CtsegError(
+            f"{path}: no space left to save the checkpoint ({needed} bytes needed, "
+            f"{free_bytes(path.parent)} free); the partial file was removed and the previous "
+            "checkpoint is intact: free some space and rerun, and training resumes from it"
+        ) from exc
+
+
+def _payload_bytes(payload: Any) -> int:
+    """The tensor bytes in a (nested) checkpoint payload: what torch.save will write, roughly."""
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    if isinstance(payload, Mapping):
+        return sum(_payload_bytes(v) for v in payload.values())
+    if isinstance(payload, list | tuple):
+        return sum(_payload_bytes(v) for v in payload)
+    return 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -176,18 +273,48 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def load_checkpoint(path: Path, expected_fingerprint: str) -> dict[str, Any]:
+def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the same user problem
-        raise CtsegError(f"{path}: cannot load checkpoint: {exc}") from exc
-    if state.get("fingerprint") != expected_fingerprint:
         raise CtsegError(
-            f"{path}: checkpoint was written for a different model config "
-            f"(fingerprint {state.get('fingerprint')} != {expected_fingerprint}); "
-            "delete it or restore the experiment's model settings"
+            f"{path}: cannot load checkpoint: {exc}; move it aside to start this run afresh"
+        ) from exc
+
+
+def resume_state(
+    state_dir: Path, identity: Mapping[str, Any], ranks: Ranks
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The checkpoint to resume from, if it was written by this run, and what happened.
+
+    A checkpoint of another run (changed settings, data or length, or a saved step beyond this
+    run's end) is never resumed and never deleted: rank 0 moves it, and the logs beside it,
+    into ``state_dir/set-aside/<time>-<digest>/``, and this run starts fresh. Every rank reads
+    the checkpoint before anything moves, so all of them take the same decision.
+    """
+    path = state_dir / "resume.pt"
+    if not path.exists():
+        return None, {"resume": "fresh"}
+    state = load_checkpoint(path)
+    changes = identity_changes(state.get("identity"), identity)
+    if int(state.get("step", 0)) > int(identity["total_steps"]) and not changes:
+        changes = ["step beyond total_steps"]
+    if not changes:
+        return state, {"resume": "resumed", "from_step": int(state["step"])}
+    ranks.barrier()  # every rank has read the checkpoint before rank 0 moves it
+    aside = state_dir / "set-aside" / f"{time.strftime('%Y%m%dT%H%M%S')}-{state.get('fingerprint')}"
+    if ranks.main:
+        aside.mkdir(parents=True, exist_ok=True)
+        for name in ("resume.pt", "steps.csv", "epochs.csv"):
+            if (state_dir / name).exists():
+                os.replace(state_dir / name, aside / name)
+        print(
+            f"{path} was written by a different run (changed: {', '.join(changes)}); "
+            f"set it aside in {aside} and started this run afresh",
+            file=sys.stderr,
         )
-    return state
+    ranks.barrier()
+    return None, {"resume": "set_aside", "set_aside": str(aside), "changed": changes}
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -428,13 +555,22 @@ def train(
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         scaler = torch.amp.GradScaler(dev.type, enabled=autocast_dtype is torch.float16)
         losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
-        fp = fingerprint(exp)
+        identity = run_identity(
+            exp,
+            phase,
+            data=_data_identity(scratch, train_ids, val_ids),
+            total_steps=total_steps,
+            clip_distance=clip_distance,
+        )
+        fp = identity_digest(identity)
 
         # Every rank loads the checkpoint (rank 0 wrote it) and goes on from the same state.
         step, epoch, sample_index = 0, 0, 0
         resume_path = state_dir / "resume.pt" if state_dir is not None else None
-        if resume_path is not None and resume_path.exists():
-            state = load_checkpoint(resume_path, fp)
+        state, resumed = (None, {"resume": "fresh"})
+        if state_dir is not None:
+            state, resumed = resume_state(state_dir, identity, ranks)
+        if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
@@ -650,6 +786,7 @@ def train(
                             "sample_index": sample_index,
                             "world_size": ranks.world,
                             "fingerprint": fp,
+                            "identity": identity,
                         },
                     )
         bar.close()
@@ -689,7 +826,18 @@ def train(
             "device": str(dev),
             "world_size": ranks.world,
             "param_sha256": digests,
+            "run_identity": fp,
+            **resumed,
         }
+
+
+def _data_identity(scratch: Path, train_ids: list[str], val_ids: list[str]) -> dict[str, str]:
+    """Each record's role and staged source fingerprint, as the run identity names the data."""
+    from ctseg.stage import staged_fingerprints
+
+    prints = staged_fingerprints(scratch, [*train_ids, *val_ids])
+    roles = {**{i: "val" for i in val_ids}, **{i: "train" for i in train_ids}}
+    return {f"{roles[i]}:{i}": fp for i, fp in prints.items()}
 
 
 def _merge_log(path: Path, new_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
