@@ -872,3 +872,22 @@ def _write_top_manifest(
     }
     with atomic_path(dest / MANIFEST) as tmp:
         _write_json(tmp, manifest)
+
+
+def staged_fingerprints(scratch: Path, ids: Sequence[str]) -> dict[str, str]:
+    """Each staged record's source fingerprint, from its own manifest under `scratch`.
+
+    This is what training's run identity uses as "the data": it changes when the record is
+    re-converted or its targets are recomputed upstream, not when the scratch format changes.
+    """
+    found: dict[str, str] = {}
+    for record_id in ids:
+        path = Path(scratch) / record_id / MANIFEST
+        try:
+            found[record_id] = str(json.loads(path.read_text())["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CtsegError(
+                f"{path}: staged record {record_id!r} has no readable manifest ({exc}); "
+                "stage the experiment again (snakemake -R stage)"
+            ) from exc
+    return found
