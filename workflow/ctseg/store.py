@@ -1,10 +1,11 @@
 """Zarr v3 layout shared by every step: how arrays are created, compressed and opened.
 
-Layout (the results contract):
-- ``results/zarr/images/<id>.zarr`` and ``results/zarr/labels/<id>.zarr``: one 3D array each,
+Layout (the results contract), under one root per dataset, ``results/preprocessed/<dataset>/``
+(the root a `ctseg.stage` source points at):
+- ``zarr/images/<id>.zarr`` and ``zarr/labels/<id>.zarr``: one 3D array each,
   attributes ``source``, ``source_sha256``, ``shape``, ``dtype``, ``mean``, ``std``,
   ``p0_5``, ``p99_5``.
-- ``results/targets/<id>.zarr``: a group with 3D arrays ``ignore``, ``foreground``,
+- ``targets/<id>.zarr``: a group with 3D arrays ``ignore``, ``foreground``,
   ``skeleton``, ``tube`` (uint8, 0/1) and ``sdt`` (float16, clipped signed distance, positive
   outside the foreground), all on the label's chunk grid, plus ``fg_locations`` (int32, N x 3,
   z/y/x of sampled foreground voxels).
