@@ -12,7 +12,16 @@ every target (label, ignore, skeleton, tube, sdt). The configurations:
 - run-time targets (`runtime_targets=True`: the seeds' status quo, every target recomputed per
   sample in the worker from the label plus the halo), phase 1, raw scratch, against phase 1
   with precomputed targets;
-- zarr scratch against raw scratch, phase 1, precomputed targets.
+- zarr scratch against raw scratch, phase 1, precomputed targets;
+- the loader without workers against 2 workers: phase 2 (batch 2) with `workers: 0` against
+  phase 2 itself (`workers_vs_main`; below 1, workers cost more than they bring);
+- the layout batches travel in: `build_loader`'s packed batches (one uint8 tensor per batch,
+  written into buffers the workers reuse, `ctseg.data.PackedBatch`) against the host layout
+  that the loader sent before (ten tensors per sample, `default_collate` of
+  `PatchDataset.__getitem__`, reconstructed here by giving `build_loader` a plain dataset), at
+  phase 1 and for the phase 2 pair. "loader adds ms" is the loader's own CPU cost per sample:
+  CPU ms/sample in the loader minus the same samples timed alone (packed: `dataset.packed`,
+  host layout: `dataset[i]`).
 
 The data is built once: demo volumes (`generate_demo`) converted (`convert_volume`), targets
 precomputed (`compute_targets`), both with config/config.yaml's settings, laid out as the
@@ -60,6 +69,11 @@ allocated itself: patch buffers, target computation, heap kept by `ctseg.data.tu
   files and on when the read happens, not on what the data path needs; freshly staged files can
   even show their page cache as Private_Dirty until it is written back.
 RSS and USS ratios are printed beside it.
+- Since batches are packed (issue 13), a worker writes its samples straight into shared-memory
+  batch buffers that it reuses (`ctseg.data._SlotPool`), so its RssAnon no longer holds patch
+  buffers at all: with precomputed targets "own" is near 0 and the ratio says little more than
+  that. The buffers show as "worker shm MB" (peak RssShmem: the worker's slots, each one
+  batch, shared with the main process, which maps them too; about prefetch_factor + 1 slots).
 
 Only the usable cores (the process's CPU affinity) run the workers: phases with more workers
 than cores cannot scale (the workers time-share them), which the output says; the ratios are
@@ -70,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import io
 import json
@@ -103,7 +118,10 @@ CHILDREN_EVERY_S = 0.05
 MB = 2**20
 NAN = float("nan")
 HAS_CHILDREN_FILE = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
-ALONE = (f"phase {PAIR_PHASE}", "run-time", "zarr")  # samples also timed without the loader
+MAIN_PHASE = 2  # workers_vs_main: this phase with workers 0 against the phase itself
+HOST = f"phase {PAIR_PHASE}, host layout"
+# Samples also timed without the loader.
+ALONE = (f"phase {PAIR_PHASE}", "run-time", "zarr", HOST)
 
 SETTINGS = {
     "quick": {"size": 192, "records": 2, "rounds": 2, "phase": 96, "runtime": 10, "zarr": 40},
@@ -117,17 +135,42 @@ def load_yaml(path: Path) -> dict:
 
 def configurations(settings: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Name -> (phase, scratch format, run-time targets, timed samples), in run order."""
-    runs = {
+    main, two = f"phase {MAIN_PHASE}, 0 workers", f"phase {MAIN_PHASE}"
+    runs: dict[str, dict[str, Any]] = {
         "run-time": {"phase": PAIR_PHASE, "fmt": "raw", "runtime": True, "samples": "runtime"},
         f"phase {PAIR_PHASE}": {"phase": PAIR_PHASE, "fmt": "raw", "runtime": False},
         "zarr": {"phase": PAIR_PHASE, "fmt": "zarr", "runtime": False, "samples": "zarr"},
+        HOST: {"phase": PAIR_PHASE, "fmt": "raw", "runtime": False, "layout": "host"},
+        main: {"phase": MAIN_PHASE, "fmt": "raw", "runtime": False, "workers": 0},
+        two: {"phase": MAIN_PHASE, "fmt": "raw", "runtime": False},
+        f"{main}, host layout": {
+            "phase": MAIN_PHASE,
+            "fmt": "raw",
+            "runtime": False,
+            "workers": 0,
+            "layout": "host",
+        },
+        f"{two}, host layout": {
+            "phase": MAIN_PHASE,
+            "fmt": "raw",
+            "runtime": False,
+            "layout": "host",
+        },
     }
     for p in TABLE_PHASES:
         runs.setdefault(f"phase {p}", {"phase": p, "fmt": "raw", "runtime": False})
     return {
-        name: {**run, "samples": int(settings[run.get("samples", "phase")])}
+        name: {"layout": "packed", **run, "samples": int(settings[run.get("samples", "phase")])}
         for name, run in runs.items()
     }
+
+
+def run_phase(phases: Mapping[int, Any], run: Mapping[str, Any]) -> dict[str, Any]:
+    """The phase a configuration runs: config/phases.yaml's, with its workers override."""
+    phase = dict(phases[run["phase"]])
+    if "workers" in run:
+        phase["workers"] = run["workers"]
+    return phase
 
 
 def usable_cores() -> int:
@@ -172,7 +215,12 @@ def read_status(pid: int | str) -> dict[str, int] | None:
     if "RssAnon" not in kb:
         return None  # a zombie: its memory is gone
     rss = kb["RssAnon"] + kb.get("RssFile", 0) + kb.get("RssShmem", 0)
-    return {"rss": rss, "hwm": kb.get("VmHWM", rss), "anon": kb["RssAnon"]}
+    return {
+        "rss": rss,
+        "hwm": kb.get("VmHWM", rss),
+        "anon": kb["RssAnon"],
+        "shmem": kb.get("RssShmem", 0),
+    }
 
 
 def read_uss(pid: int) -> int | None:
@@ -213,6 +261,36 @@ def make_dataset(spec: Mapping[str, Any], run: Mapping[str, Any], length: int) -
     )
 
 
+class HostLayout:
+    """A plain dataset of `PatchDataset.__getitem__` samples: given this, `build_loader` makes
+    the loader the pipeline had before packing (default_collate, ten tensors per sample)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.dataset[index]
+
+
+def make_loader(spec: Mapping[str, Any], run: Mapping[str, Any], phase: dict, length: int) -> Any:
+    import torch
+
+    from ctseg.data import build_loader
+
+    dataset = make_dataset(spec, run, length)
+    if run["layout"] == "host":
+        dataset = HostLayout(dataset)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return build_loader(dataset, phase, seed=0, device=device)
+
+
+def packed_one(dataset: Any, index: int) -> Any:
+    return dataset.packed([index])
+
+
 def time_alone(spec: Mapping[str, Any]) -> dict[str, float]:
     """Mean CPU ms of one sample without a loader (`dataset[i]`), per compared configuration.
 
@@ -223,15 +301,17 @@ def time_alone(spec: Mapping[str, Any]) -> dict[str, float]:
     alone = {}
     for name in ALONE:
         run = spec["runs"][name]
-        phase = phases[run["phase"]]
+        phase = run_phase(phases, run)
         batch = int(phase["batch_size"])
         first = max(2, int(phase["workers"])) * batch  # after the warm-up batches
         timed = max(1, -(-int(run["samples"]) // batch)) * batch
         dataset = make_dataset(spec, run, first + timed)
-        dataset[0]  # opens the stores
+        host = run["layout"] == "host"
+        one = dataset.__getitem__ if host else functools.partial(packed_one, dataset)
+        one(0)  # opens the stores
         before = time.process_time()
         for i in range(first, first + timed):
-            dataset[i]
+            one(i)
         alone[name] = 1000 * (time.process_time() - before) / timed
     return alone
 
@@ -243,23 +323,20 @@ def child_runs(spec: Mapping[str, Any]) -> dict:
     """
     import torch
 
-    from ctseg.data import build_loader
-
     phases = load_yaml(PHASES)["phases"]
     cuda = torch.cuda.is_available()
     me = os.getpid()
     results = []
     for round_ in range(int(spec["rounds"])):
         for name, run in spec["runs"].items():
-            phase = phases[run["phase"]]
+            phase = run_phase(phases, run)
             batch, workers = int(phase["batch_size"]), int(phase["workers"])
             prefetch = int(phase.get("prefetch_factor") or 2)
             warmup = max(2, workers)
             timed = max(1, -(-int(run["samples"]) // batch))
             # Work left after the last timed batch keeps every worker busy until then.
             length = (warmup + timed + workers * prefetch) * batch
-            dataset = make_dataset(spec, run, length)
-            loader = build_loader(dataset, phase, seed=0, device="cuda" if cuda else "cpu")
+            loader = make_loader(spec, run, phase, length)
             anon_at_fork = (read_status("self") or {}).get("anon", 0)
             started = time.time()
             stamps: list[float] = []
@@ -352,6 +429,7 @@ class Sampler:
         uss = run["worker_uss"]
         return {
             "worker_rss_mb": max((max(w["rss"], w["hwm"]) for w in workers), default=NAN) / MB,
+            "worker_shm_mb": max((w["shmem"] for w in workers), default=NAN) / MB,
             "worker_own_mb": max((w["anon"] for w in workers), default=NAN) / MB
             - run["anon_at_fork"] / MB,
             "worker_uss_mb": NAN if uss is None else uss / MB,
@@ -389,7 +467,13 @@ def measure(spec: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict]:
             "rounds": len(runs),
             **{
                 key: max((r[key] for r in runs if not math.isnan(r[key])), default=NAN)
-                for key in ("worker_rss_mb", "worker_own_mb", "worker_uss_mb", "main_rss_mb")
+                for key in (
+                    "worker_rss_mb",
+                    "worker_own_mb",
+                    "worker_shm_mb",
+                    "worker_uss_mb",
+                    "main_rss_mb",
+                )
             },
         }
     return summary, report
@@ -489,13 +573,14 @@ FIGURES = [
     "worker RSS MB",
     "worker USS MB",
     "worker own MB",
+    "worker shm MB",
     "main RSS MB",
 ]
 
 
 def figures(run: Mapping[str, Any]) -> list[Any]:
     keys = ("samples_per_s", "median_samples_per_s", "cpu_ms_per_sample", "worker_rss_mb")
-    rest = ("worker_uss_mb", "worker_own_mb", "main_rss_mb")
+    rest = ("worker_uss_mb", "worker_own_mb", "worker_shm_mb", "main_rss_mb")
     return [run["timed_samples"], *(run[k] for k in keys), *(run[k] for k in rest)]
 
 
@@ -503,6 +588,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller volumes, fewer batches")
     parser.add_argument("--workdir", type=Path, default=None, help="parent of the temp data dir")
+    parser.add_argument("--records", type=int, default=None, help="demo records (default: mode's)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -512,7 +598,9 @@ def main() -> None:
 
     started = time.perf_counter()
     load_before = load()
-    settings = SETTINGS["quick" if args.quick else "full"]
+    settings = dict(SETTINGS["quick" if args.quick else "full"])
+    if args.records:
+        settings["records"] = args.records
     phases = load_yaml(PHASES)["phases"]
     patch = "x".join(map(str, load_yaml(EXPERIMENT)["data"]["patch_size"]))
     cores = usable_cores()
@@ -562,21 +650,43 @@ def main() -> None:
         return a[key] / b[key]
 
     alone = report["alone_cpu_ms"]
-    print("\nCPU per sample: the sample alone (dataset[i], no loader) vs inside the loader")
+    print(
+        "\nCPU per sample: the sample alone (no loader: dataset.packed([i]), host layout "
+        f"dataset[i]) vs inside the loader, phase {PAIR_PHASE}"
+    )
     rows = [
         [label, alone[name], results[name]["cpu_ms_per_sample"]]
         for label, name in (
             ("precomputed, raw", f"phase {PAIR_PHASE}"),
             ("run-time, raw", "run-time"),
             ("precomputed, zarr", "zarr"),
+            ("precomputed, raw, host layout", HOST),
         )
     ]
     rows = [[*row, row[2] - row[1]] for row in rows]
     print(table(["configuration", "alone ms", "in loader ms", "loader adds ms"], rows))
+    handoff = {"packed": rows[0][3], "host": rows[3][3]}
     print(
-        "  raw: nearly all of its loader figure is the loader's own cost per sample (collate into "
-        "shared memory, page faults,\n  the main process); every configuration pays it, so it "
-        "narrows both speed ratios."
+        "  loader adds: the loader's own cost per sample (collation, the hand-off to the main "
+        "process through shared memory,\n  page faults, the main process). Host layout: ten "
+        "tensors per sample as before; packed: one per batch."
+    )
+
+    main_name, two_name = f"phase {MAIN_PHASE}, 0 workers", f"phase {MAIN_PHASE}"
+    print(f"\n0 workers vs 2 workers: phase {MAIN_PHASE} (batch 2), raw scratch")
+    rows = []
+    for layout, suffix in (("packed", ""), ("host layout", ", host layout")):
+        for workers, name in ((0, main_name), (2, two_name)):
+            rows.append([layout, workers, *figures(results[name + suffix])])
+    print(table(["batches", "workers", *FIGURES], rows))
+    workers_vs_main = {
+        layout: ratio(results[two_name + suffix], results[main_name + suffix], "samples_per_s")
+        for layout, suffix in (("packed", ""), ("host", ", host layout"))
+    }
+    print(
+        f"  2 workers / 0 workers, samples/s: packed {workers_vs_main['packed']:.2f}, host layout "
+        f"{workers_vs_main['host']:.2f} (median rounds: packed "
+        f"{ratio(results[two_name], results[main_name], 'median_samples_per_s'):.2f})"
     )
     print(
         "\ncross-checks: CPU per sample run-time / precomputed "
@@ -596,6 +706,10 @@ def main() -> None:
         f"precomputed_vs_runtime={ratio(precomputed, runtime, 'samples_per_s'):.1f} "
         f"worker_rss_ratio={ratio(precomputed, runtime, 'worker_own_mb'):.3f} "
         f"raw_vs_zarr={ratio(raw, zarr, 'samples_per_s'):.1f} "
+        f"workers_vs_main={workers_vs_main['packed']:.2f} "
+        f"workers_vs_main_host_layout={workers_vs_main['host']:.2f} "
+        f"handoff_ms_packed={handoff['packed']:.1f} "
+        f"handoff_ms_host_layout={handoff['host']:.1f} "
         f"best_samples_per_s={best:.1f}"
     )
 

@@ -260,3 +260,23 @@ def test_a_phase_may_run_without_workers(scratch):
     batches = list(DevicePrefetcher(loader, "cpu"))
     assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3]]
     assert all(b["worker"].tolist() == [-1, -1] for b in batches)
+
+
+def test_claim_copies_a_batch_out_of_its_slot_before_handing_the_slot_back(scratch):
+    """What PackedLoader does with each worker batch; a pinned batch is already a copy."""
+    import queue
+
+    batch = dataset(scratch).packed([0, 1])
+    returns = [queue.SimpleQueue(), queue.SimpleQueue()]
+    in_slot = PackedBatch(batch.rows, batch.layout, (1, 4321, 7), in_slot=True)
+    mapped: dict = {}
+    own = ctseg.data._claim(in_slot, returns, mapped)
+    assert own.slot is None and not own.in_slot
+    assert own.rows.data_ptr() != batch.rows.data_ptr() and torch.equal(own.rows, batch.rows)
+    assert returns[1].get_nowait() == (4321, 7) and returns[0].empty()
+    assert list(mapped) == [(1, 4321, 7)]  # kept mapped for the slot's next batch
+    # As the pin-memory thread hands it over: rows already private, so no second copy.
+    pinned = PackedBatch(batch.rows, batch.layout, (0, 4321, 2), in_slot=False)
+    kept = ctseg.data._claim(pinned, returns, {})
+    assert kept.rows.data_ptr() == batch.rows.data_ptr()
+    assert returns[0].get_nowait() == (4321, 2)
