@@ -39,6 +39,7 @@ lint: $(STAMP)
 	$(BIN)/snakemake --lint
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/preprocess.py --quick
 	$(BIN)/python bench/loader.py --quick
 	$(BIN)/python bench/train.py --quick

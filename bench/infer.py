@@ -1,17 +1,23 @@
-"""Inference benchmark: batched, blended, streaming inference against a one-window loop, same run.
+"""Inference benchmark: ctseg's inference against a one-window loop and against MONAI, same run.
 
-    python bench/infer.py            # window 64^3 on 128x160x160; RSS at z = 160 and 640
-    python bench/infer.py --quick    # window 48^3 on 72x96x96;    RSS at z = 96 and 384
+    python bench/infer.py            # window 64^3 on 128x160x160; RSS at z = 160 and 640;
+                                     # MONAI: window 72x136x136 on 144x128x128
+    python bench/infer.py --quick    # window 48^3 on 72x96x96;    RSS at z = 96 and 384;
+                                     # MONAI: window 48x64x64 on 64x96x96
+    python bench/infer.py --monai-only --full-model   # on a GPU: exp001_full's model vs MONAI
+
+MONAI is a bench-only extra: ``.venv/bin/pip install -e '.[bench]'`` (``--skip-monai`` runs
+the rest without it).
 
 Figures:
-- voxels/s of `ctseg.infer.infer_volume` (batch 4 by default, Gaussian blending, z-slab
-  streaming to a float16 Zarr store) against the baseline below, on the same U-Net (filters
-  16-32-64-128, instance norm: a realistic width for a CPU, so the forward dominates) and the
-  same volume. Both use the same window positions, Gaussian map, device and precision (bf16
-  autocast on CUDA, fp32 on a CPU), and both run one warm-up forward at their batch size first;
-  the table shows the largest difference between the two probability volumes as a check that
-  they compute the same thing. A third row runs the baseline with the allocator setting that
-  `infer_volume` makes, to split the speedup into its two parts.
+- voxels/s of `ctseg.infer.infer_volume` (batch 4 by default, Gaussian blending; the volume
+  is resident, and a streamed run is shown beside it) against the baseline below, on the same
+  U-Net (filters 16-32-64-128, instance norm: a realistic width for a CPU, so the forward
+  dominates) and the same volume. Both use the same window positions, Gaussian map, device
+  and precision (bf16 autocast on CUDA, fp32 on a CPU), and both run one warm-up forward at
+  their batch size first; the table shows the largest difference between the probability
+  volumes as a check that they compute the same thing. Another row runs the baseline with the
+  allocator setting that `infer_volume` makes, to split the speedup into its two parts.
 - peak RSS of the streaming inference at two volume depths (z grows 4x), with a 32 MB budget:
   bounded memory shows as a flat line. The loop baseline is measured beside it. These runs use a
   1x1x1 convolution in place of the U-Net so that volumes big enough for volume-sized buffers
@@ -40,6 +46,33 @@ Measured together about 2.5x, not 3x. Tried and dropped, as they did not help he
 channels_last_3d (no gain), TorchScript freezing with optimize_for_inference (1.7x slower), bf16
 autocast on this CPU (no bf16 units: 100x slower). On a GPU, batching and bf16 matter more: an
 H200 (``--quick --batch-size 16 --shape 192,192,192``) gave 8.6x, with bf16 on both sides.
+
+MONAI comparison (``monai_ratio``): MONAI's ``sliding_window_inference`` on the same model,
+volume, window, overlap (0.5), Gaussian blending (sigma = window / 8), batch size, device and
+precision. Both are timed from the same Zarr store to a probability array on the host: ctseg's
+`predict_volume` (the resident path of `infer_volume` without the store write; float16, what
+the store holds) and, for MONAI, the store read and normalised by the same function, copied to
+the device, ``sliding_window_inference`` with a sigmoid predictor, and the result copied back
+(float32). Both run in one child, alternating, after one warm-up forward; the fastest of the
+rounds counts. ``monai_ratio`` = ctseg's voxels/s / MONAI's.
+
+The two must agree: mean |dp| at most MEAN_ABS_TOLERANCE and masks (p > 0.5) differing on at
+most MASK_TOLERANCE of the voxels, else the bench fails. For that check to mean anything MONAI
+is given exactly ctseg's inputs: an axis shorter than the window is zero-padded at the far end
+(MONAI would pad both sides, which shifts the content by a few voxels inside the window), and
+the Gaussian map is ctseg's, passed as ``roi_weight_map`` and fetched inside the timed region
+from the same per-process cache that ctseg uses (MONAI's own map is the same Gaussian, clamped
+below at 1e-3). On the random-init model used here either difference alone moves the
+probabilities a lot (measured on 2 cores: MONAI's own map gave mean |dp| 0.025 and 2.7% of
+masks on a 64x96x96 volume with a 48x64x64 window, its padding 0.17 and 20% on 64x56x56 with
+40x64x64), because a random network's windows disagree near their borders and under shifts
+that a trained one is robust to (issue 13 measured mean |dp| 0.0009 with MONAI's defaults and
+a trained model). The window positions must be the same in both, and are checked first: MONAI
+steps by window * (1 - overlap) and clamps its last window to the far face, ctseg spreads them
+evenly; they coincide when the step divides evenly, hence z = 144 rather than issue 13's 128,
+where MONAI's z starts are 0, 36, 56 and ctseg's 0, 28, 56. The model's output head is
+rescaled so that about half the voxels are foreground (a random-init U-Net puts nearly every
+voxel on one side of 0.5, which would make the mask check vacuous).
 
 Each measurement runs in a fresh child process; peak RSS is sampled over the child and all its
 descendants, and time is measured inside the child, excluding start-up, imports and the model
@@ -72,6 +105,16 @@ BATCH = 4
 RSS_BUDGET_MB = 32
 RSS_WINDOW = (48, 48, 48)
 LOW, HIGH = 30.0, 220.0
+# MONAI comparison (window, volume): issue 13's window and plane (padded to the window in y
+# and x), with z = 144, not 128, so that both place their windows alike (see monai_grid).
+MONAI_GEOMETRY = ((72, 136, 136), (144, 128, 128))
+MONAI_QUICK_GEOMETRY = ((48, 64, 64), (64, 96, 96))
+# Same inputs, windows and weights: what remains is ctseg's float16 store (2^-12 at p ~ 0.5)
+# and the order of float32 sums.
+MEAN_ABS_TOLERANCE = 0.001  # mean |p_ctseg - p_monai|
+MASK_TOLERANCE = 0.002  # fraction of voxels whose mask (p > 0.5) differs
+HEAD_GAIN = 4.0  # logit scale of the rescaled output head (see the module docstring)
+INSTALL_MONAI = ".venv/bin/pip install -e '.[bench]'"
 
 
 # ---------------------------------------------------------------- volumes and weights
@@ -98,6 +141,35 @@ def save_weights(path: Path, config: dict, window: tuple[int, int, int]) -> Path
 
     torch.manual_seed(0)
     model = build_model(config)
+    payload = {
+        "model": model.state_dict(),
+        "model_config": config,
+        "patch_size": list(window),
+        "fingerprint": "bench",
+        "step": 0,
+    }
+    torch.save(payload, path)
+    return path
+
+
+def decisive_weights(path: Path, config: dict, window, store: Path) -> Path:
+    """Random-init weights whose output head is scaled by HEAD_GAIN and centred on the median
+    logit of the volume's first window, so that about half the voxels are foreground."""
+    import torch
+
+    from ctseg import infer
+    from ctseg.model import build_model
+    from ctseg.store import open_volume
+
+    torch.manual_seed(0)
+    model = build_model(config).eval()
+    image = open_volume(store)
+    crop = infer.normalise(np.asarray(image[tuple(slice(0, w) for w in window)]), LOW, HIGH)
+    head = model.heads[0]
+    with torch.inference_mode():
+        head.weight.mul_(HEAD_GAIN)
+        head.bias.zero_()
+        head.bias.sub_(model(torch.from_numpy(crop)[None, None]).median())
     payload = {
         "model": model.state_dict(),
         "model_config": config,
@@ -141,8 +213,15 @@ def warm_up(model, window, batch: int, device) -> None:
 
 
 def child_stream(
-    weights: str, store: str, dest: str, window: str, budget: str, batch: str = str(BATCH)
+    weights: str,
+    store: str,
+    dest: str,
+    window: str,
+    budget: str,
+    batch: str = str(BATCH),
+    device_budget: str = "",
 ) -> float:
+    """`infer_volume` into a float16 store; an empty device budget means the host budget."""
     from ctseg import infer
 
     device = infer.pick_device()
@@ -159,8 +238,83 @@ def child_stream(
         batch_size=int(batch),
         device=device,
         memory_budget_mb=float(budget),
+        device_budget_mb=float(device_budget) if device_budget else None,
     )
     return time.perf_counter() - start
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def child_compare(
+    weights: str, store: str, outdir: str, window: str, batch: str, rounds: str
+) -> float:
+    """ctseg's `predict_volume` and MONAI's `sliding_window_inference`, alternating; both from
+    the Zarr store to a host array. Writes timings and both arrays to `outdir`."""
+    import torch
+    from monai.inferers import sliding_window_inference
+
+    from ctseg import infer
+    from ctseg.store import open_volume
+
+    device = infer.pick_device()
+    amp = infer.resolve_amp(None, device)
+    win = tuple(int(w) for w in window.split(","))
+    model = load(weights, device)
+    warm_up(model, win, int(batch), device)
+
+    def predictor(x):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            return torch.sigmoid(model(x).float())
+
+    def run_ctseg() -> tuple[np.ndarray, float]:
+        probs = infer.predict_volume(
+            model, Path(store), window=win, overlap=OVERLAP, batch_size=int(batch),
+            device=device, amp=amp,
+        )  # fmt: skip
+        return probs, float("nan")
+
+    def run_monai() -> tuple[np.ndarray, float]:
+        image = open_volume(store)
+        low, high = float(image.attrs["p0_5"]), float(image.attrs["p99_5"])
+        shape = image.shape
+        x = torch.from_numpy(infer.normalise(np.asarray(image[...]), low, high))
+        x = x[None, None].to(device)
+        _synchronize(device)
+        on_device = time.perf_counter()
+        # The same input and weights as ctseg (module docstring): zero padding at the far end
+        # of a short axis, and ctseg's Gaussian map in place of MONAI's clamped one.
+        far = [max(w - s, 0) for s, w in zip(shape, win, strict=True)]
+        x = torch.nn.functional.pad(x, (0, far[2], 0, far[1], 0, far[0]))
+        weight = infer.device_importance_map(win, device)  # cached as ctseg's is
+        with torch.inference_mode():
+            out = sliding_window_inference(
+                x, win, int(batch), predictor, overlap=OVERLAP, mode="gaussian",
+                roi_weight_map=weight,
+            )  # fmt: skip
+        probs = out[0, 0, : shape[0], : shape[1], : shape[2]].cpu().numpy()
+        return probs, time.perf_counter() - on_device
+
+    runs: dict[str, list[float]] = {"ctseg": [], "monai": [], "monai_from_device": []}
+    methods = {"ctseg": run_ctseg, "monai": run_monai}
+    arrays = {}
+    for r in range(int(rounds)):
+        # Alternate which goes first: a shared machine's load drifts.
+        for name in ("ctseg", "monai") if r % 2 == 0 else ("monai", "ctseg"):
+            _synchronize(device)
+            start = time.perf_counter()
+            arrays[name], inner = methods[name]()
+            runs[name].append(time.perf_counter() - start)
+            if name == "monai":
+                runs["monai_from_device"].append(inner)
+    for name, arr in arrays.items():
+        np.save(Path(outdir) / f"{name}.npy", arr)
+    (Path(outdir) / "runs.json").write_text(json.dumps(runs))
+    return min(runs["ctseg"])
 
 
 def child_loop(weights: str, store: str, dest: str, window: str, tuned: str = "0") -> float:
@@ -213,7 +367,7 @@ def child_loop(weights: str, store: str, dest: str, window: str, tuned: str = "0
     return time.perf_counter() - start
 
 
-CHILDREN = {"stream": child_stream, "loop": child_loop}
+CHILDREN = {"stream": child_stream, "loop": child_loop, "compare": child_compare}
 
 
 # ---------------------------------------------------------------- parent-side driver
@@ -261,6 +415,9 @@ def speed(
     )  # fmt: skip
     loop = measure("loop", str(weights), str(store), str(workdir / "l.zarr"), win, repeat=repeat)
     # Informational (not in the RESULT), so timed once.
+    streamed = measure(
+        "stream", str(weights), str(store), str(workdir / "st.zarr"), win, "512", str(batch), "0"
+    )
     tuned = measure("loop", str(weights), str(store), str(workdir / "t.zarr"), win, "1")
     n = math.prod(
         len(infer.window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True)
@@ -270,16 +427,19 @@ def speed(
         f"\nspeed: U-Net filters {UNET['filters']}, window {window[0]}^3, overlap {OVERLAP}, "
         f"volume {'x'.join(map(str, shape))} uint8, {n} windows; fastest of {repeat} runs"
     )
-    print(f"  {'method':<28}{'seconds':>9}{'voxels/s':>12}{'peak RSS MB':>14}")
+    print(f"  {'method':<30}{'seconds':>9}{'voxels/s':>12}{'peak RSS MB':>14}")
     rows = [
-        (f"streaming, batch {batch}", ours),
+        (f"resident, batch {batch}", ours),
+        (f"streamed, batch {batch} (1 run)", streamed),
         ("loop, batch 1", loop),
         ("loop + tuned malloc (1 run)", tuned),
     ]
     for name, m in rows:
-        print(f"  {name:<28}{m['seconds']:9.1f}{voxels / m['seconds']:12.0f}{m['rss_mb']:14.0f}")
+        print(f"  {name:<30}{m['seconds']:9.1f}{voxels / m['seconds']:12.0f}{m['rss_mb']:14.0f}")
     diff = max_difference(workdir / "s.zarr", workdir / "l.zarr")
-    print(f"  max |streaming - loop| probability: {diff:.4f} (float16 storage)")
+    print(f"  max |resident - loop| probability: {diff:.4f} (float16 storage)")
+    diff = max_difference(workdir / "s.zarr", workdir / "st.zarr")
+    print(f"  max |resident - streamed| probability: {diff:.4f}")
     return loop["seconds"] / ours["seconds"]
 
 
@@ -309,6 +469,131 @@ def rss(workdir: Path, plane: int, depths: tuple[int, int]) -> float:
     return peaks[depths[1]] / peaks[depths[0]]
 
 
+def full_model_config() -> dict:
+    """exp001_full's model (filters 32-512, deep supervision: one head in eval mode)."""
+    import yaml
+
+    experiment = yaml.safe_load((REPO / "config/experiments/exp001_full.yaml").read_text())
+    return dict(experiment["model"])
+
+
+def monai_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("monai") is not None
+
+
+def monai_grid(shape, window) -> list[tuple[int, ...]]:
+    """The window corners MONAI uses on the volume padded at the far end, as it reports them
+    to a ``with_coord`` predictor (no model: an identity on zeros)."""
+    import torch
+    from monai.inferers import sliding_window_inference
+
+    padded = [max(s, w) for s, w in zip(shape, window, strict=True)]
+    seen: set[tuple[int, ...]] = set()
+
+    def record(x, slices):
+        seen.update(tuple(int(s.start) for s in box[2:]) for box in slices)
+        return x
+
+    with torch.inference_mode():
+        sliding_window_inference(
+            torch.zeros(1, 1, *padded), window, 64, record, overlap=OVERLAP, with_coord=True
+        )
+    return sorted(seen)
+
+
+def check_same_grid(shape, window) -> None:
+    """The agreement check compares implementations only where both use the same windows."""
+    import itertools
+
+    from ctseg import infer
+
+    ours = [infer.window_starts(s, w, OVERLAP) for s, w in zip(shape, window, strict=True)]
+    theirs = monai_grid(shape, window)
+    if sorted(itertools.product(*ours)) != theirs:
+        axes = [sorted({c[a] for c in theirs}) for a in range(3)]
+        raise SystemExit(
+            f"bench/infer.py: on {'x'.join(map(str, shape))} with window "
+            f"{'x'.join(map(str, window))} MONAI places its windows at {axes}, ctseg at {ours} "
+            "(MONAI steps by window * (1 - overlap) and clamps the last window; ctseg spreads "
+            "them evenly), so the agreement check would compare window grids, not "
+            "implementations: choose a size where (size - window) is a multiple of the step"
+        )
+
+
+def agreement(ours: np.ndarray, theirs: np.ndarray) -> dict:
+    diff = np.abs(ours.astype(np.float32) - theirs.astype(np.float32))
+    mask_ours, mask_theirs = ours > 0.5, theirs > 0.5
+    differ = int(np.count_nonzero(mask_ours != mask_theirs))
+    union = int(np.count_nonzero(mask_ours | mask_theirs))
+    return {
+        "mean_abs": float(diff.mean()),
+        "max_abs": float(diff.max()),
+        "mask_differ": differ / ours.size,
+        "mask_differ_of_union": differ / max(union, 1),
+        "foreground": float(mask_theirs.mean()),
+    }
+
+
+def monai(
+    workdir: Path,
+    window: tuple[int, int, int],
+    shape: tuple[int, int, int],
+    batch: int,
+    rounds: int,
+    full_model: bool,
+) -> float:
+    """ctseg's voxels/s / MONAI's, after checking that the two agree (module docstring)."""
+    from ctseg import infer
+
+    check_same_grid(shape, window)
+    config = full_model_config() if full_model else UNET
+    store = make_store(workdir / "monai.zarr", shape, seed=1)
+    weights = decisive_weights(workdir / "decisive.pt", config, window, store)
+    out = workdir / "compare"
+    out.mkdir()
+    win = ",".join(map(str, window))
+    child = measure("compare", str(weights), str(store), str(out), win, str(batch), str(rounds))
+    runs = json.loads((out / "runs.json").read_text())
+    n = math.prod(
+        len(infer.window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True)
+    )
+    voxels = math.prod(shape)
+    model = f"filters {config['filters']}" + (" (exp001_full)" if full_model else "")
+    print(
+        f"\nMONAI: U-Net {model}, window {'x'.join(map(str, window))}, overlap {OVERLAP}, "
+        f"Gaussian, batch {batch}, volume {'x'.join(map(str, shape))} uint8, {n} windows; "
+        f"fastest of {rounds} alternating rounds, Zarr store to host array; child peak RSS "
+        f"{child['rss_mb']:.0f} MB"
+    )
+    print(f"  {'method':<44}{'seconds':>9}{'voxels/s':>12}  runs")
+    rows = [
+        ("ctseg predict_volume (resident)", runs["ctseg"]),
+        ("MONAI sliding_window_inference", runs["monai"]),
+        ("  of which MONAI from a device tensor", runs["monai_from_device"]),
+    ]
+    for name, times in rows:
+        best = min(times)
+        listed = ", ".join(f"{t:.3f}" for t in times)
+        print(f"  {name:<44}{best:9.3f}{voxels / best:12.0f}  {listed}")
+    agree = agreement(np.load(out / "ctseg.npy"), np.load(out / "monai.npy"))
+    print(
+        f"  agreement: mean |dp| {agree['mean_abs']:.5f} (max {agree['max_abs']:.4f}); masks "
+        f"(p > 0.5) differ on {100 * agree['mask_differ']:.3f}% of voxels "
+        f"({100 * agree['mask_differ_of_union']:.3f}% of their union; MONAI foreground "
+        f"{100 * agree['foreground']:.1f}%); tolerance mean |dp| <= {MEAN_ABS_TOLERANCE}, "
+        f"masks <= {100 * MASK_TOLERANCE:.1f}%"
+    )
+    if agree["mean_abs"] > MEAN_ABS_TOLERANCE or agree["mask_differ"] > MASK_TOLERANCE:
+        raise SystemExit(
+            f"bench/infer.py: ctseg and MONAI disagree beyond tolerance: mean |dp| "
+            f"{agree['mean_abs']:.5f} (tolerance {MEAN_ABS_TOLERANCE}), masks differ on "
+            f"{100 * agree['mask_differ']:.3f}% of voxels (tolerance {100 * MASK_TOLERANCE}%)"
+        )
+    return min(runs["monai"]) / min(runs["ctseg"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller window and volumes; < 2 min")
@@ -316,6 +601,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH, help="windows per forward")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per method (min)")
     parser.add_argument("--shape", default=None, help="speed volume Z,Y,X (a GPU wants more)")
+    parser.add_argument("--skip-monai", action="store_true", help="no MONAI comparison")
+    parser.add_argument("--monai-only", action="store_true", help="only the MONAI comparison")
+    parser.add_argument(
+        "--full-model", action="store_true", help="MONAI comparison with exp001_full's model"
+    )
+    parser.add_argument("--monai-shape", default=None, help="MONAI comparison volume Z,Y,X")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -332,11 +623,30 @@ def main() -> None:
     repeat = args.repeat or repeat
     if args.shape:
         shape = tuple(int(v) for v in args.shape.split(","))
+    monai_window, monai_shape = MONAI_QUICK_GEOMETRY if args.quick else MONAI_GEOMETRY
+    if args.monai_shape:
+        monai_shape = tuple(int(v) for v in args.monai_shape.split(","))
+    if args.skip_monai and args.monai_only:
+        raise SystemExit("bench/infer.py: --skip-monai and --monai-only exclude each other")
+    if not args.skip_monai and not monai_installed():
+        raise SystemExit(
+            "bench/infer.py: the MONAI comparison needs MONAI, a bench-only extra: install it "
+            f"with `{INSTALL_MONAI}` (or pass --skip-monai)"
+        )
     print(f"machine: {machine()}")
+    figures = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        speedup = speed(Path(tmp), window, shape, args.batch_size, repeat)
-        growth = rss(Path(tmp), plane, depths)
-    print(f"\nRESULT infer speedup_vs_loop={speedup:.2f} rss_growth={growth:.2f}")
+        if not args.monai_only:
+            speedup = speed(Path(tmp), window, shape, args.batch_size, repeat)
+            growth = rss(Path(tmp), plane, depths)
+            figures += [f"speedup_vs_loop={speedup:.2f}", f"rss_growth={growth:.2f}"]
+        if not args.skip_monai:
+            ratio = monai(
+                Path(tmp), monai_window, monai_shape, args.batch_size, max(repeat, 2),
+                args.full_model,
+            )  # fmt: skip
+            figures.append(f"monai_ratio={ratio:.2f}")
+    print(f"\nRESULT infer {' '.join(figures)}")
 
 
 if __name__ == "__main__":

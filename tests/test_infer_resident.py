@@ -181,3 +181,11 @@ def test_cli_passes_the_device_budget(tmp_path, capsys):
         ]) == 0  # fmt: skip
         modes.append(json.loads(capsys.readouterr().out)["inference"]["mode"])
     assert modes == ["streamed", "resident"]
+
+
+def test_device_importance_map_is_built_once_and_equals_the_host_map():
+    cpu = torch.device("cpu")
+    first = infer.device_importance_map((6, 8, 10), cpu)
+    assert infer.device_importance_map((6, 8, 10), cpu) is first  # cached per window and device
+    np.testing.assert_array_equal(first.numpy(), infer.gaussian_importance_map((6, 8, 10)))
+    assert not first.is_inference()  # usable outside inference mode
