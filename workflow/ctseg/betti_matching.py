@@ -192,11 +192,9 @@ def _square_value(fg: np.ndarray, x: int, y: int, z: int, t: int) -> int:
 def _square_order(fg: np.ndarray) -> np.ndarray:
     """Keys (voxel * 3 + type) of all squares, value-0 squares first, each part by key."""
     nx, ny, nz = fg.shape
-    n = nx * ny * nz
-    zeros = np.empty(3 * n, dtype=np.int64)
-    ones = np.empty(3 * n, dtype=np.int64)
+    values = np.full(3 * nx * ny * nz, 2, dtype=np.uint8)  # 2: no such square
     n0 = 0
-    n1 = 0
+    n_all = 0
     for x in range(nx):
         for y in range(ny):
             for z in range(nz):
@@ -208,15 +206,19 @@ def _square_order(fg: np.ndarray) -> np.ndarray:
                         continue
                     if t == 2 and (x + 1 >= nx or y + 1 >= ny):
                         continue
-                    if _square_value(fg, x, y, z, t) == 0:
-                        zeros[n0] = v * 3 + t
-                        n0 += 1
-                    else:
-                        ones[n1] = v * 3 + t
-                        n1 += 1
-    out = np.empty(n0 + n1, dtype=np.int64)
-    out[:n0] = zeros[:n0]
-    out[n0:] = ones[:n1]
+                    values[v * 3 + t] = _square_value(fg, x, y, z, t)
+                    n_all += 1
+                    n0 += values[v * 3 + t] == 0
+    out = np.empty(n_all, dtype=np.int64)
+    i0 = 0
+    i1 = n0
+    for key in range(values.shape[0]):
+        if values[key] == 0:
+            out[i0] = key
+            i0 += 1
+        elif values[key] == 1:
+            out[i1] = key
+            i1 += 1
     return out
 
 
@@ -287,7 +289,7 @@ def _dual_image_deaths(fg: np.ndarray, values: np.ndarray, comp_values: np.ndarr
 
 @njit(cache=True)
 def _dim2_matched_and_clearing(
-    pred: np.ndarray, gt: np.ndarray, union: np.ndarray
+    pred: np.ndarray, gt: np.ndarray, union: np.ndarray, order: np.ndarray
 ) -> tuple[int, np.ndarray]:
     """Matched dimension-2 intervals, and a mask over square keys of the squares that are
     positive in the comparison image (they reduce to zero in dimension 1 and are skipped)."""
@@ -304,7 +306,6 @@ def _dim2_matched_and_clearing(
     parent = np.arange(n_cubes + 1)
     size = np.ones(n_cubes + 1, dtype=np.int64)
     best = np.arange(n_cubes + 1)
-    order = _square_order(union)
     matched = 0
     for i in range(order.shape[0] - 1, -1, -1):
         key = order[i]
@@ -459,8 +460,9 @@ def _image_fg_pivots(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> 
     return result
 
 
-def _dim1_matched(pred: np.ndarray, gt: np.ndarray, union: np.ndarray, positive: np.ndarray) -> int:
-    order = _square_order(union)
+def _dim1_matched(
+    pred: np.ndarray, gt: np.ndarray, union: np.ndarray, order: np.ndarray, positive: np.ndarray
+) -> int:
     keep = positive[order] == 0  # clearing: comparison-positive squares reduce to zero
     n_zero = int(np.count_nonzero(_is_value0(union, order)))
     columns = order[keep]
@@ -496,6 +498,7 @@ def matched_counts(pred: np.ndarray, gt: np.ndarray) -> tuple[int, int, int]:
         return 0, 0, 0  # nothing can be matched with an empty side
     union = pred | gt
     m0 = _dim0_matched(pred, gt)
-    m2, positive = _dim2_matched_and_clearing(pred, gt, union)
-    m1 = _dim1_matched(pred, gt, union, positive)
+    order = _square_order(union)  # the comparison image's squares, in its order
+    m2, positive = _dim2_matched_and_clearing(pred, gt, union, order)
+    m1 = _dim1_matched(pred, gt, union, order, positive)
     return int(m0), int(m1), int(m2)
