@@ -48,6 +48,7 @@ def cmd_demo_data(args: argparse.Namespace) -> None:
         shape=args.shape,
         scroll_ids=args.scroll_ids,
         seed=args.seed,
+        preset=args.preset,
     )
 
 
@@ -340,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", type=_shape, default=(96, 96, 96), help="Z,Y,X voxels")
     p.add_argument("--scroll-ids", type=int, nargs="+", default=[1, 2])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--preset",
+        choices=("simple", "realistic"),
+        default="simple",
+        help="simple: easy sheets; realistic: pressed sheets, low drifting contrast, artefacts",
+    )
     p.set_defaults(func=cmd_demo_data)
 
     p = sub.add_parser("convert", help="TIFF (multi-page or directory of slices) to Zarr v3")

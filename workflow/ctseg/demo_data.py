@@ -5,6 +5,11 @@ them pressed into contact and some torn by gaps. The image is the sheets rendere
 the background, blurred, with a slow intensity drift and Gaussian noise. About half of every
 label volume is the ignore label 2, in a few large smooth regions, as in the real data.
 
+This is the `simple` preset, the default: easy enough that a model separates the sheets almost
+perfectly. The `realistic` preset (`ctseg.demo_realistic`) adds what makes real scroll CT hard:
+sheets pressed together over long stretches, varying thickness, low and drifting contrast,
+partial-volume blur, holes, ring and streak artefacts, bright inclusions, and more ignore.
+
 Ids and scroll ids depend only on the counts (`demo_records`), so the Snakefile can name every
 output before anything runs; voxel content depends on the seed and the record id only.
 
@@ -27,6 +32,7 @@ from tqdm import tqdm
 from ctseg.io import CtsegError, atomic_path, check_id
 
 MIN_SIDE = 16
+PRESETS = ("simple", "realistic")
 IGNORE_FRACTION = 0.55  # real volumes: ~58% label 2
 SHEET_PITCH = 18  # voxels between sheet centres on average
 MARGIN = 3  # keeps the thickest sheet (4 voxels) off the volume faces
@@ -46,7 +52,9 @@ class DemoVolume:
     label: np.ndarray  # uint8 in {0, 1, 2}
     sheet_ids: np.ndarray  # uint8, before ignore masking: 0 background, k + 1 for sheet k
     normal_axis: int  # the axis the sheets are stacked along
-    touching: tuple[tuple[int, int], ...]  # pairs of sheet indices pressed into contact
+    # Pairs of sheet indices pressed into contact (realistic: that run together, touching in
+    # patches).
+    touching: tuple[tuple[int, int], ...]
     holes: tuple[int, ...]  # gaps cut into each sheet
 
 
@@ -231,6 +239,18 @@ def synthesize_volume(shape: tuple[int, int, int], rng: np.random.Generator) -> 
     return DemoVolume(image.astype(np.uint8), label, sheet_ids, axis, touching, holes)
 
 
+def synthesize(shape: tuple[int, int, int], rng: np.random.Generator, preset: str) -> DemoVolume:
+    """One image/label pair of the named preset."""
+    if preset == "simple":
+        return synthesize_volume(shape, rng)
+    if preset == "realistic":
+        # Imported here: demo_realistic builds on this module's helpers.
+        from ctseg.demo_realistic import synthesize_realistic
+
+        return synthesize_realistic(shape, rng)
+    raise CtsegError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+
+
 def _write_tif(path: Path, volume: np.ndarray) -> None:
     with atomic_path(path) as tmp:
         # One page per z slice; no datetime tag is written, so equal data gives equal bytes.
@@ -251,21 +271,25 @@ def generate_demo(
     shape: tuple[int, int, int],
     scroll_ids: Sequence[int],
     seed: int,
+    preset: str = "simple",
 ) -> None:
     """Write the demo dataset to `out`: {train,test}_{images,labels}/<id>.tif and {train,test}.csv.
 
     test_labels is not part of the Kaggle layout; it is kept so predictions can be scored.
+    `preset` is "simple" (the default) or "realistic" (see the module docstring).
     """
     shape = tuple(int(s) for s in shape)  # type: ignore[assignment]
     if len(shape) != 3 or min(shape) < MIN_SIDE:
         raise CtsegError(f"shape must be 3 sides of >= {MIN_SIDE} voxels, got {shape}")
     if seed < 0:
         raise CtsegError(f"seed must be >= 0, got {seed}")
+    if preset not in PRESETS:
+        raise CtsegError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     records = demo_records(n_train, n_test, scroll_ids)
     out = Path(out)
     for record in tqdm(records, desc="demo-data", unit="volume"):
         rng = np.random.default_rng([seed, int(record["id"])])
-        volume = synthesize_volume(shape, rng)
+        volume = synthesize(shape, rng, preset)
         split, name = record["split"], f"{record['id']}.tif"
         _write_tif(out / f"{split}_images" / name, volume.image)
         _write_tif(out / f"{split}_labels" / name, volume.label)

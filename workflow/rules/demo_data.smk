@@ -14,7 +14,9 @@ rule demo_data:
         n_train=config["demo"]["n_train"],
         n_test=config["demo"]["n_test"],
         seed=config["demo"]["seed"],
+        preset=config["demo"]["preset"],
     shell:
         "ctseg demo-data --out resources/demo --n-train {params.n_train} "
         "--n-test {params.n_test} --shape {params.shape} "
-        "--scroll-ids {params.scroll_ids} --seed {params.seed} > {log} 2>&1"
+        "--scroll-ids {params.scroll_ids} --seed {params.seed} --preset {params.preset} "
+        "> {log} 2>&1"
