@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from scipy import ndimage
 
+from ctseg.io import CtsegError
 from ctseg.losses import (
     TERMS,
     boundary_minimum,
@@ -239,7 +240,7 @@ def test_zero_or_absent_weight_removes_a_term():
 )
 def test_bad_weights_are_rejected(weights):
     batch = make_batch()
-    with pytest.raises(ValueError):
+    with pytest.raises(CtsegError):
         compute_losses(torch.zeros(SHAPE), batch, weights)
 
 
@@ -279,9 +280,9 @@ def test_deep_supervision_total_and_terms_are_level_weighted_sums():
 def test_deep_supervision_rejects_mismatched_outputs():
     batch = make_batch()
     good = [torch.zeros(SHAPE), torch.zeros(2, 1, 8, 10, 10)]
-    with pytest.raises(ValueError, match="ds_weights"):
+    with pytest.raises(CtsegError, match="ds_weights"):
         compute_losses(good, batch, ALL_ONE, ds_weights=[1.0], clip_distance=CLIP)
-    with pytest.raises(ValueError, match="output 1"):
+    with pytest.raises(CtsegError, match="output 1"):
         compute_losses([good[0], torch.zeros(2, 1, 8, 9, 9)], batch, ALL_ONE, clip_distance=CLIP)
 
 
@@ -416,9 +417,9 @@ def test_loss_settings_validates_a_config_mapping():
     batch = make_batch()
     total, terms = compute_losses(torch.zeros(SHAPE), batch, **kwargs)
     assert set(terms) == {"bce", "dice"}
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(CtsegError, match="unknown"):
         loss_settings({"weights": {}, "pos_wieght": 2.0})
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(CtsegError, match="weights"):
         loss_settings({"pos_weight": 2.0})
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ctseg.io import CtsegError
 from ctseg.model import BLOCKS, NORMS, UNet3D, build_model, count_parameters
 
 SMALL = (4, 8, 16, 32)
@@ -53,9 +54,9 @@ def test_padding_is_at_the_far_end_and_cropped_back():
 def test_multiple_output_channels_and_input_channels():
     model = UNet3D(in_channels=2, out_channels=3, filters=(2, 4, 8))
     assert model(seeded_input((1, 2, 8, 8, 8))).shape == (1, 3, 8, 8, 8)
-    with pytest.raises(ValueError, match="expected"):
+    with pytest.raises(CtsegError, match="expected"):
         model(seeded_input((1, 1, 8, 8, 8)))
-    with pytest.raises(ValueError, match="expected"):
+    with pytest.raises(CtsegError, match="expected"):
         model(seeded_input((2, 8, 8, 8)))
 
 
@@ -210,6 +211,6 @@ def test_build_model_from_a_mapping():
     ],
     ids=str,
 )
-def test_bad_config_is_a_value_error(cfg):
-    with pytest.raises(ValueError):
+def test_bad_config_is_a_ctseg_error(cfg):
+    with pytest.raises(CtsegError):
         build_model(cfg)

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ctseg.io import CtsegError
+
 TERMS = ("bce", "dice", "cldice", "skel_recall", "boundary")
 SMOOTH = 1.0
 # Which batch entries each term needs beyond label and ignore.
@@ -61,7 +63,7 @@ def _as_5d(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     if value.ndim == len(shape) - 1:
         value = value.unsqueeze(1)
     if value.shape != shape:
-        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; logits {tuple(shape)}")
+        raise CtsegError(f"batch[{name!r}] has shape {tuple(value.shape)}; logits {tuple(shape)}")
     return value
 
 
@@ -237,10 +239,10 @@ def deep_supervision_weights(n_levels: int) -> list[float]:
 def _check_weights(weights: Mapping[str, float]) -> dict[str, float]:
     unknown = sorted(set(weights) - set(TERMS))
     if unknown:
-        raise ValueError(f"loss weights: unknown term(s) {unknown}; known: {list(TERMS)}")
+        raise CtsegError(f"loss weights: unknown term(s) {unknown}; known: {list(TERMS)}")
     for name, w in weights.items():
         if not w >= 0:  # also rejects NaN
-            raise ValueError(f"loss weight {name}={w!r}: must be >= 0")
+            raise CtsegError(f"loss weight {name}={w!r}: must be >= 0")
     return {name: float(weights[name]) for name in TERMS if weights.get(name, 0) > 0}
 
 
@@ -249,9 +251,9 @@ def _check_level_weights(ds_weights: Sequence[float] | None, n_levels: int) -> l
         return deep_supervision_weights(n_levels)
     ds_weights = [float(w) for w in ds_weights]
     if len(ds_weights) != n_levels:
-        raise ValueError(f"ds_weights has {len(ds_weights)} entries for {n_levels} outputs")
+        raise CtsegError(f"ds_weights has {len(ds_weights)} entries for {n_levels} outputs")
     if any(not w >= 0 for w in ds_weights) or sum(ds_weights) <= 0:
-        raise ValueError(f"ds_weights={ds_weights}: must be >= 0 with a positive sum")
+        raise CtsegError(f"ds_weights={ds_weights}: must be >= 0 with a positive sum")
     # Normalised like the default, so switching deep supervision on keeps the loss scale.
     return [w / sum(ds_weights) for w in ds_weights]
 
@@ -275,16 +277,16 @@ def compute_losses(
     """
     active = _check_weights(weights)
     if clip_distance <= 0:
-        raise ValueError(f"clip_distance={clip_distance!r}: must be > 0")
+        raise CtsegError(f"clip_distance={clip_distance!r}: must be > 0")
     if cldice_iterations < 0:
-        raise ValueError(f"cldice_iterations={cldice_iterations!r}: must be >= 0")
+        raise CtsegError(f"cldice_iterations={cldice_iterations!r}: must be >= 0")
     outputs = [logits_or_list] if torch.is_tensor(logits_or_list) else list(logits_or_list)
     if not outputs:
-        raise ValueError("no logits given")
+        raise CtsegError("no logits given")
     level_w = _check_level_weights(ds_weights, len(outputs))
     full = outputs[0]
     if full.ndim != 5 or full.shape[1] != 1:
-        raise ValueError(f"logits of shape {tuple(full.shape)}: expected (B, 1, Z, Y, X)")
+        raise CtsegError(f"logits of shape {tuple(full.shape)}: expected (B, 1, Z, Y, X)")
     names = list(active)
     needed = [TERM_TARGETS[n] for n in names if n in TERM_TARGETS]
 
@@ -297,7 +299,7 @@ def compute_losses(
                 continue
             t = downsample_targets(targets, 2**k)
             if logits.shape != t["target"].shape:
-                raise ValueError(
+                raise CtsegError(
                     f"output {k} has shape {tuple(logits.shape)}; expected "
                     f"{tuple(t['target'].shape)} (1/{2**k} of {tuple(full.shape[2:])}, ceil)"
                 )
@@ -321,8 +323,8 @@ def loss_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     allowed = {"weights", "pos_weight", "cldice_iterations", "clip_distance", "ds_weights"}
     unknown = sorted(set(cfg) - allowed)
     if unknown:
-        raise ValueError(f"loss config: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise CtsegError(f"loss config: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
     if "weights" not in cfg:
-        raise ValueError("loss config: 'weights' is required")
+        raise CtsegError("loss config: 'weights' is required")
     _check_weights(cfg["weights"])
     return dict(cfg)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ctseg.io import CtsegError
+
 BLOCKS = ("basic", "residual")
 NORMS = ("instance", "batch", "group", "none")
 DOWNSAMPLES = ("conv", "maxpool")
@@ -43,7 +45,7 @@ GROUP_NORM_GROUPS = 8
 
 def _choice(name: str, value: str, allowed: Sequence[str]) -> str:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {list(allowed)}")
+        raise CtsegError(f"{name}={value!r}: expected one of {list(allowed)}")
     return value
 
 
@@ -168,18 +170,18 @@ class UNet3D(nn.Module):
         super().__init__()
         filters = tuple(filters)
         if len(filters) < 2:
-            raise ValueError(f"filters={filters!r}: need at least 2 levels")
+            raise CtsegError(f"filters={filters!r}: need at least 2 levels")
         for name, value in [("in_channels", in_channels), ("out_channels", out_channels)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a positive integer")
+                raise CtsegError(f"{name}={value!r}: expected a positive integer")
         if any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in filters):
-            raise ValueError(f"filters={filters!r}: expected positive integers")
+            raise CtsegError(f"filters={filters!r}: expected positive integers")
         for name, flag in [
             ("deep_supervision", deep_supervision),
             ("checkpointing", checkpointing),
         ]:
             if not isinstance(flag, bool):
-                raise ValueError(f"{name}={flag!r}: expected true or false")
+                raise CtsegError(f"{name}={flag!r}: expected true or false")
         block_kw = {
             "block": _choice("block", block, BLOCKS),
             "norm": _choice("norm", norm, NORMS),
@@ -233,7 +235,7 @@ class UNet3D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         if x.ndim != 5 or x.shape[1] != self.encoders[0].block.conv1.in_channels:
-            raise ValueError(
+            raise CtsegError(
                 f"input of shape {tuple(x.shape)}: expected (B, "
                 f"{self.encoders[0].block.conv1.in_channels}, Z, Y, X)"
             )
@@ -276,15 +278,15 @@ def count_parameters(model: nn.Module) -> int:
 
 def build_model(cfg: Mapping[str, object]) -> UNet3D:
     """A UNet3D from a config mapping (the experiment's ``model`` section); absent keys keep the
-    defaults, unknown keys raise ValueError."""
+    defaults, unknown keys raise CtsegError."""
     unknown = sorted(set(cfg) - set(CONFIG_KEYS))
     if unknown:
-        raise ValueError(f"model config: unknown key(s) {unknown}; allowed: {list(CONFIG_KEYS)}")
+        raise CtsegError(f"model config: unknown key(s) {unknown}; allowed: {list(CONFIG_KEYS)}")
     kwargs = dict(cfg)
     if "filters" in kwargs:
         filters = kwargs["filters"]
         if isinstance(filters, str | bytes) or not isinstance(filters, Sequence):
-            raise ValueError(f"model config: filters={filters!r}: expected a list of integers")
+            raise CtsegError(f"model config: filters={filters!r}: expected a list of integers")
         kwargs["filters"] = tuple(filters)
     return UNet3D(**kwargs)
 
