@@ -293,6 +293,7 @@ def generate_demo(
         split, name = record["split"], f"{record['id']}.tif"
         _write_tif(out / f"{split}_images" / name, volume.image)
         _write_tif(out / f"{split}_labels" / name, volume.label)
+        del volume  # else it stays alive while the next one is built: +100 MB at 320^3
     # The tables come last, so a listed id always has its files.
     for split in ("train", "test"):
         _write_csv(out / f"{split}.csv", [r for r in records if r["split"] == split])
