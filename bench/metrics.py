@@ -10,7 +10,7 @@ smoothed copy of its noisy image (fragments, speckle and holes, like a weak mode
 2. evaluate: `evaluate_pairs` on the same TIFF pairs with 1 worker and with --workers (default:
    every core), in the same run; the outputs must be identical.
 
-Run: python bench/metrics.py [--sizes 128 320] [--volumes 4] [--eval-size 128] [--workers N]
+Run: python bench/metrics.py [--sizes 128 320] [--volumes 4] [--eval-size 192] [--workers N]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 320])
     parser.add_argument("--volumes", type=int, default=4, help="volumes for the evaluate part")
-    parser.add_argument("--eval-size", type=int, default=128)
+    parser.add_argument("--eval-size", type=int, default=192)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
