@@ -416,11 +416,9 @@ def evaluate_pairs(
     if not predictions:
         raise CtsegError("nothing to evaluate: no held-out volume has a label")
     if workers < 1:
-        raise CtsegError(f"evaluate: workers must be at least 1, got {workers}")
+        raise CtsegError(f"workers must be at least 1, got {workers}")
     if topo_method not in TOPO_METHODS:
-        raise CtsegError(
-            f"evaluate: unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}"
-        )
+        raise CtsegError(f"unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}")
     jobs = [(Path(p), Path(g), topo_method) for p, g in zip(predictions, labels, strict=True)]
     workers = min(workers, len(jobs))
     if workers == 1:
