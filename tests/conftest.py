@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -93,3 +94,15 @@ def run_snakemake(
 @pytest.fixture
 def workflow_dir(tmp_path: Path) -> Path:
     return copy_workflow(tmp_path, TINY_CONFIG)
+
+
+def settings_args(directory: Path, experiment: dict, phases: dict) -> list[str]:
+    """`--experiment FILE --phases FILE` as the rules pass them, the files written from mappings
+    (the experiment file is named for the experiment, as ctseg.config requires)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    exp_path = directory / f"{experiment['name']}.yaml"
+    exp_path.write_text(yaml.safe_dump(json.loads(json.dumps(experiment))))
+    phases_path = directory / "phases.yaml"
+    table = {int(k): json.loads(json.dumps(dict(v))) for k, v in phases.items()}
+    phases_path.write_text(yaml.safe_dump({"phases": table}))
+    return ["--experiment", str(exp_path), "--phases", str(phases_path)]

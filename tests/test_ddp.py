@@ -28,7 +28,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake
+from conftest import TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake, settings_args
 from training_setup import (
     CLIP,
     PHASE,
@@ -184,7 +184,7 @@ def cli_args(scratch: Path, run_dir: Path, command: str = "train") -> list[str]:
     rows = [f"{i},1,train" for i in TRAIN_IDS] + [f"{i},1,val" for i in VAL_IDS]
     split.write_text("id,scroll_id,split\n" + "\n".join(rows) + "\n")
     common = [
-        *("--experiment", json.dumps(EXPERIMENT), "--phases", json.dumps({"0": PHASE})),
+        *settings_args(run_dir / "settings", EXPERIMENT, {0: PHASE}),
         *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
         *("--clip-distance", str(CLIP), "--device", "cpu"),
     ]

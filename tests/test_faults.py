@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ import pytest
 import tifffile
 import yaml
 import zarr.storage
-from conftest import BIN, TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake
+from conftest import BIN, TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake, settings_args
 from training_setup import EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch
 
 from ctseg.cli import main as cli_main
@@ -318,10 +317,10 @@ def training_command(command: str, scratch: Path, tmp_path: Path) -> list[str]:
             "split": ["train"] * len(TRAIN_IDS) + ["val"] * len(VAL_IDS),
         }
     ).to_csv(split, index=False)
-    args = [command, "--experiment", json.dumps(EXPERIMENT), "--phases"]
     # A loader worker, as in the issue: there the damage surfaced as a DataLoader traceback.
-    phases = {"0": {**PHASE, "workers": 1}}
-    args += [json.dumps(phases), "--phase", "0", "--scratch", str(scratch)]
+    phases = {0: {**PHASE, "workers": 1}}
+    args = [command, *settings_args(tmp_path / "settings", EXPERIMENT, phases)]
+    args += ["--phase", "0", "--scratch", str(scratch)]
     args += ["--split", str(split), "--out", str(tmp_path / "out"), "--device", "cpu"]
     if command == "train":
         args += ["--state-dir", str(tmp_path / "state"), "--weights", str(tmp_path / "last.pt")]

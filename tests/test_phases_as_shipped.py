@@ -33,7 +33,6 @@ from training_setup import CLIP, EXPERIMENT, TRAIN_IDS, VAL_IDS, build_scratch, 
 from ctseg.cli import main
 
 SHIPPED = yaml.safe_load((REPO / "config" / "phases.yaml").read_text())["phases"]
-PHASES_JSON = json.dumps({str(k): v for k, v in SHIPPED.items()})
 STEPS_PER_EPOCH, EPOCHS = 2, 2
 EXP = copy.deepcopy(EXPERIMENT)
 EXP["train"].update(steps_per_epoch=STEPS_PER_EPOCH, epochs=EPOCHS, deterministic=True)
@@ -72,7 +71,9 @@ def training_args(phase_id: int, scratch: Path, run_dir: Path) -> list[str]:
         rows = [f"{i},1,train" for i in TRAIN_IDS] + [f"{i},1,val" for i in VAL_IDS]
         split.write_text("id,scroll_id,split\n" + "\n".join(rows) + "\n")
     return [
-        *("--experiment", json.dumps(EXP), "--phases", PHASES_JSON, "--phase", str(phase_id)),
+        *("--experiment", str(experiment_file(scratch.parent))),
+        *("--phases", str(REPO / "config" / "phases.yaml")),
+        *("--phase", str(phase_id)),
         *("--scratch", str(scratch), "--split", str(split), "--clip-distance", str(CLIP)),
         *("--device", "cpu"),
     ]
@@ -132,7 +133,14 @@ def interrupted_then_resumed(phase_id: int, phase: dict, scratch: Path, run_dir:
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_scratch(tmp_path_factory.mktemp("shipped_data"))
+    root = tmp_path_factory.mktemp("shipped_data")
+    experiment_file(root).write_text(yaml.safe_dump(EXP))
+    return build_scratch(root)
+
+
+def experiment_file(data_root: Path) -> Path:
+    """The experiment as a file beside the staged data (the CLI takes files, as rules pass)."""
+    return data_root / f"{EXP['name']}.yaml"
 
 
 @pytest.fixture(scope="module", params=sorted(SHIPPED), ids=lambda p: f"phase{p}")

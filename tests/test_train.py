@@ -25,6 +25,7 @@ import pandas as pd
 import psutil
 import pytest
 import torch
+from conftest import settings_args
 from training_setup import (
     CLIP,
     EXPERIMENT,
@@ -536,7 +537,7 @@ def train_command(scratch: Path, run_dir: Path, workers: int) -> list[str]:
     phase = {**PHASE, "workers": workers, "prefetch_factor": 2}
     return [
         "train",
-        *("--experiment", json.dumps(RESUME_EXP), "--phases", json.dumps({"0": phase})),
+        *settings_args(run_dir / "settings", RESUME_EXP, {0: phase}),
         *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
         *("--out", str(run_dir / "train"), "--state-dir", str(run_dir / "checkpoints")),
         *("--weights", str(run_dir / "last.pt"), "--clip-distance", str(CLIP)),
@@ -810,7 +811,7 @@ def test_trial_out_of_memory_is_recorded_and_the_cli_goes_on(scratch: Path, tmp_
         "-c",
         OOM_WRAPPER,
         "trial",
-        *("--experiment", json.dumps(exp), "--phases", json.dumps({"0": PHASE})),
+        *settings_args(tmp_path / "settings", exp, {0: PHASE}),
         *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
         *("--out", str(out), "--clip-distance", str(CLIP), "--device", "cpu"),
     ]

@@ -38,6 +38,36 @@ def _json(text: str) -> object:
         raise argparse.ArgumentTypeError(f"not valid JSON: {text!r} ({exc})") from exc
 
 
+CODEC_INTEGERS = ("clevel", "level")
+
+
+def _codec(text: str) -> dict[str, object]:
+    """``NAME[,KEY=VALUE...]``, e.g. ``blosc,cname=lz4,clevel=5,shuffle=shuffle``."""
+    name, *pairs = [part.strip() for part in text.split(",") if part.strip()] or [""]
+    codec: dict[str, object] = {"name": name}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value:
+            raise argparse.ArgumentTypeError(f"codec {text!r}: expected KEY=VALUE, got {pair!r}")
+        try:
+            codec[key] = int(value) if key in CODEC_INTEGERS else value
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"codec {text!r}: {key} must be an integer") from exc
+    return codec
+
+
+def _experiment(path: str) -> object:
+    from ctseg.config import load_experiment
+
+    return load_experiment(path)
+
+
+def _phases(path: str) -> object:
+    from ctseg.config import load_phases
+
+    return load_phases(path)
+
+
 def cmd_demo_data(args: argparse.Namespace) -> None:
     from ctseg.demo_data import generate_demo
 
@@ -99,7 +129,8 @@ def cmd_split(args: argparse.Namespace) -> None:
 
     records = read_records(args.dataset)
     labelled = records[(records["split"] == "train") & (records["label"] != "")]
-    table = select_records(labelled[["id", "scroll_id"]], args.subset, args.split)
+    exp = args.experiment
+    table = select_records(labelled[["id", "scroll_id"]], exp["subset"], exp["split"])
     write_split(table, Path(args.out))
     print(table["split"].value_counts().to_string())
 
@@ -132,10 +163,9 @@ def _split_ids(split_csv: str) -> tuple[list[str], list[str]]:
 
 
 def _phase_settings(phases: dict, phase: str) -> tuple[int, dict]:
-    if str(phase) not in {str(k) for k in phases}:
-        raise CtsegError(f"phase {phase!r} is not defined in config/phases.yaml")
-    settings = {str(k): v for k, v in phases.items()}[str(phase)]
-    return int(phase), settings
+    from ctseg.config import select_phase
+
+    return select_phase(phases, phase, "--phases")
 
 
 def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
@@ -356,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--like", default=None, help="image .zarr whose shape the label must match")
     p.add_argument("--chunks", type=_shape, default=(64, 64, 64))
     p.add_argument("--shards", type=_shape, default=None)
-    p.add_argument("--codec", type=_json, default=None, help="codec mapping as JSON")
+    p.add_argument(
+        "--codec", type=_codec, default=None, help="NAME[,KEY=VALUE...], e.g. blosc,cname=lz4"
+    )
     p.add_argument("--memory-budget-mb", type=float, default=256.0)
     p.set_defaults(func=cmd_convert)
 
@@ -373,15 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=_shape, default=(128, 128, 128))
     p.add_argument("--max-samples", type=int, default=20000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--codec", type=_json, default=None)
+    p.add_argument("--codec", type=_codec, default=None, help="as for convert")
     p.add_argument("--workers", type=int, default=1)
     p.set_defaults(func=cmd_targets)
 
     p = sub.add_parser("split", help="select the experiment's records and split train/val")
     p.add_argument("dataset", help="dataset directory in the Kaggle layout")
     p.add_argument("out", help="split.csv to write (id, scroll_id, split)")
-    p.add_argument("--subset", type=_json, default={}, help="subset mapping as JSON")
-    p.add_argument("--split", type=_json, default={}, help="split mapping as JSON")
+    p.add_argument(
+        "--experiment", type=_experiment, required=True, help="config/experiments/<name>.yaml"
+    )
     p.set_defaults(func=cmd_split)
 
     p = sub.add_parser("stage", help="copy the experiment's subset to local scratch")
@@ -394,8 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_stage)
 
     def training_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--experiment", type=_json, required=True, help="experiment, JSON")
-        p.add_argument("--phases", type=_json, required=True, help="phases mapping, JSON")
+        p.add_argument(
+            "--experiment", type=_experiment, required=True, help="config/experiments/<name>.yaml"
+        )
+        p.add_argument("--phases", type=_phases, required=True, help="config/phases.yaml")
         p.add_argument("--scratch", required=True, help="staged scratch directory ($VARS)")
         p.add_argument(
             "--stage-from", default=None, help="stage the split's records from here first"

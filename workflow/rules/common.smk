@@ -1,11 +1,15 @@
-import json
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from snakemake.utils import validate
 
+from ctseg.config import (
+    check_trial_phases,
+    load_experiment,
+    load_phases,
+    settings_used,
+)
 from ctseg.demo_data import demo_records
 from ctseg.io import CtsegError
 from ctseg.records import read_records
@@ -97,49 +101,33 @@ def convert_shards_arg():
     return f"--shards {shape_arg(shards)}" if shards else ""
 
 
-def load_yaml_validated(path, schema):
-    with open(path) as handle:
-        data = yaml.safe_load(handle) or {}
-    validate(data, schema=schema)
-    return data
+def codec_arg():
+    """The codec as `ctseg convert --codec` takes it: NAME,KEY=VALUE,..."""
+    codec = dict(config["convert"]["codec"])
+    name = codec.pop("name")
+    return ",".join([name, *(f"{k}={v}" for k, v in sorted(codec.items()))])
 
 
-def load_experiment():
-    path = Path("config") / "experiments" / f"{config['experiment']}.yaml"
-    if not path.exists():
-        raise WorkflowError(f"config 'experiment': {path} does not exist")
-    experiment = load_yaml_validated(path, "../schemas/experiment.schema.yaml")
-    if experiment["name"] != config["experiment"]:
+# The experiment and the phases are loaded and checked by ctseg.config, the same code every
+# `ctseg` command uses; the rules hand the commands these paths, never the settings.
+EXP_FILE = f"config/experiments/{config['experiment']}.yaml"
+PHASES_FILE = "config/phases.yaml"
+
+
+def load_settings():
+    try:
+        experiment = load_experiment(EXP_FILE)
+        phases = load_phases(PHASES_FILE)
+        check_trial_phases(experiment, phases, EXP_FILE)
+    except CtsegError as exc:
         raise WorkflowError(
-            f"{path}: name {experiment['name']!r} differs from the file name"
-        )
-    return experiment
+            f"config 'experiment' {config['experiment']!r}: {exc}"
+        ) from exc
+    return experiment, phases
 
 
-def load_phases():
-    with open("config/phases.yaml") as handle:
-        raw = yaml.safe_load(handle) or {}
-    # YAML reads the phase numbers as ints; JSON schema keys are strings.
-    raw["phases"] = {str(k): v for k, v in (raw.get("phases") or {}).items()}
-    validate(raw, schema="../schemas/phases.schema.yaml")
-    return {int(k): v for k, v in raw["phases"].items()}
-
-
-EXP = load_experiment()
+EXP, PHASES = load_settings()
 EXP_NAME = EXP["name"]
-PHASES = load_phases()
-
-
-def check_trial_phases():
-    unknown = [p for p in EXP["trial"]["phases"] if p not in PHASES]
-    if unknown:
-        raise WorkflowError(
-            f"config/experiments/{EXP_NAME}.yaml: trial.phases names phase(s) {unknown} that "
-            f"config/phases.yaml does not define (it defines {sorted(PHASES)})"
-        )
-
-
-check_trial_phases()
 SCRATCH = str(expand_scratch(config["scratch"]) / EXP_NAME)
 
 
@@ -216,6 +204,13 @@ def train_gpus():
             f"({sorted(counts)}); trial phases with one GPU count, or choose a phase"
         )
     return counts.pop()
+
+
+def train_settings():
+    """What the train job's weights depend on among the settings: the experiment's training
+    sections and every phase it may train with (one for a number, the trialled ones for auto).
+    """
+    return {p: settings_used(EXP, PHASES[p], "train") for p in chosen_phases()}
 
 
 def train_threads():

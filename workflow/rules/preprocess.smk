@@ -12,7 +12,7 @@ rule convert_image:
     params:
         chunks=shape_arg(config["convert"]["chunks"]),
         shards=convert_shards_arg(),
-        codec=json.dumps(config["convert"]["codec"]),
+        codec=codec_arg(),
         budget=config["convert"]["memory_budget_mb"],
     shell:
         "ctseg convert {input:q} {output:q} --kind image --chunks {params.chunks} "
@@ -35,7 +35,7 @@ rule convert_label:
     params:
         chunks=shape_arg(config["convert"]["chunks"]),
         shards=convert_shards_arg(),
-        codec=json.dumps(config["convert"]["codec"]),
+        codec=codec_arg(),
         budget=config["convert"]["memory_budget_mb"],
     shell:
         "ctseg convert {input.label:q} {output:q} --kind label --like {input.image:q} "
@@ -62,7 +62,7 @@ rule targets:
         block=shape_arg(config["targets"]["block"]),
         max_samples=config["targets"]["max_samples"],
         seed=config["targets"]["seed"],
-        codec=json.dumps(config["convert"]["codec"]),
+        codec=codec_arg(),
     shell:
         "ctseg targets {input:q} {output:q} --clip-distance {params.clip} "
         "--skeleton-method {params.method} --tube-dilations {params.tube} "

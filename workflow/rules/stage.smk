@@ -9,11 +9,12 @@ rule split:
         "../../environment.yml"
     params:
         dataset=lambda wildcards, input: Path(input[0]).parent,
-        subset=json.dumps(EXP["subset"]),
-        split=json.dumps(EXP["split"]),
+        experiment=EXP_FILE,
+        # Rerun when the selection changes, not on other edits of the experiment file.
+        settings=settings_used(EXP, None, "split"),
     shell:
-        "ctseg split {params.dataset:q} {output:q} --subset {params.subset:q} "
-        "--split {params.split:q} > {log} 2>&1"
+        "ctseg split {params.dataset:q} {output:q} --experiment {params.experiment:q} "
+        "> {log} 2>&1"
 
 
 # Only the manifest is declared: Snakemake deletes declared outputs before a rerun, and the

@@ -18,8 +18,11 @@ rule train_trial:
         mem_mb=lambda wildcards: phase_mem_mb(int(wildcards.phase)),
     params:
         ctseg=lambda wildcards: launcher(phase_gpus(int(wildcards.phase))),
-        experiment=json.dumps(EXP),
-        phases=json.dumps(PHASES),
+        experiment=EXP_FILE,
+        phases=PHASES_FILE,
+        settings=lambda wildcards: settings_used(
+            EXP, PHASES[int(wildcards.phase)], "trial"
+        ),
         clip=config["targets"]["clip_distance"],
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.summary).parent,
@@ -59,8 +62,9 @@ rule train:
         mem_mb=train_mem_mb(),
     params:
         ctseg=launcher(train_gpus()),
-        experiment=json.dumps(EXP),
-        phases=json.dumps(PHASES),
+        experiment=EXP_FILE,
+        phases=PHASES_FILE,
+        settings=train_settings(),
         phase=config["phase"],
         clip=config["targets"]["clip_distance"],
         scratch=scratch_args,

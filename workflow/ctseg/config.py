@@ -1,0 +1,261 @@
+"""The one place that reads and checks ctseg's settings.
+
+config/config.yaml, config/experiments/<name>.yaml and config/phases.yaml are validated
+against the JSON schemas in workflow/schemas/ (the same files Snakemake's `validate()` uses);
+every default is the schema's, filled in here and nowhere else. What comes back is frozen:
+
+- `Experiment` and `Phase`: typed dataclasses whose sections are read-only mappings, so a
+  step cannot change a setting that another step (or the run identity) relies on. Both can
+  also be read like the mappings they were loaded from (``exp["train"]["lr"]``).
+- `load_config` returns the workflow config as a read-only mapping with its defaults.
+
+The rules hand `ctseg` the file paths and a phase id; each command loads what it needs
+through this module, so a setting is parsed once, by the same code, wherever it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from ctseg.io import CtsegError
+
+SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
+
+
+class Frozen(dict):
+    """A dict that refuses changes (a plain dict to json, pandas and torch's loaders)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("settings are read-only; copy them with dict(...) to change one")
+
+    __setitem__ = __delitem__ = _refuse
+    clear = pop = popitem = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # frozen, so usable as a key (e.g. in functools caches)
+        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+    def __reduce__(self) -> tuple:  # copy and pickle build it whole, never item by item
+        return (Frozen, (dict(self),))
+
+
+def freeze(value: Any) -> Any:
+    """Mappings become `Frozen`, recursively; lists stay lists of frozen items."""
+    if isinstance(value, Mapping):
+        return Frozen({str(k): freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return [freeze(v) for v in value]
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Plain dicts and lists again (for writing YAML or JSON by hand)."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [thaw(v) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------------------- validation
+def _filling_validator() -> type:
+    """Draft 2020-12, where checking an object's ``properties`` first fills the defaults of
+    the ones that are missing (so nested sections get theirs too)."""
+    base = jsonschema.Draft202012Validator
+    check_properties = base.VALIDATORS["properties"]
+
+    def properties(validator: Any, props: Mapping, instance: Any, schema: Mapping) -> Iterator:
+        if isinstance(instance, dict):
+            for name, sub in props.items():
+                if isinstance(sub, Mapping) and "default" in sub and name not in instance:
+                    instance[name] = thaw(sub["default"])
+        yield from check_properties(validator, props, instance, schema)
+
+    return jsonschema.validators.extend(base, {"properties": properties})
+
+
+FillingValidator = _filling_validator()
+
+
+def schema(name: str) -> dict[str, Any]:
+    path = SCHEMAS / f"{name}.schema.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+def validated(data: Any, schema_name: str, where: str) -> dict[str, Any]:
+    """`data` (a copy) with the schema's defaults filled in; an error names `where` and the key."""
+    data = thaw(data if data is not None else {})
+    errors = sorted(
+        FillingValidator(schema(schema_name)).iter_errors(data), key=lambda e: list(e.path)
+    )
+    if errors:
+        first = errors[0]
+        key = ".".join(str(p) for p in first.absolute_path) or "(top level)"
+        raise CtsegError(f"{where}: {key}: {first.message}")
+    return data
+
+
+def read_yaml(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise CtsegError(f"{path}: file not found") from exc
+    except yaml.YAMLError as exc:
+        raise CtsegError(f"{path}: not valid YAML: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- objects
+class _Readable(Mapping):
+    """Item access over a dataclass's fields, so settings read as they were written."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def _keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Experiment(_Readable):
+    """One experiment (config/experiments/<name>.yaml), validated, defaults filled."""
+
+    name: str
+    subset: Mapping[str, Any]
+    split: Mapping[str, Any]
+    source: str | None
+    scratch_format: str
+    data: Mapping[str, Any]
+    model: Mapping[str, Any]
+    loss: Mapping[str, Any]
+    train: Mapping[str, Any]
+    trial: Mapping[str, Any]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and thaw(self) == thaw(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Phase(_Readable):
+    """One loader/training phase of config/phases.yaml, as the file defines it (plus the
+    schema's defaults). `gpus` is None where the phase leaves it to the experiment."""
+
+    workers: int
+    batch_size: int
+    prefetch_factor: int
+    persistent_workers: bool
+    pin_memory: bool
+    mp_context: str
+    drop_last: bool
+    device_prefetch: bool
+    precision: str
+    channels_last: bool
+    compile: bool
+    accumulate: int = 1
+    gpus: int | None = None
+
+    def _keys(self) -> tuple[str, ...]:
+        # A phase that leaves gpus to the experiment does not list it (as in the file).
+        names = super()._keys()
+        return names if self.gpus is not None else tuple(n for n in names if n != "gpus")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def experiment_from(data: Mapping[str, Any], where: str) -> Experiment:
+    """An `Experiment` from a mapping (as read from YAML), validated against its schema."""
+    if isinstance(data, Experiment):
+        return data
+    if not isinstance(data, Mapping):
+        raise CtsegError(f"{where}: expected a mapping of experiment settings")
+    checked = validated(data, "experiment", where)
+    return Experiment(
+        **{f.name: freeze(checked.get(f.name)) for f in dataclasses.fields(Experiment)}
+    )
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """config/experiments/<name>.yaml; its `name` must be the file's name."""
+    path = Path(path)
+    exp = experiment_from(read_yaml(path) or {}, str(path))
+    if exp.name != path.stem:
+        raise CtsegError(f"{path}: name {exp.name!r} differs from the file name {path.stem!r}")
+    return exp
+
+
+def phases_from(data: Mapping[str, Any], where: str) -> dict[int, Phase]:
+    """Every phase of a phases mapping (``{"phases": {0: {...}, ...}}``), by number."""
+    if not isinstance(data, Mapping):
+        raise CtsegError(f"{where}: expected a mapping with the key 'phases'")
+    raw = dict(data)
+    # YAML reads the phase numbers as ints; JSON schema keys are strings.
+    raw["phases"] = {str(k): v for k, v in (raw.get("phases") or {}).items()}
+    checked = validated(raw, "phases", where)
+    return {
+        int(k): Phase(**v) for k, v in sorted(checked["phases"].items(), key=lambda kv: int(kv[0]))
+    }
+
+
+def load_phases(path: str | Path) -> dict[int, Phase]:
+    return phases_from(read_yaml(path) or {}, str(path))
+
+
+def select_phase(phases: Mapping[int, Phase], phase: int | str, where: str) -> tuple[int, Phase]:
+    """Phase `phase` (a number, possibly as text) of `phases`, with a clear error if absent."""
+    try:
+        number = int(phase)
+    except (TypeError, ValueError) as exc:
+        raise CtsegError(f"phase {phase!r}: expected a phase number") from exc
+    if number not in phases:
+        raise CtsegError(f"{where}: phase {number} is not defined (it defines {sorted(phases)})")
+    return number, phases[number]
+
+
+def check_trial_phases(exp: Experiment, phases: Mapping[int, Phase], exp_path: str) -> None:
+    unknown = [p for p in exp.trial["phases"] if p not in phases]
+    if unknown:
+        raise CtsegError(
+            f"{exp_path}: trial.phases names phase(s) {unknown} that config/phases.yaml does "
+            f"not define (it defines {sorted(phases)})"
+        )
+
+
+def load_config(data: Mapping[str, Any], where: str = "config/config.yaml") -> Frozen:
+    """The workflow config (config/config.yaml plus any --config), defaults filled."""
+    return freeze(validated(data, "config", where))
+
+
+# ----------------------------------------------------------------------------- what a job uses
+def settings_used(exp: Experiment, phase: Phase | None, step: str) -> dict[str, Any]:
+    """The settings one workflow step reads, as plain data: a rule passes this as a param, so
+    that Snakemake reruns the step when one of them changes and not on any other edit."""
+    sections = {
+        "split": ("subset", "split"),
+        "stage": ("source", "scratch_format"),
+        "trial": ("scratch_format", "data", "model", "loss", "train", "trial"),
+        "train": ("scratch_format", "data", "model", "loss", "train"),
+    }
+    if step not in sections:
+        raise CtsegError(f"settings_used: unknown step {step!r}; expected one of {list(sections)}")
+    used: dict[str, Any] = {key: thaw(exp[key]) for key in sections[step]}
+    if phase is not None:
+        used["phase"] = thaw(dict(phase))
+    return used
