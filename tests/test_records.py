@@ -1,11 +1,13 @@
+import os
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import tifffile
 
 from ctseg.io import CtsegError, check_id
-from ctseg.records import read_records
+from ctseg.records import read_records, select_records, write_split
 
 
 def make_dataset(root: Path, ids: list[str], test_ids: tuple[str, ...] = ()) -> Path:
@@ -109,3 +111,96 @@ def test_scroll_ids_stay_as_written(tmp_path):
     records = read_records(root)
     # Not 2.0, not 34117: the config names scroll ids as they are written.
     assert list(records["scroll_id"]) == ["2", "034117", "2"]
+
+
+# --------------------------------------------------------------------------- select_records
+
+
+def records_table(n: int = 10) -> pd.DataFrame:
+    ids = [f"id{i:02d}" for i in range(n)]
+    return pd.DataFrame({"id": ids, "scroll_id": [34117 if i % 2 else 35360 for i in range(n)]})
+
+
+SUBSET = {"ids": None, "scroll_ids": None, "fraction": 1.0}
+SPLIT = {"val_ids": None, "val_fraction": 0.2, "seed": 0}
+
+
+def test_select_records_is_sorted_deterministic_and_independent_of_row_order() -> None:
+    records = records_table()
+    table = select_records(records, SUBSET, SPLIT)
+    assert list(table.columns) == ["id", "scroll_id", "split"]
+    assert list(table["id"]) == sorted(records["id"])
+    assert (table["split"] == "val").sum() == 2
+    shuffled = records.sample(frac=1.0, random_state=5)
+    pd.testing.assert_frame_equal(select_records(shuffled, SUBSET, SPLIT), table)
+    val_sets = {
+        tuple(select_records(records, SUBSET, {**SPLIT, "seed": s}).query("split == 'val'")["id"])
+        for s in range(8)
+    }
+    assert len(val_sets) > 1, "the seed must decide the split"
+
+
+def test_select_records_subset_by_ids_scroll_ids_and_fraction() -> None:
+    records = records_table()
+    by_ids = select_records(records, {**SUBSET, "ids": ["id07", "id03"]}, SPLIT)
+    assert list(by_ids["id"]) == ["id03", "id07"]
+    by_scroll = select_records(records, {**SUBSET, "scroll_ids": ["34117"]}, SPLIT)
+    assert set(by_scroll["scroll_id"]) == {34117} and len(by_scroll) == 5
+    half = select_records(records, {**SUBSET, "fraction": 0.5}, SPLIT)
+    assert len(half) == 5
+    assert len(select_records(records_table(5), {**SUBSET, "fraction": 0.5}, SPLIT)) == 3
+    assert half.equals(select_records(records, {**SUBSET, "fraction": 0.5}, SPLIT))
+    # The subset must not move when only the validation share changes.
+    other_split = select_records(
+        records, {**SUBSET, "fraction": 0.5}, {**SPLIT, "val_fraction": 0.4}
+    )
+    assert list(other_split["id"]) == list(half["id"])
+
+
+def test_select_records_val_ids_win_over_val_fraction() -> None:
+    table = select_records(records_table(), SUBSET, {**SPLIT, "val_ids": ["id04"]})
+    assert list(table.loc[table["split"] == "val", "id"]) == ["id04"]
+
+
+def test_select_records_keeps_one_train_and_one_val() -> None:
+    two = select_records(records_table(2), SUBSET, {**SPLIT, "val_fraction": 0.01})
+    assert sorted(two["split"]) == ["train", "val"]
+    two = select_records(records_table(2), SUBSET, {**SPLIT, "val_fraction": 0.9})
+    assert sorted(two["split"]) == ["train", "val"]
+    one = select_records(records_table(1), SUBSET, {**SPLIT, "val_fraction": 0.5})
+    assert list(one["split"]) == ["train"]
+
+
+@pytest.mark.parametrize(
+    ("subset", "split", "named"),
+    [
+        ({"ids": ["id01", "nope"]}, {}, "nope"),
+        ({"scroll_ids": [99999]}, {}, "99999"),
+        ({}, {"val_ids": ["ghost"]}, "ghost"),
+        ({"ids": ["id01"]}, {"val_ids": ["id02"]}, "id02"),
+        ({"ids": ["id01"]}, {"val_ids": ["id01"]}, "at least one train"),
+        ({"fraction": 0}, {}, "subset.fraction"),
+        ({"fraction": 1.5}, {}, "subset.fraction"),
+        ({"ids": ["id01"], "scroll_ids": [34117]}, {}, "not both"),
+        ({}, {"val_fraction": 1.0}, "split.val_fraction"),
+    ],
+)
+def test_select_records_rejects_bad_choices(subset: dict, split: dict, named: str) -> None:
+    with pytest.raises(CtsegError, match=named):
+        select_records(records_table(), {**SUBSET, **subset}, {**SPLIT, **split})
+
+
+def test_select_records_names_records_without_a_scroll_id() -> None:
+    # A table that did not come through records.read_csv (which rejects empty scroll ids).
+    records = pd.DataFrame({"id": ["a", "b", "c"], "scroll_id": pd.array(["1", None, "2"])})
+    with pytest.raises(CtsegError, match=r"record\(s\) \['b'\] have no scroll_id"):
+        select_records(records, {**SUBSET, "scroll_ids": [1]}, SPLIT)
+
+
+def test_write_split_writes_csv_atomically(tmp_path: Path) -> None:
+    table = select_records(records_table(), SUBSET, SPLIT)
+    path = tmp_path / "results" / "exp" / "split.csv"
+    write_split(table, path)
+    back = pd.read_csv(path, dtype={"id": str})
+    pd.testing.assert_frame_equal(back, table)
+    assert os.listdir(path.parent) == ["split.csv"]

@@ -125,7 +125,7 @@ def cmd_targets(args: argparse.Namespace) -> None:
 
 def cmd_split(args: argparse.Namespace) -> None:
     from ctseg.records import read_records
-    from ctseg.stage import select_records, write_split
+    from ctseg.records import select_records, write_split
 
     records = read_records(args.dataset)
     labelled = records[(records["split"] == "train") & (records["label"] != "")]
@@ -196,8 +196,8 @@ def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
 
 
 def cmd_trial(args: argparse.Namespace) -> None:
-    from ctseg.phases import run_trial
     from ctseg.train import ddp_phase, pick_device, process_group, torchrun_ranks
+    from ctseg.trials import run_trial, summary_json
 
     device = pick_device(args.device)
     phase_id, phase = _phase_settings(args.phases, args.phase)
@@ -205,9 +205,7 @@ def cmd_trial(args: argparse.Namespace) -> None:
     train_ids, _ = _split_ids(args.split)
     with process_group(device) as ranks:
         scratch = _scratch(args, ranks)
-        if not ranks.main:
-            _follow_trial(args, phase, scratch, train_ids, device, ranks)
-            return
+        # Every rank runs the same trial (its runs are collective); rank 0 alone writes.
         summary = run_trial(
             args.experiment,
             phase_id,
@@ -218,49 +216,17 @@ def cmd_trial(args: argparse.Namespace) -> None:
             clip_distance=args.clip_distance,
             previous=Path(args.previous) if args.previous else None,
             device=str(device),
+            ranks=ranks,
         )
-    print(json.dumps(summary, indent=1, default=str))
-
-
-def _follow_trial(
-    args: argparse.Namespace,
-    phase: dict,
-    scratch: Path,
-    train_ids: list[str],
-    device: object,
-    ranks: Ranks,
-) -> None:
-    """A trial on a rank other than 0: the two runs of `ctseg.phases.run_trial` (the measured
-    one, then the compute ceiling), in step with rank 0, which measures and writes the summary.
-    A failure is rank 0's to record, so it ends this process quietly."""
-    from ctseg.train import train
-
-    trial = args.experiment["trial"]
-    common = dict(
-        scratch=scratch,
-        train_ids=train_ids,
-        val_ids=[],
-        clip_distance=args.clip_distance,
-        device=str(device),
-    )
-    out = Path(args.out)  # rank 0's; train() writes nothing on this rank
-    try:
-        train(args.experiment, phase, out_dir=out, max_steps=int(trial["steps"]), **common)
-        train(
-            args.experiment,
-            phase,
-            out_dir=out / "ceiling",
-            max_steps=int(trial["ceiling_steps"]),
-            no_data=True,
-            **common,
-        )
-    except Exception as exc:  # noqa: BLE001 - recorded by rank 0, like run_trial does
-        print(f"rank {ranks.rank}: trial run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if ranks.main:
+        print(summary_json(summary))
+    elif summary.error:  # rank 0 records the failure; this rank only says so in the log
+        print(f"rank {ranks.rank}: trial run failed: {summary.error}", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from ctseg.phases import choose_phase
     from ctseg.train import ddp_phase, pick_device, process_group, torchrun_ranks, train
+    from ctseg.trials import choose_phase
 
     device = pick_device(args.device)
     first = torchrun_ranks().main

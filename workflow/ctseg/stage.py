@@ -58,7 +58,6 @@ from typing import Any, Literal
 
 import fsspec
 import numpy as np
-import pandas as pd
 import zarr
 from tqdm import tqdm
 from zarr.storage import FsspecStore
@@ -99,117 +98,6 @@ STAGE_FIX = (
 
 Format = Literal["raw", "zarr"]
 Verify = Literal["size", "sha256"]
-
-
-# --------------------------------------------------------------------------- record selection
-
-
-def select_records(records: pd.DataFrame, subset: Mapping, split: Mapping) -> pd.DataFrame:
-    """Pick the experiment's records and split them into train and val.
-
-    records: columns id, scroll_id (the labelled training records). subset: {ids, scroll_ids,
-    fraction} (at most one of ids / scroll_ids; fraction in (0, 1] applies after them).
-    split: {val_ids, val_fraction, seed}; val_ids, when given, wins over val_fraction.
-    Returns columns id, scroll_id, split ('train' | 'val'), sorted by id; the same inputs and
-    seed always give the same table, whatever the row order of `records`.
-    """
-    table = records[["id", "scroll_id"]].copy()
-    table["id"] = table["id"].astype(str)
-    if table.empty:
-        raise CtsegError("subset: there are no labelled training records to choose from")
-    table = table.sort_values("id", kind="stable").reset_index(drop=True)
-    seed = _seed(split)
-    table = _filter_subset(table, subset)
-    table = _take_fraction(table, subset.get("fraction", 1.0), seed)
-    val = _choose_val(table, split, seed)
-    table["split"] = np.where(table["id"].isin(val), "val", "train")
-    if (table["split"] == "train").sum() == 0:
-        raise CtsegError(
-            f"split.val_ids: every selected record ({len(table)}) is in val; "
-            "at least one train record is needed"
-        )
-    return table.reset_index(drop=True)
-
-
-def _seed(split: Mapping) -> int:
-    seed = split.get("seed", 0)
-    if seed is None:
-        seed = 0
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise CtsegError(f"split.seed: expected a non-negative integer, got {seed!r}")
-    return int(seed)
-
-
-def _filter_subset(table: pd.DataFrame, subset: Mapping) -> pd.DataFrame:
-    ids, scroll_ids = subset.get("ids"), subset.get("scroll_ids")
-    if ids is not None and scroll_ids is not None:
-        raise CtsegError("subset: give ids or scroll_ids, not both")
-    if ids is not None:
-        wanted = [str(i) for i in ids]
-        unknown = sorted(set(wanted) - set(table["id"]))
-        if unknown:
-            raise CtsegError(f"subset.ids: unknown id(s) {unknown}: not labelled training records")
-        table = table[table["id"].isin(wanted)]
-    if scroll_ids is not None:
-        if table["scroll_id"].isna().any():
-            # pandas keeps a missing value missing through astype(str); records.read_csv
-            # rejects them, so only a table built elsewhere gets here.
-            empty = table.loc[table["scroll_id"].isna(), "id"].tolist()
-            raise CtsegError(f"subset.scroll_ids: record(s) {empty} have no scroll_id")
-        # Compare as text: the csv column may be read as int while config gives str, or back.
-        wanted = {str(s) for s in scroll_ids}
-        have = set(table["scroll_id"].astype(str))
-        unknown = sorted(wanted - have)
-        if unknown:
-            raise CtsegError(
-                f"subset.scroll_ids: unknown scroll id(s) {unknown}; known: {sorted(have)}"
-            )
-        table = table[table["scroll_id"].astype(str).isin(wanted)]
-    if table.empty:
-        raise CtsegError("subset: selects no records")
-    return table.reset_index(drop=True)
-
-
-def _take_fraction(table: pd.DataFrame, fraction: Any, seed: int) -> pd.DataFrame:
-    fraction = 1.0 if fraction is None else fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
-        raise CtsegError(f"subset.fraction: expected a number in (0, 1], got {fraction!r}")
-    keep = max(1, _round_half_up(fraction * len(table)))
-    if keep >= len(table):
-        return table
-    # Separate streams for subset and split, so changing val_fraction keeps the subset.
-    order = np.random.default_rng([seed, 0]).permutation(len(table))
-    return table.iloc[np.sort(order[:keep])].reset_index(drop=True)
-
-
-def _choose_val(table: pd.DataFrame, split: Mapping, seed: int) -> set[str]:
-    val_ids = split.get("val_ids")
-    if val_ids is not None:
-        wanted = {str(i) for i in val_ids}
-        unknown = sorted(wanted - set(table["id"]))
-        if unknown:
-            raise CtsegError(f"split.val_ids: id(s) {unknown} are not among the selected records")
-        return wanted
-    fraction = split.get("val_fraction", 0.0)
-    fraction = 0.0 if fraction is None else fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
-        raise CtsegError(f"split.val_fraction: expected a number in [0, 1), got {fraction!r}")
-    n = len(table)
-    # At least one val record whenever asked for and possible, and always one train record.
-    n_val = min(max(_round_half_up(fraction * n), 1), n - 1) if n >= 2 and fraction > 0 else 0
-    order = np.random.default_rng([seed, 1]).permutation(n)
-    return set(table["id"].iloc[order[:n_val]])
-
-
-def _round_half_up(value: float) -> int:
-    # round() rounds 2.5 to 2; a user asking for half of 5 records expects 3.
-    return math.floor(value + 0.5)
-
-
-def write_split(table: pd.DataFrame, path: Path) -> None:
-    """Write the split table (id, scroll_id, split) as csv, atomically."""
-    with atomic_path(path) as tmp:
-        table[["id", "scroll_id", "split"]].to_csv(tmp, index=False)
 
 
 def expand_scratch(path: str) -> Path:

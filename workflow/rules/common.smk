@@ -13,7 +13,8 @@ from ctseg.config import (
 from ctseg.demo_data import demo_records
 from ctseg.io import CtsegError
 from ctseg.records import read_records
-from ctseg.stage import expand_scratch, select_records
+from ctseg.records import select_records
+from ctseg.stage import expand_scratch
 
 validate(config, schema="../schemas/config.schema.yaml")
 
