@@ -5,6 +5,7 @@
     python bench/infer.py --quick    # window 48^3 on 72x96x96;    RSS at z = 96 and 384;
                                      # MONAI: window 48x64x64 on 64x96x96
     python bench/infer.py --monai-only --full-model   # on a GPU: exp001_full's model vs MONAI
+    python bench/infer.py --monai-only --pointwise    # a 1x1x1 conv: all but the forward
 
 MONAI is a bench-only extra: ``.venv/bin/pip install -e '.[bench]'`` (``--skip-monai`` runs
 the rest without it).
@@ -63,7 +64,7 @@ is given exactly ctseg's inputs: an axis shorter than the window is zero-padded 
 the Gaussian map is ctseg's, passed as ``roi_weight_map`` and fetched inside the timed region
 from the same per-process cache that ctseg uses (MONAI's own map is the same Gaussian, clamped
 below at 1e-3). On the random-init model used here either difference alone moves the
-probabilities a lot (measured on 2 cores: MONAI's own map gave mean |dp| 0.025 and 2.7% of
+probabilities a lot (a one-off check on 2 cores: MONAI's own map gave mean |dp| 0.025 and 2.7% of
 masks on a 64x96x96 volume with a 48x64x64 window, its padding 0.17 and 20% on 64x56x56 with
 40x64x64), because a random network's windows disagree near their borders and under shifts
 that a trained one is robust to (issue 13 measured mean |dp| 0.0009 with MONAI's defaults and
@@ -162,16 +163,17 @@ def decisive_weights(path: Path, config: dict, window, store: Path) -> Path:
     from ctseg.store import open_volume
 
     torch.manual_seed(0)
-    model = build_model(config).eval()
+    device = infer.pick_device()  # exp001_full's model is slow on a CPU, even for one window
+    model = build_model(config).eval().to(device)
     image = open_volume(store)
     crop = infer.normalise(np.asarray(image[tuple(slice(0, w) for w in window)]), LOW, HIGH)
     head = model.heads[0]
-    with torch.inference_mode():
+    with torch.no_grad():
         head.weight.mul_(HEAD_GAIN)
         head.bias.zero_()
-        head.bias.sub_(model(torch.from_numpy(crop)[None, None]).median())
+        head.bias.sub_(model(torch.from_numpy(crop)[None, None].to(device)).median())
     payload = {
-        "model": model.state_dict(),
+        "model": model.cpu().state_dict(),
         "model_config": config,
         "patch_size": list(window),
         "fingerprint": "bench",
@@ -543,6 +545,7 @@ def monai(
     batch: int,
     rounds: int,
     full_model: bool,
+    pointwise: bool = False,
 ) -> float:
     """ctseg's voxels/s / MONAI's, after checking that the two agree (module docstring)."""
     from ctseg import infer
@@ -550,7 +553,10 @@ def monai(
     check_same_grid(shape, window)
     config = full_model_config() if full_model else UNET
     store = make_store(workdir / "monai.zarr", shape, seed=1)
-    weights = decisive_weights(workdir / "decisive.pt", config, window, store)
+    if pointwise:
+        weights = pointwise_weights(workdir / "conv.pointwise.pt")
+    else:
+        weights = decisive_weights(workdir / "decisive.pt", config, window, store)
     out = workdir / "compare"
     out.mkdir()
     win = ",".join(map(str, window))
@@ -560,9 +566,11 @@ def monai(
         len(infer.window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True)
     )
     voxels = math.prod(shape)
-    model = f"filters {config['filters']}" + (" (exp001_full)" if full_model else "")
+    model = f"U-Net filters {config['filters']}" + (" (exp001_full)" if full_model else "")
+    if pointwise:
+        model = "1x1x1 conv (everything but the forward)"
     print(
-        f"\nMONAI: U-Net {model}, window {'x'.join(map(str, window))}, overlap {OVERLAP}, "
+        f"\nMONAI: {model}, window {'x'.join(map(str, window))}, overlap {OVERLAP}, "
         f"Gaussian, batch {batch}, volume {'x'.join(map(str, shape))} uint8, {n} windows; "
         f"fastest of {rounds} alternating rounds, Zarr store to host array; child peak RSS "
         f"{child['rss_mb']:.0f} MB"
@@ -607,6 +615,11 @@ def main() -> None:
         "--full-model", action="store_true", help="MONAI comparison with exp001_full's model"
     )
     parser.add_argument("--monai-shape", default=None, help="MONAI comparison volume Z,Y,X")
+    parser.add_argument(
+        "--pointwise",
+        action="store_true",
+        help="MONAI comparison with a 1x1x1 conv: times the machinery around the forward",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -643,7 +656,7 @@ def main() -> None:
         if not args.skip_monai:
             ratio = monai(
                 Path(tmp), monai_window, monai_shape, args.batch_size, max(repeat, 2),
-                args.full_model,
+                args.full_model, args.pointwise,
             )  # fmt: skip
             figures.append(f"monai_ratio={ratio:.2f}")
     print(f"\nRESULT infer {' '.join(figures)}")
