@@ -3,7 +3,7 @@
     python bench/train.py --quick                    # exp001 on CPU, phases 0-5, a few steps
     python bench/train.py --experiment exp001_full   # the seeds' model and patch, phases 0-6
 
-For each phase it runs `ctseg.phases.run_trial`: `trial.steps` training steps with the phase's
+For each phase it runs `ctseg.trials.run_trial`: `trial.steps` training steps with the phase's
 loader settings, then the same model on batches already on the device (the compute ceiling).
 It prints samples/s, the data-wait fraction and the feed efficiency (samples/s / ceiling) per
 phase; with ``--status-quo`` it first runs the seeds' real starting point, phase 0 with the
@@ -94,8 +94,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
 
-    from ctseg.phases import run_trial
     from ctseg.train import pick_device
+    from ctseg.trials import run_trial
 
     exp = load_experiment(args.experiment)
     phases = yaml.safe_load((REPO / "config/phases.yaml").read_text())["phases"]
@@ -133,7 +133,7 @@ def main() -> None:
                 out_dir=Path(tmp) / "status_quo",
                 clip_distance=clip,
                 device=device,
-            )
+            ).to_dict()
             print("seeds' status quo:", describe(0, phases[0], results["seeds"]), flush=True)
         for phase_id in wanted:
             out = Path(tmp) / f"phase{phase_id}"
@@ -147,7 +147,7 @@ def main() -> None:
                 clip_distance=clip,
                 previous=previous,
                 device=device,
-            )
+            ).to_dict()
             previous = out / "summary.json"
             results[phase_id] = summary
             print(describe(phase_id, phases[phase_id], summary), flush=True)
@@ -184,7 +184,8 @@ def describe(phase_id: int, phase: dict, summary: dict) -> str:
         f"feed {summary['feed_efficiency']:.3f}  "
         f"VRAM {'-' if vram is None else f'{vram:.1f} GB'}  "
         f"RSS {summary['peak_host_rss_gb']:.2f} GB  "
-        f"GPU util {summary['gpu_util_mean'] if summary['gpu_util_mean'] is not None else '-'}"
+        f"GPU util {summary['gpu_util_mean'] if summary['gpu_util_mean'] is not None else '-'}  "
+        f"{summary['verdict']} (feed ± {summary['feed_efficiency_band']:.3f})"
     )
 
 

@@ -340,7 +340,8 @@ def test_phase_trial_under_torchrun_writes_one_summary(scratch: Path, tmp_path: 
     steps = pd.read_csv(run_dir / "phase0" / "steps.csv")
     assert len(steps) == 3
     np.testing.assert_allclose(steps["samples_per_s"] * steps["step_s"], 2.0)
-    assert len(pd.read_csv(run_dir / "phase0" / "ceiling" / "steps.csv")) == 2
+    # trial.ceiling_steps is 2, but the ceiling runs at least as many steps as the real run.
+    assert len(pd.read_csv(run_dir / "phase0" / "ceiling" / "steps.csv")) == 3
     assert [e for e in run["events"][1] if e["kind"] != "train"] == []
     # The measured run's 3 steps (then the ceiling's resident batch).
     assert taken(run, 0)[:3] == [0, 2, 4] and taken(run, 1)[:3] == [1, 3, 5]

@@ -1,4 +1,4 @@
-"""ctseg.train and ctseg.phases: the training loop, its checkpoints and logs, and phase trials.
+"""ctseg.train and ctseg.trials: the training loop, its checkpoints and logs, and phase trials.
 
 Everything runs on the CPU with a two-level U-Net on 16^3 patches from three 24^3 records, one
 thread per process. The kill-and-resume check runs real `ctseg train` processes; the rest call
@@ -41,8 +41,8 @@ import ctseg.train
 from ctseg.data import PatchDataset, build_loader, to_device
 from ctseg.io import CtsegError
 from ctseg.losses import TERMS, compute_losses, loss_settings
+from ctseg.machine import available_cpus
 from ctseg.model import build_model
-from ctseg.phases import choose_phase, run_trial
 from ctseg.train import (
     load_checkpoint,
     lr_at,
@@ -52,6 +52,7 @@ from ctseg.train import (
     set_rng_state,
     train,
 )
+from ctseg.trials import choose_phase, run_trial
 
 BIN = Path(sys.executable).parent
 STEP_COLUMNS = [
@@ -705,6 +706,7 @@ def test_logs_written_ahead_of_the_checkpoint_are_not_doubled(
 
 
 def trial(scratch: Path, out: Path, phase: dict, exp: dict | None = None, **kw) -> dict:
+    """run_trial's summary, as a dict (what summary.json holds)."""
     return run_trial(
         exp or EXPERIMENT,
         kw.pop("phase_id", 0),
@@ -715,7 +717,7 @@ def trial(scratch: Path, out: Path, phase: dict, exp: dict | None = None, **kw) 
         clip_distance=CLIP,
         device="cpu",
         **kw,
-    )
+    ).to_dict()
 
 
 def test_trial_summary_and_comparison_with_the_previous_phase(
@@ -740,12 +742,28 @@ def test_trial_summary_and_comparison_with_the_previous_phase(
         assert summary["peak_vram_gb"] is None  # CPU
         assert summary["peak_host_rss_gb"] > 0
         assert summary["checks"]["host_ram_ok"] is True and summary["checks"]["vram_ok"] is None
+        # The machine facts the diagnosis used, and the diagnosis itself.
+        assert summary["cpu_count"] == available_cpus() and summary["device"] == "cpu"
+        assert summary["scratch_format"] == "raw" and summary["version"] == 2
+        assert summary["verdict"] and summary["verdict_reason"] and summary["next_knob"]
+        assert summary["thresholds"]["feed_efficiency"] == 0.9
     steps = pd.read_csv(tmp_path / "phase1" / "steps.csv")
-    assert len(steps) == 3 and len(pd.read_csv(tmp_path / "phase1" / "ceiling" / "steps.csv")) == 2
+    ceiling = pd.read_csv(tmp_path / "phase1" / "ceiling" / "steps.csv")
+    # trial.ceiling_steps is 2, but the ceiling runs at least as many steps as the real run.
+    assert len(steps) == 3 and len(ceiling) == 3
     assert steps["data_wait_s"].gt(0).all()
     measured = steps["step_s"].iloc[1:]  # trial.warmup_steps = 1 left out
     assert second["median_step_s"] == pytest.approx(measured.median())
     assert second["samples_per_s"] == pytest.approx(2 / measured.median())
+    # Precision: each run's spread over its measured steps, and the feed efficiency's band.
+    real, top = second["step_stats"]["real"], second["step_stats"]["ceiling"]
+    assert real["n"] == top["n"] == 2
+    assert (real["min_s"], real["max_s"]) == (measured.min(), measured.max())
+    assert top["median_s"] == pytest.approx(ceiling["step_s"].iloc[1:].median())
+    assert second["feed_efficiency"] == pytest.approx(top["median_s"] / real["median_s"])
+    assert second["feed_efficiency_band"] >= 0
+    # Two measured steps per run are too few for a spread: the verdict says so.
+    assert second["verdict"] == "not measurable" and "2 measured steps" in second["verdict_reason"]
     assert second["maths"] == {"batch_size": 2, "accumulate": 1, "precision": "fp32", "gpus": 1}
     checks = second["checks"]
     assert checks["previous_phase"] == 0
@@ -779,7 +797,9 @@ def test_trial_whose_loader_workers_fail_is_recorded(scratch: Path, tmp_path: Pa
     assert "DataLoader worker" in summary["error"]
     assert "cannot open raw scratch record" in summary["error"]
     assert str(broken) in summary["error"] and "traceback" in summary
-    assert json.loads((tmp_path / "phase1" / "summary.json").read_text())["status"] == "failed"
+    on_disk = json.loads((tmp_path / "phase1" / "summary.json").read_text())
+    assert on_disk["status"] == "failed" and on_disk["verdict"] == "failed"
+    assert on_disk["cpu_count"] == available_cpus() and on_disk["device"] == "cpu"
     assert (tmp_path / "phase1" / "steps.csv").exists()  # the rule's declared output
 
 
@@ -787,7 +807,7 @@ OOM_WRAPPER = """
 import resource, sys
 
 import pandas  # noqa: F401
-import ctseg.phases  # torch, the model, the data path: everything a trial imports
+import ctseg.trials  # torch, the model, the data path: everything a trial imports
 from ctseg.cli import main
 
 # A hard address-space limit 1 GiB above what the process maps now: a real allocation failure
@@ -820,6 +840,7 @@ def test_trial_out_of_memory_is_recorded_and_the_cli_goes_on(scratch: Path, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "oom", summary
+    assert summary["verdict"] == "out of memory" and summary["next_knob"]
     assert "allocate" in summary["error"].lower() or "memory" in summary["error"].lower()
     assert (out / "steps.csv").exists()
 

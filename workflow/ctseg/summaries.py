@@ -1,13 +1,20 @@
-"""The files a run leaves for others to read: the per-step log (steps.csv) columns.
+"""The files a run leaves for others to read: the per-step log (steps.csv) and a phase trial's
+summary.json.
 
-The training loop writes steps.csv with these columns and the report and the trials read them,
-so the names live here, in a module that imports nothing heavy (the training loop imports it
-without importing the trials or the report).
+The training loop writes steps.csv and the trials write summary.json; the trials and the report
+read them. Their columns and fields are defined here once, in a module that imports nothing
+heavy, so the training loop can import `STEP_COLUMNS` without importing the trials or the report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ctseg.io import CtsegError, atomic_path
 
 # The columns every steps.csv row has, in file order. The loss terms (one column per term with
 # weight > 0, named as ctseg.losses names them) come between "loss" and "grad_norm": see
@@ -41,3 +48,96 @@ def step_columns(terms: Sequence[str]) -> list[str]:
 def loss_terms(columns: Iterable[str]) -> list[str]:
     """The loss-term columns of a steps.csv header, in file order."""
     return [c for c in columns if c not in STEP_COLUMNS]
+
+
+# ---------------------------------------------------------------------------------------------
+# summary.json of a phase trial
+
+# 2: the trial records its verdict, next knob, step-time spread and the machine facts it used.
+# Files without "version" were written before; their verdicts are "not recorded".
+SUMMARY_VERSION = 2
+
+
+@dataclass
+class TrialSummary:
+    """One phase trial's summary.json: what ran, what it measured, and its diagnosis.
+
+    Every field but `phase` may be absent from a file (a failed trial has no figures; a summary
+    from an older version has no verdict, spread or machine facts): absent is None (or empty),
+    and a reader shows it as not recorded rather than working it out itself.
+    """
+
+    phase: int
+    status: str = "failed"  # ok / over_memory / oom / failed
+    settings: dict[str, Any] = field(default_factory=dict)
+    # Settings that change the maths (batch_size, accumulate, precision, gpus), shown beside
+    # the speed: a phase should change speed only.
+    maths: dict[str, Any] = field(default_factory=dict)
+    effective_batch: int | None = None
+    trial_steps: int | None = None
+    ceiling_steps: int | None = None
+    warmup_steps: int | None = None
+    # The machine facts the diagnosis used.
+    cpu_count: int | None = None
+    device: str | None = None
+    scratch_format: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    # Figures over the measured steps (after the warm-up).
+    median_step_s: float | None = None
+    samples_per_s: float | None = None
+    data_wait_fraction: float | None = None
+    h2d_fraction: float | None = None
+    data_wait_s_per_step: float | None = None
+    h2d_s_per_step: float | None = None
+    ceiling_samples_per_s: float | None = None
+    feed_efficiency: float | None = None
+    # Half-width of the feed efficiency's uncertainty band (see ctseg.diagnosis).
+    feed_efficiency_band: float | None = None
+    gpu_util_mean: float | None = None
+    peak_vram_gb: float | None = None
+    peak_host_rss_gb: float | None = None
+    vram_limit_gb: float | None = None
+    host_ram_limit_gb: float | None = None
+    # "real" and "ceiling": n, median_s, q25_s, q75_s, iqr_s, mad_s, min_s, max_s, median_se_s.
+    step_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
+    # The diagnosis: a label, the figures and rule behind it, and the next knob to turn.
+    verdict: str | None = None
+    verdict_reason: str | None = None
+    next_knob: str | None = None
+    thresholds: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    version: int | None = None
+    # Keys this version does not know (a newer writer's), kept so a rewrite loses nothing.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**self.extra, **data}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: Path | str = "summary") -> TrialSummary:
+        """A summary from its JSON object; `source` names the file in errors."""
+        if not isinstance(data, Mapping):
+            raise CtsegError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        phase = data.get("phase")
+        if isinstance(phase, bool) or not isinstance(phase, int):
+            raise CtsegError(f"{source}: not a trial summary ('phase' is {phase!r}, not a number)")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        values = {k: v for k, v in data.items() if k in known and v is not None}
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(**values, extra=extra)
+
+    @classmethod
+    def read(cls, path: Path) -> TrialSummary:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CtsegError(f"{path}: cannot read trial summary JSON ({exc})") from exc
+        return cls.from_dict(data, path)
+
+    def write(self, path: Path) -> None:
+        """Write atomically (a reader never sees half a summary)."""
+        with atomic_path(Path(path)) as tmp:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1, default=str))

@@ -96,6 +96,7 @@ from skimage.morphology import skeletonize
 from tqdm import tqdm
 
 from ctseg.io import CtsegError, fresh_output
+from ctseg.machine import available_cpus
 from ctseg.store import TARGET_VOLUMES, create_in_group, open_volume
 
 SkeletonMethod = Literal["medial_surface", "medial_surface_fast", "lee3d"]
@@ -493,13 +494,6 @@ def _open_label(label_store: Path) -> zarr.Array:
     return label
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _run_in_process(
     origins: Iterator[tuple[int, ...]], plan: _Plan, progress: tqdm
 ) -> Iterator[_BlockResult]:
@@ -594,7 +588,7 @@ def compute_targets(
         skeleton_halo=int(_skeleton_halo),
         max_samples=int(max_samples),
         seed=int(seed),
-        edt_threads=max(1, _usable_cpus() // workers),
+        edt_threads=max(1, available_cpus() // workers),
     )
     n_blocks = math.prod(-(-s // b) for s, b in zip(plan.shape, plan.block, strict=True))
     _ARRAYS.clear()  # a store rewritten since an earlier call must be opened afresh
