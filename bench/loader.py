@@ -174,9 +174,9 @@ def run_phase(phases: Mapping[int, Any], run: Mapping[str, Any]) -> dict[str, An
 
 
 def usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    from ctseg.machine import available_cpus  # the package's one CPU count
+
+    return available_cpus()
 
 
 # ---------------------------------------------------------------- /proc readers
