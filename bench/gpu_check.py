@@ -23,7 +23,6 @@ fails (the step and the tail of its log are printed) or a phase's trial ends ``f
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -55,7 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--phases", type=int, nargs="+", default=None, help="default: all")
     parser.add_argument("--trial-steps", type=int, default=None, help="per phase (default 30)")
     parser.add_argument("--train-steps", type=int, default=None, help="default 600")
-    parser.add_argument("--preset", default=None, help="ctseg demo-data --preset, if it has one")
+    parser.add_argument(
+        "--preset", default=None, help="demo-data preset (default: config demo.preset)"
+    )
     parser.add_argument("--jobs", type=int, default=None, help="per-record steps side by side")
     parser.add_argument("--device", default=None, help="default: cuda (smoke: cpu)")
     parser.add_argument("--workdir", type=Path, default=None, help="kept; default a temp dir")
@@ -128,7 +129,7 @@ def fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> int:
+def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None:
     exp, sizes = configure(args)
     phases = pipeline.load_phases()
     wanted = args.phases or sorted(phases)
@@ -210,7 +211,6 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
         train={k: float(v) for k, v in epoch.items() if v not in ("", None)},
         evaluation=evaluation,
     )
-    return report(record)
 
 
 def describe(summary: dict[str, Any]) -> str:
@@ -223,12 +223,12 @@ def describe(summary: dict[str, Any]) -> str:
     )
 
 
-def report(record: dict[str, Any]) -> int:
-    """Print the RESULT lines; 1 when a phase's trial failed (oom and over_memory are findings
-    about the machine, not failures of the code)."""
+def result_lines(record: dict[str, Any]) -> list[str]:
+    """The RESULT lines; adds the run's verdicts to `record`."""
     phases = record["phases"]
+    lines = []
     for phase, fig in phases.items():
-        print(
+        lines.append(
             f"RESULT gpu_check_phase phase={phase} status={fig['status']} "
             f"samples_per_s={fmt(fig.get('samples_per_s'), '.2f')} "
             f"feed_efficiency={fmt(fig.get('feed_efficiency'))} "
@@ -244,14 +244,14 @@ def report(record: dict[str, Any]) -> int:
     record["failed_phases"] = failed
     record["under_6_min"] = record["total_s"] < TIME_LIMIT_S
     evaluation = record["evaluation"]
-    print(
+    lines.append(
         f"RESULT gpu_check auto_phase={auto} speedup_vs_phase0={fmt(speedup, '.2f')} "
         f"score={evaluation['mean_score']:.3f} dice={evaluation['mean_dice']:.3f} "
         f"val_dice={fmt(record['train'].get('val_dice'))} "
         f"phases_ok={sum(f['status'] == 'ok' for f in phases.values())}/{len(phases)} "
         f"total_s={record['total_s']:.0f}"
     )
-    return 1 if failed else 0
+    return lines
 
 
 def write_json(path: Path, record: dict[str, Any]) -> None:
@@ -273,7 +273,7 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ctseg_gpu_check_"))
     record: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
-        status = run_check(args, workdir, record)
+        run_check(args, workdir, record)
     except StepFailed as exc:
         record["failed_step"] = exc.step
         print(f"gpu_check: {exc}", file=sys.stderr)
@@ -281,10 +281,13 @@ def main() -> int:
         write_json(args.json, record)
         print(f"RESULT gpu_check failed_step={exc.step.replace(' ', ':')}")
         return 1
-    write_json(args.json, copy.deepcopy(record))
+    lines = result_lines(record)
+    write_json(args.json, record)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
-    return status
+    print("\n".join(lines))
+    # oom and over_memory are findings about the machine; a failed trial is a failure of the code.
+    return 1 if record["failed_phases"] else 0
 
 
 if __name__ == "__main__":

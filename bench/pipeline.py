@@ -10,6 +10,7 @@ that file here too, so a bench runs what `snakemake` would run.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 40
+EVALUATE_WORKERS = min(8, os.cpu_count() or 1)  # the evaluate rule's threads: 8
 
 
 class StepFailed(RuntimeError):
@@ -62,17 +64,52 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def training_args(exp: Mapping[str, Any], phases: Mapping[Any, Any], workdir: Path) -> list[str]:
-    """The experiment and phase table as `ctseg trial` / `ctseg train` take them.
+@functools.cache
+def _help(step: str) -> str:
+    out = subprocess.run(
+        [*ctseg_command(), step, "--help"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        check=False,
+    )
+    return out.stdout
 
-    Today the rules pass both as JSON on the command line. This is the one place that builds
-    them: should the CLI take file paths instead, pass the two files written here.
+
+def experiment_args(
+    step: str, exp: Mapping[str, Any], phases: Mapping[Any, Any] | None, workdir: Path
+) -> list[str]:
+    """The experiment (and for trial/train the phase table) as `ctseg <step>` takes them.
+
+    The one place that builds them. The CLI is moving from JSON on the command line to file
+    paths, as the rules are; until that has landed everywhere, its own --help says which form
+    this `ctseg` takes. The files are written either way, as a record of what ran.
     """
-    phase_table = {str(k): dict(v) for k, v in phases.items()}
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "experiment.json").write_text(json.dumps(exp, indent=1))
-    (workdir / "phases.json").write_text(json.dumps(phase_table, indent=1))
-    return ["--experiment", json.dumps(exp), "--phases", json.dumps(phase_table)]
+    phase_table = {int(k): dict(v) for k, v in (phases or {}).items()}
+    config_dir = workdir / "config"
+    exp_file = config_dir / "experiments" / f"{exp['name']}.yaml"  # the name must match
+    phases_file = config_dir / "phases.yaml"
+    exp_file.parent.mkdir(parents=True, exist_ok=True)
+    exp_file.write_text(yaml.safe_dump(dict(exp), sort_keys=False))
+    if phases is not None:
+        phases_file.write_text(yaml.safe_dump({"phases": phase_table}, sort_keys=False))
+    if "--subset" in _help("split"):  # JSON form: `ctseg split --subset J --split J`
+        if step == "split":
+            return ["--subset", json.dumps(exp["subset"]), "--split", json.dumps(exp["split"])]
+        table = {str(k): v for k, v in phase_table.items()}
+        return ["--experiment", json.dumps(exp), "--phases", json.dumps(table)]
+    if step == "split":
+        return ["--experiment", str(exp_file)]
+    return ["--experiment", str(exp_file), "--phases", str(phases_file)]
+
+
+def codec_arg(codec: Mapping[str, Any]) -> str:
+    """config's convert.codec as `ctseg convert --codec` takes it: NAME,KEY=VALUE,... as the
+    rules' codec_arg() writes it, or JSON for a `ctseg` that still takes that."""
+    if "as JSON" in _help("convert"):
+        return json.dumps(dict(codec))
+    rest = {k: v for k, v in codec.items() if k != "name"}
+    return ",".join([str(codec["name"]), *(f"{k}={v}" for k, v in sorted(rest.items()))])
 
 
 def load_config() -> dict[str, Any]:
@@ -111,18 +148,6 @@ def set_training_budget(exp: dict[str, Any], steps: int, val_batches: int) -> No
 
 def shape_arg(values: Iterable[int]) -> str:
     return ",".join(str(v) for v in values)
-
-
-def demo_data_has_preset() -> bool:
-    """Whether this `ctseg demo-data` takes --preset (another developer is adding it)."""
-    out = subprocess.run(
-        [*ctseg_command(), "demo-data", "--help"],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        check=False,
-    )
-    return "--preset" in out.stdout
 
 
 @dataclass
@@ -231,8 +256,7 @@ def prepare(
         "--seed",
         str(seed),
     ]
-    if preset:
-        demo += ["--preset", preset]
+    demo += ["--preset", preset or cfg["demo"]["preset"]]
     runner.run("demo_data", demo)
     train_ids, test_ids = _csv_ids(dataset / "train.csv"), _csv_ids(dataset / "test.csv")
 
@@ -242,7 +266,7 @@ def prepare(
         shape_arg(conv["chunks"]),
         *(["--shards", shape_arg(conv["shards"])] if conv["shards"] else []),
         "--codec",
-        json.dumps(conv["codec"]),
+        codec_arg(conv["codec"]),
         "--memory-budget-mb",
         str(conv["memory_budget_mb"]),
     ]
@@ -308,7 +332,7 @@ def prepare(
                     "--seed",
                     str(tg["seed"]),
                     "--codec",
-                    json.dumps(conv["codec"]),
+                    codec_arg(conv["codec"]),
                     "--workers",
                     str(tg["workers"]),
                 ],
@@ -323,10 +347,7 @@ def prepare(
             "split",
             str(dataset),
             str(split_csv),
-            "--subset",
-            json.dumps(exp["subset"]),
-            "--split",
-            json.dumps(exp["split"]),
+            *experiment_args("split", exp, None, work),
         ],
     )
     scratch = results / "scratch" / exp["name"]
@@ -384,7 +405,7 @@ def trial(
     out = data.results / exp["name"] / "phases" / f"phase{phase}"
     args = [
         "trial",
-        *training_args(exp, phases, runner.workdir),
+        *experiment_args("trial", exp, phases, runner.workdir),
         "--phase",
         str(phase),
         "--scratch",
@@ -421,7 +442,7 @@ def train(
     chosen = [str(p) for p in trials] if phase == "auto" else []
     args = [
         "train",
-        *training_args(exp, phases, runner.workdir),
+        *experiment_args("train", exp, phases, runner.workdir),
         "--phase",
         str(phase),
         "--trials",
@@ -472,6 +493,8 @@ def infer(
             *(["--fill-holes"] if icfg["fill_holes"] else []),
             "--memory-budget-mb",
             str(icfg["memory_budget_mb"]),
+            "--device-budget-mb",
+            str(icfg["device_budget_mb"]),
             *(["--device", device] if device else []),
         ]
         runner.run("infer", args, record_id)
@@ -493,6 +516,8 @@ def evaluate(
             *map(str, labels),
             "--out",
             str(out),
+            "--workers",
+            str(EVALUATE_WORKERS),
         ],
         what,
     )

@@ -51,7 +51,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--test-records", type=int, default=2, help="held-out test volumes")
     parser.add_argument("--size", type=int, default=None, help="volume edge (128; quick 96)")
     parser.add_argument("--seed", type=int, default=0, help="demo data seed")
-    parser.add_argument("--preset", default=None, help="passed to `ctseg demo-data --preset`")
+    parser.add_argument(
+        "--preset", default=None, help="demo-data preset (default: config demo.preset)"
+    )
     parser.add_argument(
         "--percentiles", type=float, nargs="+", default=list(PERCENTILES), help="baseline grid"
     )
@@ -124,8 +126,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
     pipeline.set_training_budget(exp, steps, val_batches=4 if quick else 20)
     n_train = args.records or (4 if quick else 8)
     size = args.size or (96 if quick else 128)
-    if args.preset and not pipeline.demo_data_has_preset():
-        raise SystemExit("--preset: this `ctseg demo-data` has no --preset option")
+    preset = args.preset or pipeline.load_config()["demo"]["preset"]
     clip = float(pipeline.load_config()["targets"]["clip_distance"])
     record.update(
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -135,12 +136,12 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
         phase=phase,
         steps=steps,
         volumes={"train": n_train, "test": args.test_records, "size": size},
-        preset=args.preset,
+        preset=preset,
     )
     print(
         f"experiment {exp['name']}: patch {exp['data']['patch_size']}, filters "
         f"{exp['model']['filters']}; {n_train}+{args.test_records} volumes of {size}^3"
-        f"{f' (preset {args.preset})' if args.preset else ''}; {steps} steps under phase "
+        f" (demo preset {preset}); {steps} steps under phase "
         f"{phase}; work dir {workdir}",
         flush=True,
     )
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
             n_test=args.test_records,
             shape=(size,) * 3,
             seed=args.seed,
-            preset=args.preset,
+            preset=preset,
         )
         weights = pipeline.train(runner, data, exp, phases, phase, [], clip, args.device)
         masks = pipeline.infer(runner, data, exp, weights, args.device)
