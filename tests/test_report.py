@@ -1,26 +1,33 @@
-"""The HTML report: self-contained, numbers traced to files, missing inputs reported, verdicts.
+"""The HTML report: self-contained, numbers traced to files, missing inputs reported, and the
+trials' own verdicts rendered (never worked out by the report).
 
-The inputs are small fake results with the exact columns that phases.py, train.py, metrics.py
-and Snakemake's benchmark: directive write.
+The inputs are small fake results with the exact fields and columns that trials.py (through
+ctseg.summaries.TrialSummary), train.py, metrics.py and Snakemake's benchmark: directive write.
+The verdicts themselves are tested in test_trials.
 """
 
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tifffile
 from browser_check import INSTALL_HINT, check_page, find_chromium, image_counts
+from conftest import copy_workflow, run_snakemake
 from matplotlib import image as mpimg
 
 from ctseg.io import CtsegError
-from ctseg.report import IMAGE_CHECK_SCRIPT, build_report, loss_terms, verdict
+from ctseg.report import IMAGE_CHECK_SCRIPT, build_report
 from ctseg.store import create_volume
+from ctseg.summaries import TrialSummary, step_columns
 
 EXP = "exp001"
 SETTINGS = {
@@ -38,8 +45,26 @@ SETTINGS = {
 }
 
 
+THRESHOLDS = {"data_wait_fraction": 0.1, "feed_efficiency": 0.9, "h2d_fraction": 0.1}
+
+
+def stats(median: float, n: int = 18) -> dict:
+    """A run's step-time spread as trials.run_trial records it."""
+    return {
+        "n": n,
+        "median_s": median,
+        "q25_s": 0.98 * median,
+        "q75_s": 1.03 * median,
+        "iqr_s": 0.05 * median,
+        "mad_s": 0.02 * median,
+        "min_s": 0.9 * median,
+        "max_s": 1.5 * median,
+        "median_se_s": 0.01 * median,
+    }
+
+
 def summary(phase: int, status: str = "ok", **overrides) -> dict:
-    """A phase summary.json as phases.run_trial writes it."""
+    """A phase summary.json as trials.run_trial writes it (its verdict included)."""
     settings = {**SETTINGS, **overrides.pop("settings", {})}
     out = {
         "phase": phase,
@@ -51,34 +76,74 @@ def summary(phase: int, status: str = "ok", **overrides) -> dict:
         },
         "effective_batch": settings["batch_size"] * settings.get("accumulate", 1),
         "trial_steps": 20,
+        "ceiling_steps": 20,
+        "warmup_steps": 2,
         "status": status,
+        "cpu_count": 8,
+        "device": "cuda:0",
+        "scratch_format": "raw",
+        "thresholds": THRESHOLDS,
+        "version": 2,
+        "verdict": overrides.pop("verdict", "compute-bound"),
+        "verdict_reason": overrides.pop("verdict_reason", f"phase {phase}'s recorded reason"),
+        "next_knob": overrides.pop("next_knob", f"phase {phase}'s recorded knob"),
     }
     if status in ("oom", "failed"):
         out["error"] = overrides.pop("error", "OutOfMemoryError: CUDA out of memory.")
         out["traceback"] = "Traceback ..."
+        out.update(overrides)
         return out
     out.update(
-        device="cuda:0",
         median_step_s=0.5,
         samples_per_s=2.0,
         data_wait_fraction=0.05,
         h2d_fraction=0.02,
         ceiling_samples_per_s=2.1,
         feed_efficiency=0.95,
+        feed_efficiency_band=0.02,
         gpu_util_mean=80.0,
         peak_vram_gb=20.0,
         peak_host_rss_gb=6.0,
         vram_limit_gb=80.0,
         host_ram_limit_gb=150.0,
+        step_stats={"real": stats(0.5), "ceiling": stats(0.47)},
         checks={"vram_ok": True, "host_ram_ok": True},
     )
     out.update(overrides)
     return out
 
 
+def older_summary(phase: int, **figures) -> dict:
+    """A summary.json from before trials recorded their diagnosis and machine facts."""
+    old = summary(phase, **figures)
+    for key in (
+        "cpu_count",
+        "device",
+        "scratch_format",
+        "thresholds",
+        "version",
+        "verdict",
+        "verdict_reason",
+        "next_knob",
+        "feed_efficiency_band",
+        "step_stats",
+        "ceiling_steps",
+        "warmup_steps",
+    ):
+        del old[key]
+    return old
+
+
 PHASES = [
     summary(
         0,
+        verdict="data-bound",
+        verdict_reason=(
+            "data wait 62% of step time, feed efficiency 0.41 ± 0.031 → data-bound (rule)"
+        ),
+        next_knob="more workers (1 → 2; 8 CPU cores, 6 free)",
+        feed_efficiency_band=0.031,
+        step_stats={"real": stats(2.4375), "ceiling": stats(1.0059)},
         median_step_s=2.4375,
         samples_per_s=0.41026,
         data_wait_fraction=0.6234,
@@ -104,14 +169,17 @@ PHASES = [
             "speedup_vs_previous": 6.0937,
         },
     ),
-    summary(2, "oom", settings={"workers": 4, "batch_size": 8}),
+    summary(2, "oom", settings={"workers": 4, "batch_size": 8}, verdict="out of memory"),
     summary(
         3,
         "over_memory",
         settings={"workers": 6, "batch_size": 4, "prefetch_factor": 4},
         peak_host_rss_gb=170.0,
         checks={"vram_ok": True, "host_ram_ok": False},
+        verdict="over memory",
     ),
+    # Figures that a report computing verdicts would call data-bound; the trial recorded none.
+    older_summary(4, data_wait_fraction=0.7, feed_efficiency=0.3, samples_per_s=0.3),
 ]
 STEP_COLUMNS = "epoch,step,data_wait_s,h2d_s,compute_s,step_s,samples_per_s,"
 TERMS = ("bce", "dice", "cldice")
@@ -129,6 +197,7 @@ def write_steps(
 ) -> None:
     rng = np.random.default_rng(seed)
     header = STEP_COLUMNS + ",".join(("loss", *terms)) + "," + TAIL_COLUMNS
+    assert header.split(",") == step_columns(terms)  # the columns the training loop writes
     lines = [header]
     for i in range(rows):
         wait, h2d, compute = 0.2 * rng.random() / (1 + seed), 0.01, 0.3 / (1 + seed)
@@ -216,7 +285,7 @@ def report(tmp_path_factory) -> tuple[Path, str, dict]:
     root = tmp_path_factory.mktemp("report")
     inputs = make_results(root)
     out = root / "results" / "report.html"
-    build_report(out, experiment=EXP, cpu_count=8, **inputs)
+    build_report(out, experiment=EXP, **inputs)
     return out, out.read_text(), inputs
 
 
@@ -306,12 +375,7 @@ def test_training_evaluation_overlays_and_timings(report):
     assert has_row(timings, "train", "exp001", "412", "6500", "371", "1")
     assert "results/benchmarks/convert/label_1004283650.tsv" in timings
     files = section(page, "sources")
-    assert files.count("<li>") == 4 * 2 - 1 + 2 + 2 + 2 * 3 + 3  # oom steps.csv has no rows
-
-
-def test_loss_terms_are_the_columns_beyond_the_fixed_ones():
-    header = (STEP_COLUMNS + "loss,bce,skel_recall," + TAIL_COLUMNS).split(",")
-    assert loss_terms(header) == ["bce", "skel_recall"]  # not grad_norm, not lr
+    assert files.count("<li>") == 5 * 2 - 1 + 2 + 2 + 2 * 3 + 3  # oom steps.csv has no rows
 
 
 def test_missing_inputs_are_reported_not_fatal(tmp_path):
@@ -376,67 +440,102 @@ def test_corrupt_input_is_an_error_naming_the_file(tmp_path):
 
 
 # --------------------------------------------------------------------------- verdicts
-def test_verdict_data_bound_with_free_cores_suggests_more_workers():
-    label, text = verdict(PHASES[0], cpu_count=8)
-    assert label == "data-bound"
-    assert "data wait 62% of step time, feed efficiency 0.41" in text
-    assert "next knob: more workers (1 → 2; 8 CPU cores, 6 free)" in text
+def verdict_items(page: str) -> dict[str, str]:
+    """Each phase's line in the verdict list as a reader sees it: 'phase N' -> its text."""
+    items = re.findall(r"<li><b>(phase \d+): (.*?)</li>", section(page, "phases"), re.S)
+    return {name: html.unescape(re.sub(r"<[^>]+>", "", text)) for name, text in items}
 
 
-def test_verdict_data_bound_without_free_cores_suggests_raw_scratch():
-    item = summary(5, settings={"workers": 3}, data_wait_fraction=0.02, feed_efficiency=0.85)
-    label, text = verdict(item, cpu_count=4)
-    assert label == "data-bound"
-    assert "data wait 2% of step time, feed efficiency 0.85" in text
-    assert "next knob: raw scratch format" in text
-    assert "no free CPU core for more workers (4 cores, 3 workers)" in text
+def test_verdicts_are_the_ones_the_trials_recorded(report):
+    _, page, _ = report
+    items = verdict_items(page)
+    assert items["phase 0"] == (
+        "data-bound: data wait 62% of step time, feed efficiency 0.41 ± 0.031 → data-bound "
+        "(rule): next knob: more workers (1 → 2; 8 CPU cores, 6 free) "
+        "(CPU cores 8, device cuda:0, scratch raw)"
+    )
+    # Whatever the trial wrote is what the page says, word for word.
+    assert items["phase 1"].startswith(
+        "compute-bound: phase 1's recorded reason: next knob: phase 1's recorded knob"
+    )
+    assert items["phase 2"].startswith("out of memory: phase 2's recorded reason")
+    phases = section(page, "phases")
+    assert "Thresholds the trials recorded: data wait above 10%; feed efficiency below 0.90" in (
+        phases
+    )
+    # The verdict and machine facts are table columns too.
+    assert has_row(phases, "1", "4", "2", "2", "no", "fp32", "ok")
+    row = next(r for r in table_rows(phases) if r[:1] == ["1"])
+    assert row[-3:] == ["8", "cuda:0", "compute-bound"]
 
 
-def test_verdict_prefers_the_cpu_count_the_trial_recorded():
-    _, text = verdict({**PHASES[0], "cpu_count": 2}, cpu_count=64)
-    assert "next knob: raw scratch format" in text
-    assert "no free CPU core for more workers (2 cores, 1 workers)" in text
+def test_an_older_summary_shows_not_recorded_rather_than_a_computed_verdict(report):
+    _, page, _ = report
+    phases = section(page, "phases")
+    assert verdict_items(page)["phase 4"].startswith("verdict not recorded: this summary.json")
+    row = next(r for r in table_rows(phases) if r[:1] == ["4"])
+    assert row[-3:] == ["not recorded"] * 3  # CPU cores, device, verdict
+    assert "70%" in row and "0.30" in row  # its figures are shown as they are
+    assert has_row(phases, "4", "real", "not recorded")  # no step-time spread recorded
 
 
-def test_verdict_compute_bound_with_vram_headroom():
-    label, text = verdict(PHASES[1], cpu_count=8)
-    assert label == "compute-bound"
-    assert "data wait 4% of step time, feed efficiency 0.97" in text
-    assert "next knob: bf16 autocast" in text
-    assert "VRAM headroom 4.1x (peak 19.5 of 80.0 GB) > 2x: batch 2 → 4" in text
+def test_precision_is_shown_as_recorded(report):
+    _, page, _ = report
+    phases = section(page, "phases")
+    # phase 0: real median 2.4375 s over 18 steps, IQR 5%, MAD 2%, min 0.9x, max 1.5x.
+    assert has_row(phases, "0", "real", "18", "2.44", "0.122", "0.0488", "2.19", "3.66")
+    assert has_row(phases, "0", "ceiling", "18", "1.01")
+    assert "0.41 ± 0.031" in phases  # the feed efficiency's band
 
 
-def test_verdict_compute_bound_with_everything_on():
-    on = {"precision": "bf16", "channels_last": True, "compile": True}
-    label, text = verdict(summary(6, settings=on, peak_vram_gb=50.0), cpu_count=8)
-    assert label == "compute-bound"
-    assert "none left on the loader side" in text
-    assert "VRAM headroom 1.6x (peak 50.0 of 80.0 GB) ≤ 2x" in text
+def test_the_report_computes_no_verdict(tmp_path):
+    """Nothing in ctseg.report imports the diagnosis; a summary's verdict is never redone."""
+    code = "import sys, ctseg.report; print('ctseg.diagnosis' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", proc.stderr
+    # A recorded verdict that its figures would not give stays as recorded.
+    odd = summary(0, verdict="not measurable", verdict_reason="as the trial saw it")
+    path = tmp_path / "phase0" / "summary.json"
+    path.parent.mkdir()
+    TrialSummary.from_dict(odd).write(path)
+    out = tmp_path / "report.html"
+    build_report(
+        out,
+        experiment=EXP,
+        phase_summaries=[path],
+        train_dir=None,
+        evaluation_dir=None,
+        overlays=[],
+        benchmarks_dir=None,
+        root=tmp_path,
+    )
+    assert verdict_items(out.read_text())["phase 0"].startswith(
+        "not measurable: as the trial saw it"
+    )
 
 
-def test_verdict_h2d_heavy():
-    item = summary(4, data_wait_fraction=0.08, h2d_fraction=0.22, feed_efficiency=0.7)
-    label, text = verdict(item, cpu_count=8)
-    assert label == "h2d-bound"
-    assert "data wait 8% of step time, feed efficiency 0.70, host-to-device 22%" in text
-    assert "next knob: pin_memory (off now); then device-side prefetch" in text
-
-
-def test_verdict_oom_and_over_memory_and_failed():
-    label, text = verdict(PHASES[2], cpu_count=8)
-    assert label == "out of memory"
-    assert "batch 8 × accum. 1 = 8, fp32" in text and "CUDA out of memory" in text
-    assert "batch 8 → 4 with accumulate ×2 (same effective batch)" in text
-    assert "gradient checkpointing" in text
-    label, text = verdict(PHASES[3], cpu_count=8)
-    assert label == "over memory"
-    assert "peak host RSS 170 GB > limit 150 GB" in text
-    assert "fewer workers (6 → 3)" in text and "prefetch_factor 4 → 2" in text
-    label, text = verdict(summary(8, "oom", settings={"batch_size": 1}), cpu_count=8)
-    assert "next knob: gradient checkpointing; then bf16 autocast" in text
-    assert text.count("gradient checkpointing") == 1
-    label, text = verdict(summary(7, "failed", error="RuntimeError: boom"), cpu_count=8)
-    assert (label, "RuntimeError: boom" in text) == ("failed", True)
+# --------------------------------------------------------------------------- the rule
+def test_report_rule_declares_the_stores_its_overlays_read(tmp_path):
+    """On a fresh run the overlays' label stores (held-out volumes no other rule converts) are
+    inputs of the report job, so they exist before it reads them."""
+    config = {
+        "dataset": "demo",
+        "demo": {"n_train": 2, "n_test": 1, "shape": [24, 24, 24], "scroll_ids": [7], "seed": 3},
+    }
+    workdir = copy_workflow(tmp_path, config)
+    proc = run_snakemake(workdir, "report", "-n", "-p", "--config", "experiment=tiny")
+    log = proc.stdout + proc.stderr
+    jobs = re.split(r"\n(?=(?:local)?rule \w+:)", log)
+    report_job = next(j for j in jobs if re.match(r"(local)?rule report:", j))
+    inputs = re.search(r"input: (.*)", report_job).group(1).split(", ")
+    overlays = re.findall(r"--overlay (\S+) (\S+) (\S+) (\S+)", report_job)
+    assert overlays and not (workdir / "results").exists()  # a dry run made nothing
+    for record_id, image, label, prediction in overlays:
+        assert label == f"results/preprocessed/demo/zarr/labels/{record_id}.zarr"
+        assert {image, label, prediction} <= set(inputs)
+        # ... and the job that makes the label store is in the plan.
+        makers = [j for j in jobs if j.startswith("rule convert_label:")]
+        assert any(f"output: {label}" in j for j in makers), label
 
 
 # --------------------------------------------------------------------------- real browser

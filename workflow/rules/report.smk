@@ -6,6 +6,10 @@ rule report:
         scores=f"results/{EXP_NAME}/evaluation/scores.csv",
         summary=f"results/{EXP_NAME}/evaluation/summary.json",
         predictions=[prediction(i) for i in overlay_ids()],
+        # The stores the overlays read (the paths overlay_args passes): declared, so that a
+        # label store no other rule needs, such as a held-out volume's, is converted first.
+        images=[IMAGE_STORE.format(id=i) for i in overlay_ids()],
+        labels=[LABEL_STORE.format(id=i) for i in overlay_ids()],
     output:
         report(
             "results/report.html",

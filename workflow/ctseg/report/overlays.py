@@ -1,0 +1,144 @@
+"""The report's slice overlays: the middle slice of image, label and prediction per volume.
+
+Only the middle slice of each store is read, so memory is bounded by one slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tifffile
+import zarr
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from ctseg.formatting import num
+from ctseg.io import CtsegError
+from ctseg.report.markup import Sources, esc, missing, png, source_line
+
+# (id, image zarr, label zarr or None, prediction tif or None)
+Overlay = tuple[str, Path, Path | None, Path | None]
+
+
+def _middle_slice_zarr(path: Path) -> tuple[np.ndarray, int, int, Mapping[str, Any]]:
+    try:
+        array = zarr.open_array(str(path), mode="r")
+    except Exception as exc:  # zarr raises several types for a missing or broken store
+        raise CtsegError(f"{path}: cannot open Zarr array for the report ({exc})") from exc
+    depth = int(array.shape[0])
+    # Only the middle slice is read, so memory is bounded by one slice.
+    return np.asarray(array[depth // 2]), depth // 2, depth, dict(array.attrs)
+
+
+def _middle_slice_tif(path: Path, index: int) -> np.ndarray:
+    try:
+        with tifffile.TiffFile(path) as tif:
+            if len(tif.pages) > 1:
+                return tif.pages[index].asarray()
+            return tif.asarray()[index]
+    except (OSError, IndexError, ValueError, tifffile.TiffFileError) as exc:
+        raise CtsegError(f"{path}: cannot read slice {index} for the report ({exc})") from exc
+
+
+def _display_range(image: np.ndarray, attrs: Mapping[str, Any]) -> tuple[float, float]:
+    low, high = num(attrs.get("p0_5")), num(attrs.get("p99_5"))
+    if low is None or high is None or high <= low:
+        low, high = (float(v) for v in np.percentile(image, [0.5, 99.5]))
+    return low, max(high, low + 1e-6)
+
+
+def _overlay_figure(
+    name: str,
+    image: np.ndarray,
+    attrs: Mapping[str, Any],
+    label: np.ndarray | None,
+    pred: np.ndarray | None,
+    index: int,
+) -> Figure:
+    fig = Figure(figsize=(12, 4.2), layout="constrained")
+    axes = fig.subplots(1, 3)
+    low, high = _display_range(image, attrs)
+    for ax in axes:
+        ax.imshow(image, cmap="gray", vmin=low, vmax=high, interpolation="nearest")
+        ax.set_axis_off()
+    axes[0].set_title(f"{name}: image, z = {index}", fontsize=10)
+    if label is not None:
+        _draw_label(axes[1], label, fill=True)
+        _draw_label(axes[2], label, fill=False)
+    axes[1].set_title("label: 1 green, 2 (ignore) grey hatch", fontsize=10)
+    if pred is not None:
+        axes[2].imshow(_tint(pred != 0, PRED_RGBA), interpolation="nearest")
+        if pred.any() and not pred.all():
+            axes[2].contour(pred != 0, levels=[0.5], colors="red", linewidths=1.0)
+    axes[2].set_title("prediction (red) over label contours", fontsize=10)
+    handles = [
+        Patch(facecolor=LABEL_RGBA, edgecolor="#2ca02c", label="label 1"),
+        Patch(facecolor=IGNORE_RGBA, hatch="//", label="label 2 (ignore)"),
+        Patch(facecolor=PRED_RGBA, edgecolor="red", label="prediction"),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
+    return fig
+
+
+LABEL_RGBA = (0.17, 0.63, 0.17, 0.45)
+IGNORE_RGBA = (0.6, 0.6, 0.6, 0.5)
+PRED_RGBA = (1.0, 0.0, 0.0, 0.3)
+
+
+def _tint(mask: np.ndarray, rgba: tuple[float, float, float, float]) -> np.ndarray:
+    """An RGBA layer: `rgba` where `mask` is set, transparent elsewhere."""
+    layer = np.zeros((*mask.shape, 4), np.float32)
+    layer[mask] = rgba
+    return layer
+
+
+def _draw_label(ax: Any, label: np.ndarray, *, fill: bool) -> None:
+    fg, ignore = label == 1, label == 2
+    if fill:
+        ax.imshow(_tint(fg, LABEL_RGBA), interpolation="nearest")
+        ax.imshow(_tint(ignore, IGNORE_RGBA), interpolation="nearest")
+    if ignore.any() and not ignore.all():
+        ax.contourf(ignore, levels=[0.5, 1.5], colors="none", hatches=["//"])
+    if fg.any() and not fg.all():
+        ax.contour(fg, levels=[0.5], colors="#2ca02c", linewidths=1.0)
+
+
+def _one_overlay(item: Overlay, src: Sources) -> str:
+    name, image_path, label_path, pred_path = item
+    image_path = Path(image_path)
+    if not image_path.exists():
+        return missing(f"Overlay {name}: image", [src.rel(image_path)])
+    image, index, depth, attrs = _middle_slice_zarr(image_path)
+    names, notes = [src.use(image_path)], []
+    label = pred = None
+    if label_path is not None and Path(label_path).exists():
+        label, _, _, _ = _middle_slice_zarr(Path(label_path))
+        names.append(src.use(Path(label_path)))
+    else:
+        notes.append(missing(f"Overlay {name}: label", [src.rel(label_path)] if label_path else []))
+    if pred_path is not None and Path(pred_path).exists():
+        pred = _middle_slice_tif(Path(pred_path), index)
+        names.append(src.use(Path(pred_path)))
+    else:
+        notes.append(
+            missing(f"Overlay {name}: prediction", [src.rel(pred_path)] if pred_path else [])
+        )
+    for what, plane in (("label", label), ("prediction", pred)):
+        if plane is not None and plane.shape != image.shape:
+            raise CtsegError(
+                f"overlay {name}: {what} slice shape {plane.shape} != image slice {image.shape}"
+            )
+    fig = _overlay_figure(name, image, attrs, label, pred, index)
+    caption = f"<h3>{esc(name)} (slice {index} of {depth})</h3>"
+    return caption + "".join(notes) + png(fig, f"overlay {name}") + source_line(names)
+
+
+def overlay_section(overlays: Sequence[Overlay], src: Sources) -> str:
+    out = ['<h2 id="overlays">Slice overlays</h2>']
+    if not overlays:
+        return "\n".join([*out, missing("Slice overlays")])
+    out += [_one_overlay(item, src) for item in overlays]
+    return "\n".join(out)

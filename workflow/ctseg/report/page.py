@@ -1,0 +1,81 @@
+"""The page around the sections: inline CSS, navigation, the list of files read, and the
+inert image-check script that tests/browser_check.py reads back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ctseg.report.markup import Sources, esc
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1500px;
+       padding: 0 1em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; margin-top: 2em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 12px; }
+th, td { border: 1px solid #ccc; padding: 2px 5px; text-align: right; white-space: nowrap; }
+th { background: #f0f0f0; white-space: normal; vertical-align: bottom; } .t { text-align: left; }
+div.scroll { overflow-x: auto; }
+tr.st-oom td, tr.st-failed td { background: #fbeaea; } tr.st-over_memory td { background: #fdf2e6; }
+img { max-width: 100%; display: block; margin: 0.6em 0; }
+code { background: #f4f4f4; padding: 0 3px; } .source { color: #555; font-size: 12.5px; }
+.missing { color: #a33; font-style: italic; } .note { color: #555; font-size: 12.5px; }
+ul.verdicts li { margin-bottom: 0.35em; } nav a { margin-right: 1em; }
+"""
+
+# Inert for readers: records how many images rendered, for the headless-browser check. Drawing
+# each image onto a canvas decodes it synchronously at load, so the count is final before
+# chromium's --dump-dom (img.decode() promises may still be pending then). An image counts as
+# rendered when it has a size and its pixels are not all one value.
+IMAGE_CHECK_SCRIPT = """
+window.addEventListener("load", function () {
+  function rendered(img) {
+    if (!img.complete || img.naturalWidth === 0) return false;
+    try {
+      var canvas = document.createElement("canvas");
+      canvas.width = img.naturalWidth;
+      canvas.height = img.naturalHeight;
+      var context = canvas.getContext("2d");
+      context.drawImage(img, 0, 0);
+      var px = context.getImageData(0, 0, canvas.width, canvas.height).data;
+      for (var i = 4; i < px.length; i++) if (px[i] !== px[i % 4]) return true;
+    } catch (error) {
+      document.body.dataset.imagesError = String(error);
+    }
+    return false;
+  }
+  var imgs = Array.prototype.slice.call(document.images);
+  document.body.dataset.imagesTotal = String(imgs.length);
+  document.body.dataset.imagesOk = String(imgs.filter(rendered).length);
+  document.body.dataset.imagesChecked = "done";
+});
+"""
+
+
+def sources_section(src: Sources) -> str:
+    items = "".join(f"<li><code>{esc(name)}</code></li>" for name in src.read)
+    return (
+        '<h2 id="sources">Files read</h2>'
+        f"<p>Every number above comes from one of these files (paths relative to "
+        f"<code>{esc(src.root)}</code>).</p><ul>{items}</ul>"
+    )
+
+
+def page(title: str, experiment: str, sections: Sequence[str]) -> str:
+    nav = " ".join(
+        f'<a href="#{key}">{label}</a>'
+        for key, label in (
+            ("phases", "Phases"),
+            ("training", "Training"),
+            ("evaluation", "Evaluation"),
+            ("overlays", "Overlays"),
+            ("timings", "Timings"),
+            ("sources", "Files"),
+        )
+    )
+    body = "\n".join(sections)
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>"
+        f"<h1>{esc(title)}</h1><p>Experiment <b>{esc(experiment)}</b></p><nav>{nav}</nav>\n"
+        f"{body}\n<script>{IMAGE_CHECK_SCRIPT}</script></body></html>\n"
+    )
