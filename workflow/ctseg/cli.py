@@ -124,8 +124,7 @@ def cmd_targets(args: argparse.Namespace) -> None:
 
 
 def cmd_split(args: argparse.Namespace) -> None:
-    from ctseg.records import read_records
-    from ctseg.records import select_records, write_split
+    from ctseg.records import read_records, select_records, write_split
 
     records = read_records(args.dataset)
     labelled = records[(records["split"] == "train") & (records["label"] != "")]
@@ -256,18 +255,18 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_infer(args: argparse.Namespace) -> None:
-    from ctseg.infer import infer_volume, load_model, postprocess
-    from ctseg.train import pick_device
+    from ctseg.infer import load_model, pick_device, predict_record
 
     # Before the (long) inference, which would otherwise run only to have postprocess refuse it.
     if not 0 <= args.threshold < 1:
         raise CtsegError(f"--threshold {args.threshold!r}: expected 0 <= threshold < 1")
     device = pick_device(args.device)
     model, patch = load_model(Path(args.weights), device)
-    stats = infer_volume(
+    row = predict_record(
         model,
         Path(args.image),
         Path(args.probabilities),
+        Path(args.mask),
         window=args.window or patch,
         overlap=args.overlap,
         batch_size=args.batch_size,
@@ -275,15 +274,11 @@ def cmd_infer(args: argparse.Namespace) -> None:
         device=device,
         memory_budget_mb=args.memory_budget_mb,
         device_budget_mb=args.device_budget_mb,
-    )
-    mask = postprocess(
-        Path(args.probabilities),
-        Path(args.mask),
         threshold=args.threshold,
         min_component_voxels=args.min_component_voxels,
         fill_holes=args.fill_holes,
     )
-    print(json.dumps({"inference": stats, "mask": mask}, indent=1, default=str))
+    print(json.dumps(row, indent=1, default=str))
 
 
 def cmd_score(args: argparse.Namespace) -> None:

@@ -769,10 +769,11 @@ def infer_records(
     rows = []
     for rid, store in zip(ids, image_stores, strict=True):
         prob, tif = Path(prob_dir) / f"{rid}.zarr", Path(out_dir) / f"{rid}.tif"
-        info = infer_volume(
+        row = predict_record(
             model,
             Path(store),
             prob,
+            tif,
             window=win,
             overlap=overlap,
             batch_size=batch_size,
@@ -781,13 +782,41 @@ def infer_records(
             amp=amp,
             memory_budget_mb=memory_budget_mb,
             device_budget_mb=device_budget_mb,
-        )
-        post = postprocess(
-            prob,
-            tif,
             threshold=threshold,
             min_component_voxels=min_component_voxels,
             fill_holes=fill_holes,
         )
-        rows.append({"id": rid, "prediction": str(tif), "probabilities": str(prob), **info, **post})
+        flat = {k: v for k, v in row.items() if k not in ("inference", "mask")}
+        rows.append({"id": rid, **flat, **row["inference"], **row["mask"]})
     return rows
+
+
+def predict_record(
+    model: torch.nn.Module,
+    image_store: Path,
+    probabilities: Path,
+    mask: Path,
+    *,
+    threshold: float,
+    min_component_voxels: int,
+    fill_holes: bool,
+    **inference: Any,
+) -> dict[str, Any]:
+    """One volume: the probabilities (`infer_volume`, with `inference`'s settings), then the
+    post-processed mask. The threshold is checked first, before the long inference."""
+    if not 0 <= threshold < 1:
+        raise CtsegError(f"threshold {threshold!r}: expected 0 <= threshold < 1")
+    info = infer_volume(model, Path(image_store), Path(probabilities), **inference)
+    post = postprocess(
+        Path(probabilities),
+        Path(mask),
+        threshold=threshold,
+        min_component_voxels=min_component_voxels,
+        fill_holes=fill_holes,
+    )
+    return {
+        "prediction": str(mask),
+        "probabilities": str(probabilities),
+        "inference": info,
+        "mask": post,
+    }
