@@ -54,6 +54,7 @@ HOOK = """
 import json, os, sys
 from pathlib import Path
 
+import ctseg.feeds
 import ctseg.train
 from ctseg.cli import main
 
@@ -68,7 +69,7 @@ def note(**event):
         handle.write(json.dumps(event) + "\\n")
 
 
-real_to_device, real_evaluate = ctseg.train.to_device, ctseg.train.evaluate
+real_to_device, real_evaluate = ctseg.feeds.to_device, ctseg.train.evaluate
 
 
 def to_device(batch, *args, **kwargs):
@@ -96,7 +97,7 @@ def recorded(kind, real):
     return wrapper
 
 
-ctseg.train.to_device, ctseg.train.evaluate = to_device, evaluate
+ctseg.feeds.to_device, ctseg.train.evaluate = to_device, evaluate
 ctseg.train.save_checkpoint = recorded("save_checkpoint", ctseg.train.save_checkpoint)
 ctseg.train.write_csv = recorded("write_csv", ctseg.train.write_csv)
 sys.exit(main(sys.argv[1:]))
@@ -320,6 +321,8 @@ def test_only_rank_0_writes(runs: dict) -> None:
         "checkpoints/resume.pt",
         "checkpoints/steps.csv",
         "last.pt",
+        "settings/phases.yaml",  # the settings files and split.csv are this test's inputs
+        "settings/tddp.yaml",
         "split.csv",
         "train/epochs.csv",
         "train/steps.csv",

@@ -1,6 +1,6 @@
 """A run never resumes a checkpoint it did not write, and never loses one.
 
-The run identity (ctseg.train.run_identity) names everything that determines the trained
+The run identity (ctseg.checkpoint.run_identity) names everything that determines the trained
 weights. These tests change one thing at a time and check what resumes, what is set aside and
 what the weights come out as; the end-to-end check goes through `snakemake train`.
 """
@@ -18,8 +18,8 @@ import yaml
 from conftest import TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake
 from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch, weights
 
+import ctseg.checkpoint
 import ctseg.io
-import ctseg.train
 from ctseg.io import CtsegError
 from ctseg.train import identity_changes, run_identity, save_checkpoint, train
 
@@ -222,7 +222,7 @@ def test_a_disk_that_fills_during_the_save_is_a_message_about_space(
     path = tiny_disk / "resume.pt"
     save_checkpoint(path, {"step": 1, "w": torch.ones(16)})
     # Another process fills the disk between the up-front check and the write.
-    monkeypatch.setattr(ctseg.train, "check_free_space", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ctseg.checkpoint, "check_free_space", lambda *args, **kwargs: None)
     with pytest.raises(CtsegError) as info:
         save_checkpoint(path, {"step": 2, "w": torch.ones(2**19)})  # 2 MiB
     message = str(info.value)

@@ -37,7 +37,7 @@ from training_setup import (
     weights,
 )
 
-import ctseg.train
+import ctseg.feeds
 from ctseg.data import PatchDataset, build_loader, to_device
 from ctseg.io import CtsegError
 from ctseg.losses import TERMS, compute_losses, loss_settings
@@ -116,15 +116,16 @@ def initial_weights(exp: dict) -> dict[str, torch.Tensor]:
 
 
 def record_indices(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """Observe which samples each micro-batch of train() holds (to_device sees every one)."""
+    """Observe which samples each micro-batch of train() holds (the feed's to_device sees every
+    one)."""
     seen: list[list[int]] = []
-    real = ctseg.train.to_device
+    real = ctseg.feeds.to_device
 
     def spy(batch, *args, **kwargs):
         seen.append(batch["index"].tolist())
         return real(batch, *args, **kwargs)
 
-    monkeypatch.setattr(ctseg.train, "to_device", spy)
+    monkeypatch.setattr(ctseg.feeds, "to_device", spy)
     return seen
 
 
@@ -507,12 +508,12 @@ PAUSE_HOOK = """
 import os, sys, time
 from pathlib import Path
 
-import ctseg.train
+import ctseg.feeds
 from ctseg.cli import main
 
 pause_at = int(os.environ["CTSEG_TEST_PAUSE_AT"])
 marker = Path(os.environ["CTSEG_TEST_MARKER"])
-real_to_device = ctseg.train.to_device
+real_to_device = ctseg.feeds.to_device
 
 
 def to_device(batch, *args, **kwargs):
@@ -523,7 +524,7 @@ def to_device(batch, *args, **kwargs):
     return real_to_device(batch, *args, **kwargs)
 
 
-ctseg.train.to_device = to_device
+ctseg.feeds.to_device = to_device
 sys.exit(main(sys.argv[1:]))
 """
 RESUME_EXP = experiment(train={"epochs": 3, "steps_per_epoch": 4})

@@ -224,7 +224,8 @@ def cmd_trial(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from ctseg.train import ddp_phase, pick_device, process_group, torchrun_ranks, train
+    from ctseg.distributed import ddp_phase, pick_device, process_group, torchrun_ranks
+    from ctseg.train import train
     from ctseg.trials import choose_phase
 
     device = pick_device(args.device)

@@ -14,6 +14,7 @@ exactly what `ctseg.losses` expects when it pools the targets for deep supervisi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -310,3 +311,12 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The tensor's values as bytes in row-major order, whatever its strides or device."""
     plain = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format).reshape(-1)
     return plain.view(torch.uint8).numpy().tobytes()
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """sha256 over the parameters' names and bytes: equal digests, equal weights."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(tensor_bytes(param))
+    return digest.hexdigest()
