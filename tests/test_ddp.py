@@ -61,7 +61,6 @@ from ctseg.cli import main
 rank = int(os.environ["RANK"])
 record = Path(os.environ["CTSEG_TEST_RECORD"]) / f"rank{rank}.jsonl"
 stop_at = int(os.environ.get("CTSEG_TEST_STOP_AT", "-1"))
-validating = []
 
 
 def note(**event):
@@ -69,24 +68,16 @@ def note(**event):
         handle.write(json.dumps(event) + "\\n")
 
 
-real_to_device, real_evaluate = ctseg.feeds.to_device, ctseg.train.evaluate
+# The training feed's to_device sees every training batch (validation has its own).
+real_to_device = ctseg.feeds.to_device
 
 
 def to_device(batch, *args, **kwargs):
     indices = batch["index"].tolist()
-    if not validating:
-        if rank == 0 and 0 <= stop_at <= min(indices):
-            os._exit(3)  # stopped like a preempted job: no cleanup, no more writes
-        note(kind="train", indices=indices)
+    if rank == 0 and 0 <= stop_at <= min(indices):
+        os._exit(3)  # stopped like a preempted job: no cleanup, no more writes
+    note(kind="train", indices=indices)
     return real_to_device(batch, *args, **kwargs)
-
-
-def evaluate(*args, **kwargs):
-    validating.append(True)
-    try:
-        return real_evaluate(*args, **kwargs)
-    finally:
-        validating.pop()
 
 
 def recorded(kind, real):
@@ -97,7 +88,7 @@ def recorded(kind, real):
     return wrapper
 
 
-ctseg.feeds.to_device, ctseg.train.evaluate = to_device, evaluate
+ctseg.feeds.to_device = to_device
 ctseg.train.save_checkpoint = recorded("save_checkpoint", ctseg.train.save_checkpoint)
 ctseg.train.write_csv = recorded("write_csv", ctseg.train.write_csv)
 sys.exit(main(sys.argv[1:]))
