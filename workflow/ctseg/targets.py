@@ -4,7 +4,16 @@
 into the targets group described in `ctseg.store`:
 
 - ``ignore`` = (label == 2) and ``foreground`` = (label == 1), uint8;
-- ``skeleton``: the medial surface of the foreground. ``medial_surface`` is the union of the 2D
+- ``skeleton``: the medial surface of the foreground. ``distance_ridge`` (the default) is the
+  ridge of the squared Euclidean distance to the nearest non-foreground voxel, saturated at
+  ``RIDGE_CAP`` (255, just under 16^2): a foreground voxel whose depth is >= both of its
+  neighbours' along z, y or x and > the smaller of the two. It is defined by integer comparisons
+  over the six face neighbours, a set the 48 flips and axis permutations of the cube map to
+  itself, so it is exactly equivariant by construction; 3-voxel sheets keep their middle plane
+  and 2-voxel sheets both planes (any exactly flip-equivariant rule must keep both: the flip
+  across the sheet maps one plane onto the other). Measured on the demo volume it has about as
+  many voxels as ``medial_surface`` and every voxel of either lies within one voxel of the other
+  (bench/preprocess.py prints the figures). ``medial_surface`` is the union of the 2D
   skeletons (`skimage.morphology.skeletonize`, Zhang) of every slice along z, y and x, as the
   official Vesuvius training code does, each slice thinned in all 8 orientations of the square
   so that the result is exactly equivariant under the 48 flips and axis permutations of the cube
@@ -32,33 +41,42 @@ so no two blocks (or worker processes) ever write the same chunk. Memory is boun
   example d/2) is wrong, and the tests show it.
 - Tube: a 6-connected dilation by k steps reaches L1 distance k, so the tube of the block needs
   the skeleton on the block grown by k, and nothing else.
-- Skeleton: 2D thinning is not local. Zhang thinning peels one layer per pass, and a cut at a crop
-  edge moves inward by at most one pixel per sub-pass, so the skeleton of a slice is decided by
-  context about as wide as half the widest cross-section of the foreground in that slice.
+- Skeleton, ``distance_ridge``: exact everywhere. The ridge reads the depth of the grown block
+  and one voxel around it; a depth there that is below 16^2 has its nearest background voxel
+  within 16 voxels along every axis, so inside a halo of ``SKELETON_HALO`` beyond that ring, and
+  a deeper one saturates at ``RIDGE_CAP`` in the crop as in the whole volume. The read halo is
+  k + 1 + 16, and one multi-label `edt` pass over the whole crop gives both the depth and the
+  distance (the distance only needs ceil(d) of it).
+- Skeleton, thinning methods: 2D thinning is not local. Zhang thinning peels one layer per pass, and
+  a cut at a crop edge moves inward by at most one pixel per sub-pass, so the skeleton of a slice is
+  decided by context about as wide as half the widest cross-section of the foreground in that slice.
   Each slice therefore gets ``SKELETON_HALO`` (16) voxels of in-plane context around the grown
-  block. **Limit:** the blockwise skeleton and tube equal the whole-volume ones wherever every
-  2D cross-section is at most ``2 * SKELETON_HALO`` = 32 voxels wide, i.e. every 8-connected
-  component of every z, y and x slice has in-slice depth (distance to the nearest background
-  pixel in that slice) <= 16. For a flat-ish sheet of thickness t that means tilted at least
-  asin(t / 32) from every slicing plane: 3.6 degrees for t = 2, 7.2 degrees for t = 4; for a
-  cylindrical wrap of radius R, whose tangent slices are about 2 * sqrt(2 R t) wide, R <= 64 at
-  t = 2. Wider cross-sections (a sheet lying in a slicing plane, a solid blob) have a 2D skeleton
-  that depends on all of the cross-section, which no bounded halo provides: there, and only
-  there (plus the k-voxel tube around it), the result can differ. Measured with blocks of 32:
-  planar sheets 2-4 thick at tilts of 3-45 degrees, spiral sheets, 24 random volumes of curved
-  sheets, and the test volume's solid cube: no difference outside such components, exact
-  wherever none exist (depth 12-16 included), and where they exist a few dozen voxels out of
-  thousands. ``lee3d`` gets the same halo in 3D, with the same caveat.
+  block. **Limit:** the blockwise skeleton and tube equal the whole-volume ones wherever every 2D
+  cross-section is at most ``2 * SKELETON_HALO`` = 32 voxels wide, i.e. every 8-connected component
+  of every z, y and x slice has in-slice depth (distance to the nearest background pixel in that
+  slice) <= 16. For a flat-ish sheet of thickness t that means tilted at least asin(t / 32) from
+  every slicing plane: 3.6 degrees for t = 2, 7.2 degrees for t = 4; for a cylindrical wrap of
+  radius R, whose tangent slices are about 2 * sqrt(2 R t) wide, R <= 64 at t = 2. Wider cross-
+  sections (a sheet lying in a slicing plane, a solid blob) have a 2D skeleton that depends on all
+  of the cross-section, which no bounded halo provides: there, and only there (plus the k-voxel tube
+  around it), the result can differ. Measured with blocks of 32: planar sheets 2-4 thick at tilts of
+  3-45 degrees, spiral sheets, 24 random volumes of curved sheets, and the test volume's solid cube:
+  no difference outside such components, exact wherever none exist (depth 12-16 included), and where
+  they exist a few dozen voxels out of thousands. ``lee3d`` gets the same halo in 3D, with the same
+  caveat.
 
 Cost
 ----
-Per block: one label read, one multi-label `edt` pass (in a background thread: it releases the
-GIL, 2D thinning does not), per-slice thinning on foreground bounding boxes, and five writes
-that overlap the next block. Measured on a 256^3 volume of sheets (5% foreground, half ignore,
-128^3 blocks, a shared 2-core machine) against whole-volume scipy EDT twice plus skimage 3D
-skeletonize (16-20 s, 1.03 GB peak RSS): ``workers=1`` 2.2-2.8 s at 0.17 GB; ``workers=2``
-1.8-2.2 s with an 87 MB parent and two 140 MB workers (summed PSS about 0.25 GB). About 3 s
-of CPU in all: edt 40%, zarr writes 25%, thinning 23%.
+``distance_ridge``, measured on the same 256^3 volume and machine (loaded): 1.2 s for the whole step
+in one process, against 3.0-7.2 s for ``medial_surface`` and 1.3-1.8 s for ``medial_surface_fast``;
+the one multi-label `edt` pass over the crop is most of it. For the thinning methods, per block: one
+label read, one multi-label `edt` pass (in a background thread: it releases the GIL, 2D thinning
+does not), per-slice thinning on foreground bounding boxes, and five writes that overlap the next
+block. Measured on a 256^3 volume of sheets (5% foreground, half ignore, 128^3 blocks, a shared
+2-core machine) against whole-volume scipy EDT twice plus skimage 3D skeletonize (16-20 s, 1.03 GB
+peak RSS): ``workers=1`` 2.2-2.8 s at 0.17 GB; ``workers=2`` 1.8-2.2 s with an 87 MB parent and two
+140 MB workers (summed PSS about 0.25 GB). About 3 s of CPU in all: edt 40%, zarr writes 25%,
+thinning 23%.
 
 Sampling
 --------
@@ -99,10 +117,19 @@ from ctseg.io import CtsegError, fresh_output
 from ctseg.machine import available_cpus
 from ctseg.store import TARGET_VOLUMES, create_in_group, open_volume
 
-SkeletonMethod = Literal["medial_surface", "medial_surface_fast", "lee3d"]
-SKELETON_METHODS: tuple[str, ...] = ("medial_surface", "medial_surface_fast", "lee3d")
-# In-plane context for 2D thinning; see the module docstring for what it buys and what it costs.
+SkeletonMethod = Literal["distance_ridge", "medial_surface", "medial_surface_fast", "lee3d"]
+SKELETON_METHODS: tuple[str, ...] = (
+    "distance_ridge",
+    "medial_surface",
+    "medial_surface_fast",
+    "lee3d",
+)
+# Context around each block for the skeleton: in-plane context for 2D thinning, and the depth
+# up to which `distance_ridge` sees exact distances. See the module docstring.
 SKELETON_HALO = 16
+# `distance_ridge` saturates squared depths here: 255 < SKELETON_HALO**2, so a crop with a halo
+# of SKELETON_HALO gives every voxel the same saturated depth as the whole volume; uint8 too.
+RIDGE_CAP = 255
 
 _U64 = np.uint64
 _MASK64 = (1 << 64) - 1
@@ -179,7 +206,54 @@ def _medial_surface(
     return out
 
 
+def _ridge_depth(sq: np.ndarray, fg: np.ndarray) -> np.ndarray:
+    """uint8 squared depth: min(squared distance to the nearest non-foreground voxel, RIDGE_CAP)
+    inside the foreground, 0 outside. `sq` may be inf (edt's answer where there is no
+    background at all): that saturates too."""
+    depth = np.minimum(sq, RIDGE_CAP).astype(np.uint8)
+    depth *= fg.astype(bool)
+    return depth
+
+
+def _distance_ridge(depth: np.ndarray, keep: Region | None = None) -> np.ndarray:
+    """The voxels of `keep` whose depth is a ridge along z, y or x.
+
+    A voxel is on the skeleton when, along at least one axis, its depth is >= both neighbours'
+    and > the smaller one: the middle layer of an odd-thickness sheet, both middle layers of an
+    even one. The rule reads only the six face neighbours and compares integers, and the set
+    of axes maps to itself under every flip and axis permutation, so the skeleton of a flipped
+    or permuted volume is exactly the flipped or permuted skeleton. At the volume's faces the
+    missing neighbour counts as equal (edge padding, itself symmetric): a sheet cut by a face
+    keeps the layer on the face where that is the deepest one. Background (depth 0) never
+    qualifies; neither does a plateau, e.g. the saturated core of a region over 16 voxels deep.
+    """
+    # Edge padding only matters at the volume's faces: everywhere else `keep` lies at least one
+    # voxel inside `depth` (the caller's halo), so the padding is never read.
+    padded = np.pad(depth, 1, mode="edge")
+    bounds = [
+        k.indices(n)[:2] for k, n in zip(keep or (slice(None),) * 3, depth.shape, strict=True)
+    ]
+
+    def shifted(axis: int, step: int) -> np.ndarray:
+        return padded[
+            tuple(
+                slice(lo + 1 + step * (i == axis), hi + 1 + step * (i == axis))
+                for i, (lo, hi) in enumerate(bounds)
+            )
+        ]
+
+    centre = shifted(0, 0)
+    out = np.zeros(centre.shape, dtype=bool)
+    for axis in range(3):
+        before, after = shifted(axis, -1), shifted(axis, 1)
+        out |= (centre >= np.maximum(before, after)) & (centre > np.minimum(before, after))
+    return out
+
+
 def _skeleton(fg: np.ndarray, method: str, keep: Region | None = None) -> np.ndarray:
+    if method == "distance_ridge":
+        sq = edt.edtsq(fg.astype(np.uint8), black_border=False)
+        return _distance_ridge(_ridge_depth(sq, fg), keep)
     if method in ("medial_surface", "medial_surface_fast"):
         return _medial_surface(fg, keep, symmetric=method == "medial_surface")
     sk = skeletonize(fg.astype(bool))
@@ -235,10 +309,15 @@ def _signed_distance(
     if fg.all():
         return np.full(shape, -clip, dtype=np.float16)
     sq = edt.edtsq(fg + np.uint8(1), black_border=False, parallel=threads)[inner]
+    return _sdt_from_squares(sq, fg[inner], clip)
+
+
+def _sdt_from_squares(sq: np.ndarray, fg: np.ndarray, clip: float) -> np.ndarray:
+    """float16 clipped signed distance from the multi-label squared distances of `fg`."""
     lut, cap = _distance_lut(clip)
     kind = np.uint8 if lut.size <= 256 else np.uint32  # uint8 up to d = 11: less memory
     index = np.minimum(sq, cap).astype(kind)
-    index += fg[inner].astype(kind) * kind(cap + 1)  # second half of the table: negative inside
+    index += fg.astype(kind) * kind(cap + 1)  # second half of the table: negative inside
     return lut.take(index)
 
 
@@ -246,7 +325,7 @@ def targets_reference(
     label: np.ndarray,
     *,
     clip_distance: float = 8.0,
-    skeleton_method: str = "medial_surface",
+    skeleton_method: str = "distance_ridge",
     tube_dilations: int = 2,
 ) -> dict[str, np.ndarray]:
     """The same maths on the whole volume in memory: the ground truth the blockwise path must equal.
@@ -328,7 +407,9 @@ class _Plan:
 
     @property
     def read_halo(self) -> int:
-        return max(self.sdt_halo, self.tube_dilations + self.skeleton_halo)
+        # distance_ridge reads one neighbour beyond the grown block, whose depths need the halo.
+        ridge = 1 if self.skeleton_method == "distance_ridge" else 0
+        return max(self.sdt_halo, self.tube_dilations + ridge + self.skeleton_halo)
 
     def origins(self) -> Iterator[tuple[int, ...]]:
         zs, ys, xs = (range(0, s, b) for s, b in zip(self.shape, self.block, strict=True))
@@ -392,15 +473,19 @@ def _process_block(
     _check_label_values(label[inner], f"{plan.label_path} (block at z,y,x={origin})")
 
     fg = (label == 1).view(np.uint8)
-    # `edt` releases the GIL and 2D thinning does not: run them side by side.
-    sdt = _threads().submit(_block_sdt, plan, fg, lo, origin, stop)
-    skel, tube = _block_skeleton_tube(plan, fg, lo, origin, stop)
+    if plan.skeleton_method == "distance_ridge":
+        sdt, skel, tube = _block_ridge(plan, fg, lo, origin, stop)
+    else:
+        # `edt` releases the GIL and 2D thinning does not: run them side by side.
+        sdt_future = _threads().submit(_block_sdt, plan, fg, lo, origin, stop)
+        skel, tube = _block_skeleton_tube(plan, fg, lo, origin, stop)
+        sdt = sdt_future.result()
     out = {
         "ignore": (label[inner] == 2).view(np.uint8),
         "foreground": np.ascontiguousarray(fg[inner]),
         "skeleton": skel.view(np.uint8),
         "tube": tube.view(np.uint8),
-        "sdt": sdt.result(),
+        "sdt": sdt,
     }
     where = tuple(slice(o, e) for o, e in zip(origin, stop, strict=True))
     # Writing is mostly waiting on zarr's IO thread: overlap it with the next block's compute.
@@ -431,6 +516,32 @@ def _block_sdt(
     ctx = np.ascontiguousarray(fg[_local(lo, *zip(*box, strict=True))])
     inner = _local(tuple(a for a, _ in box), origin, stop)
     return _signed_distance(ctx, plan.clip_distance, inner, plan.edt_threads)
+
+
+def _block_ridge(
+    plan: _Plan, fg: np.ndarray, lo: tuple[int, ...], origin: tuple[int, ...], stop: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """sdt, skeleton and tube of the block from one multi-label `edt` pass over the whole crop.
+
+    The crop reaches ``read_halo`` >= both halos beyond the block, so its squared distances are
+    exact wherever either target reads them below its clip (see the module docstring).
+    """
+    k, shape = plan.tube_dilations, plan.shape
+    inner = _local(lo, origin, stop)
+    block_shape = tuple(e - o for o, e in zip(origin, stop, strict=True))
+    if not fg.any():
+        empty = np.zeros(block_shape, dtype=bool)
+        return np.full(block_shape, plan.clip_distance, dtype=np.float16), empty, empty
+    if fg.all():  # edt would say inf: the whole crop saturates, a plateau with no ridge
+        empty = np.zeros(block_shape, dtype=bool)
+        return np.full(block_shape, -plan.clip_distance, dtype=np.float16), empty, empty
+    sq = edt.edtsq(fg + np.uint8(1), black_border=False, parallel=plan.edt_threads)
+    sdt = _sdt_from_squares(sq[inner], fg[inner], plan.clip_distance)
+    grown = [_grow(o, e, k, s) for o, e, s in zip(origin, stop, shape, strict=True)]
+    skel = _distance_ridge(_ridge_depth(sq, fg), _local(lo, *zip(*grown, strict=True)))
+    tube = _dilate6(skel, k) if k > 0 else skel
+    grown_inner = _local(tuple(a for a, _ in grown), origin, stop)
+    return sdt, np.ascontiguousarray(skel[grown_inner]), np.ascontiguousarray(tube[grown_inner])
 
 
 def _block_skeleton_tube(
@@ -546,7 +657,7 @@ def compute_targets(
     dest: Path,
     *,
     clip_distance: float = 8.0,
-    skeleton_method: SkeletonMethod = "medial_surface",
+    skeleton_method: SkeletonMethod = "distance_ridge",
     tube_dilations: int = 2,
     block_shape: tuple[int, int, int] = (128, 128, 128),
     max_samples: int = 20000,
