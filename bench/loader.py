@@ -688,6 +688,19 @@ def main() -> None:
         f"{workers_vs_main['host']:.2f} (median rounds: packed "
         f"{ratio(results[two_name], results[main_name], 'median_samples_per_s'):.2f})"
     )
+    # On a loaded machine three processes get more of the cores than one, which flatters
+    # workers; the CPU figures say what an idle machine with these cores would give.
+    parallel = min(2, cores)
+    cpu_bound = {
+        layout: parallel
+        * results[main_name + suffix]["cpu_ms_per_sample"]
+        / results[two_name + suffix]["cpu_ms_per_sample"]
+        for layout, suffix in (("packed", ""), ("host", ", host layout"))
+    }
+    print(
+        f"  CPU-bound estimate for {parallel} idle cores ({parallel} x CPU ms/sample at 0 workers "
+        f"/ at 2 workers): packed {cpu_bound['packed']:.2f}, host layout {cpu_bound['host']:.2f}"
+    )
     print(
         "\ncross-checks: CPU per sample run-time / precomputed "
         f"{ratio(runtime, precomputed, 'cpu_ms_per_sample'):.1f} in the loader, "
@@ -708,6 +721,7 @@ def main() -> None:
         f"raw_vs_zarr={ratio(raw, zarr, 'samples_per_s'):.1f} "
         f"workers_vs_main={workers_vs_main['packed']:.2f} "
         f"workers_vs_main_host_layout={workers_vs_main['host']:.2f} "
+        f"workers_vs_main_cpu_bound={cpu_bound['packed']:.2f} "
         f"handoff_ms_packed={handoff['packed']:.1f} "
         f"handoff_ms_host_layout={handoff['host']:.1f} "
         f"best_samples_per_s={best:.1f}"

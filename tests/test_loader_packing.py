@@ -9,6 +9,9 @@ images, targets from `ctseg.targets.targets_reference`.
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -185,35 +188,67 @@ def test_uint16_and_mixed_batches(scratch):
     assert dtypes == {"uint8", "uint16"}
 
 
-def test_workers_reuse_their_buffers_without_corrupting_held_batches(scratch, monkeypatch):
-    """Batches kept by the caller stay intact while the workers fill their slots again."""
+def spy_slots(monkeypatch) -> list[tuple[int, int, int]]:
+    """Record the slot of every worker batch the main process receives."""
     slots: list[tuple[int, int, int]] = []
-    claim = ctseg.data._claim
+    claim = ctseg.data._SlotReturns.claim
 
-    def spy(batch, *args):
+    def spy(self, batch):
         slots.append(batch.slot)
-        return claim(batch, *args)
+        return claim(self, batch)
 
-    monkeypatch.setattr(ctseg.data, "_claim", spy)
+    monkeypatch.setattr(ctseg.data._SlotReturns, "claim", spy)
+    return slots
+
+
+class LookUps(weakref.WeakValueDictionary):
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys_looked_up: list = []
+
+    def get(self, key, default=None):
+        self.keys_looked_up.append(key)
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("count_references", [True, False])
+def test_workers_reuse_their_buffers_without_corrupting_held_batches(
+    scratch, monkeypatch, count_references
+):
+    """Slots of dropped batches are reused; batches the caller keeps stay intact."""
+    if not count_references:  # as where torch has no reference count: copies instead
+        monkeypatch.setattr(ctseg.data, "_use_count", None)
+    slots = spy_slots(monkeypatch)
+    # The main process looks a slot up here when a batch arrives by the slot's name.
+    mapped = LookUps()
+    monkeypatch.setattr(ctseg.data, "_MAPPED_SLOTS", mapped)
     ds = dataset(scratch, length=60)
     inline = list(build_loader(ds, {**PHASE, "workers": 0}, seed=0))
     assert not slots  # no workers, no slots
     for context in ("fork", "spawn"):
         slots.clear()
-        phase = {**PHASE, "mp_context": context}
-        loader = build_loader(ds, phase, seed=0)
-        held = list(loader)  # all 20 batches alive at once
-        assert len(held) == len(inline) == 20
-        # 10 batches per worker in a few slots: reused, yet every held batch is intact.
-        assert len(slots) == 20 and len(set(slots)) <= 2 * (PHASE["prefetch_factor"] + 2)
-        for got, expected in zip(held, inline, strict=True):
-            assert got.slot is None and not got.in_slot  # a private copy
-            assert torch.equal(rows_but_worker(got), rows_but_worker(expected))
-        workers = torch.cat([b["worker"] for b in held])
-        assert set(workers.tolist()) == {0, 1}
+        loader = build_loader(ds, {**PHASE, "mp_context": context}, seed=0)
+        kept = {}
+        for k, batch in enumerate(loader):
+            assert batch.slot is None and not batch.in_slot  # the bookkeeping stays inside
+            if k % 4 == 0:
+                kept[k] = batch
+                kept[k + 100] = batch["image"][1:]  # a view keeps the slot busy too
+            # Touch the batch the way training does, then drop it.
+            to_device(batch, "cpu")
+        assert len(slots) == len(inline) == 20
+        # 10 batches per worker; the slots of dropped ones came back and were written again.
+        assert len(set(slots)) < 20 - len(inline[::4])
+        assert mapped.keys_looked_up  # reused slots came by name
+        assert set(mapped.keys_looked_up) <= {slot[1:] for slot in slots}
+        mapped.keys_looked_up.clear()
+        for k, batch in kept.items():
+            if k < 100:
+                assert torch.equal(rows_but_worker(batch), rows_but_worker(inline[k])), k
+            else:
+                assert torch.equal(batch, inline[k - 100]["image"][1:]), k
     # A second epoch of the same loader (new workers) gives the same stream again.
-    again = list(loader)
-    for a, b in zip(again, inline, strict=True):
+    for a, b in zip(loader, inline, strict=True):
         assert torch.equal(rows_but_worker(a), rows_but_worker(b))
 
 
@@ -262,21 +297,47 @@ def test_a_phase_may_run_without_workers(scratch):
     assert all(b["worker"].tolist() == [-1, -1] for b in batches)
 
 
-def test_claim_copies_a_batch_out_of_its_slot_before_handing_the_slot_back(scratch):
-    """What PackedLoader does with each worker batch; a pinned batch is already a copy."""
+def test_slot_goes_back_when_nothing_refers_to_the_batch(scratch, monkeypatch):
+    """What PackedLoader does with each worker batch, step by step."""
     import queue
 
-    batch = dataset(scratch).packed([0, 1])
+    pool = ctseg.data._SlotPool(None)
+    ds = dataset(scratch)
     returns = [queue.SimpleQueue(), queue.SimpleQueue()]
-    in_slot = PackedBatch(batch.rows, batch.layout, (1, 4321, 7), in_slot=True)
-    mapped: dict = {}
-    own = ctseg.data._claim(in_slot, returns, mapped)
-    assert own.slot is None and not own.in_slot
-    assert own.rows.data_ptr() != batch.rows.data_ptr() and torch.equal(own.rows, batch.rows)
-    assert returns[1].get_nowait() == (4321, 7) and returns[0].empty()
-    assert list(mapped) == [(1, 4321, 7)]  # kept mapped for the slot's next batch
-    # As the pin-memory thread hands it over: rows already private, so no second copy.
-    pinned = PackedBatch(batch.rows, batch.layout, (0, 4321, 2), in_slot=False)
-    kept = ctseg.data._claim(pinned, returns, {})
-    assert kept.rows.data_ptr() == batch.rows.data_ptr()
-    assert returns[0].get_nowait() == (4321, 2)
+    lender = ctseg.data._SlotReturns(returns)
+    sent = ds.packed([0, 1], pool)
+    assert sent.in_slot and not sent.by_name and sent.slot[1:] == (os.getpid(), 0)
+    slot = (1, *sent.slot[1:])  # as if worker 1 had sent it
+    layout, expected = sent.layout, sent.rows.clone()
+    got = lender.claim(PackedBatch(sent.rows, layout, slot, in_slot=True))
+    assert got.rows.data_ptr() == sent.rows.data_ptr()  # no copy
+    del sent
+    view = got["sdt"]
+    lender.give_back_unused()
+    assert returns[1].empty()  # the batch and a view of it are alive
+    del got
+    lender.give_back_unused()
+    assert returns[1].empty()  # the view still is
+    del view
+    lender.give_back_unused()
+    # Back to worker 1, marked as mapped here: the slot's next batch may come by name.
+    assert returns[1].get_nowait() == (*slot[1:], True) and returns[0].empty()
+    rows = torch.empty(0, dtype=torch.uint8).set_(pool.slots[0])[: 2 * layout.nbytes]
+    named = PackedBatch(rows.view(2, layout.nbytes), layout, slot, in_slot=True, by_name=True)
+    message = pickle.dumps(named)
+    assert len(message) < 1000  # the slot's name, not its 2 x 20 kB
+    arrived = pickle.loads(message)
+    assert arrived.in_slot and arrived.rows.data_ptr() == rows.data_ptr()
+    assert torch.equal(arrived.rows, expected)
+    # Without a reference count the batch is copied and the slot goes back at once.
+    monkeypatch.setattr(ctseg.data, "_use_count", None)
+    batch = ds.packed([2])
+    copied = lender.claim(PackedBatch(batch.rows, batch.layout, (0, 11, 3), in_slot=True))
+    assert copied.rows.data_ptr() != batch.rows.data_ptr()
+    assert torch.equal(copied.rows, batch.rows)
+    assert returns[0].get_nowait() == (11, 3, True)
+    # As the pin-memory thread hands it over: already a copy, so none is made, and the worker
+    # must send the slot's memory again.
+    pinned = PackedBatch(batch.rows, batch.layout, (0, 11, 4), in_slot=False)
+    assert lender.claim(pinned).rows.data_ptr() == batch.rows.data_ptr()
+    assert returns[0].get_nowait() == (11, 4, False)

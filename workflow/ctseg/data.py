@@ -43,6 +43,7 @@ import os
 import platform
 import random
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,11 +298,11 @@ class PackedBatch:
     inspection and logging; the training path never does.
 
     `slot` names the worker buffer the batch came in (worker id, worker pid, slot number), and
-    `in_slot` says whether `rows` still are that buffer; `PackedLoader` copies such a batch out
-    and hands the buffer back before anyone sees it (see `_SlotPool`).
+    `in_slot` says whether `rows` still are that buffer; `PackedLoader` keeps that bookkeeping
+    to itself and hands the buffer back once the batch is no longer used (`_SlotReturns`).
     """
 
-    __slots__ = ("in_slot", "layout", "rows", "slot")
+    __slots__ = ("by_name", "in_slot", "layout", "rows", "slot")
 
     def __init__(
         self,
@@ -309,6 +310,7 @@ class PackedBatch:
         layout: PackedLayout,
         slot: tuple[int, int, int] | None = None,
         in_slot: bool = False,
+        by_name: bool = False,
     ) -> None:
         if rows.dtype != torch.uint8 or rows.ndim != 2 or rows.shape[1] != layout.nbytes:
             raise ValueError(
@@ -319,6 +321,13 @@ class PackedBatch:
         self.layout = layout
         self.slot = slot
         self.in_slot = in_slot and slot is not None
+        # The main process has this slot mapped: a worker sends its name, not its memory.
+        self.by_name = by_name and self.in_slot
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self.by_name:
+            return _from_mapped_slot, (self.layout, self.slot, self.batch_size)
+        return PackedBatch, (self.rows, self.layout, self.slot, self.in_slot)
 
     def __len__(self) -> int:
         return len(SAMPLE_KEYS)
@@ -377,10 +386,10 @@ class _SlotPool:
 
     Filling fresh shared memory costs a page fault per 4 KiB in the worker: measured 0.74 ms
     per MB on 2 cores, 3.9 ms for a 72x136x136 sample, more than reading the sample. So each
-    worker keeps its buffers ("slots"). A batch names its slot; `PackedLoader` copies the batch
-    out of it in the main process and only then sends the slot back on `returns`, this
-    worker's queue; the worker takes back its returned slots before each batch. A slot is
-    never written while the main process may still read it, and a worker with no free slot
+    worker keeps its buffers ("slots"). A batch names its slot; the main process sends the
+    slot back on `returns`, this worker's queue, once nothing there refers to the batch any
+    more (`_SlotReturns`); the worker takes back its returned slots before each batch. A slot
+    is never written while the main process may still read it, and a worker with no free slot
     allocates a new one, so nothing waits on the main process: the slots grow to the number of
     this worker's batches in flight, which the DataLoader bounds (prefetch_factor).
     """
@@ -390,15 +399,19 @@ class _SlotPool:
         self.returns = returns  # None: nobody hands slots back; every batch gets a new one
         self.slots: list[torch.UntypedStorage | None] = []
         self.free: list[int] = []
+        self.mapped: set[int] = set()  # slots the main process keeps mapped
 
-    def rows(self, batch: int, nbytes: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """A (batch, nbytes) uint8 view of a free slot, and the slot's name."""
+    def rows(self, batch: int, nbytes: int) -> tuple[torch.Tensor, tuple[int, int, int], bool]:
+        """A (batch, nbytes) uint8 view of a free slot, the slot's name, and whether the main
+        process has the slot mapped already (then the batch travels as the name alone: a
+        tensor costs 0.5 ms of CPU per batch to hand over, mostly passing its descriptor)."""
         info = get_worker_info()
         worker = -1 if info is None else int(info.id)
         while self.returns is not None and not self.returns.empty():
-            pid, slot = self.returns.get()
+            pid, slot, mapped = self.returns.get()
             if pid == self.pid:  # a slot of an earlier worker process with this id: not ours
                 self.free.append(slot)
+                (self.mapped.add if mapped else self.mapped.discard)(slot)
         need = batch * nbytes
         while self.free:
             slot = self.free.pop()
@@ -406,6 +419,7 @@ class _SlotPool:
             if storage is not None and storage.nbytes() >= need:
                 break
             self.slots[slot] = None  # too small for this layout: let it go
+            self.mapped.discard(slot)
         else:
             # As torch's default_collate does in a worker: allocated shared, so the batch
             # crosses to the main process as a file descriptor, without a copy.
@@ -413,7 +427,22 @@ class _SlotPool:
             slot = len(self.slots)
             self.slots.append(storage)
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        return flat[:need].view(batch, nbytes), (worker, self.pid, slot)
+        return flat[:need].view(batch, nbytes), (worker, self.pid, slot), slot in self.mapped
+
+
+# Slots the main process keeps mapped, by (worker pid, slot number); each is held by the
+# `_SlotReturns` of a running loader, and leaves this mapping with it.
+_MAPPED_SLOTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _from_mapped_slot(layout: PackedLayout, slot: tuple[int, int, int], batch: int) -> PackedBatch:
+    """Unpickle, in the main process, a batch that a worker sent by its slot's name."""
+    storage = _MAPPED_SLOTS.get(slot[1:])
+    if storage is None:
+        raise RuntimeError(f"loader worker {slot[1]} sent slot {slot[2]}, which is not mapped here")
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    rows = flat[: batch * layout.nbytes].view(batch, layout.nbytes)
+    return PackedBatch(rows, layout, slot, in_slot=True)
 
 
 @dataclass(frozen=True)
@@ -721,17 +750,17 @@ class PatchDataset(Dataset):
         # One layout per batch: a batch mixing uint8 and uint16 volumes carries uint16.
         dtype = np.result_type(*(self._record(p.record).image.dtype for p in plans))
         layout = PackedLayout(self.patch_size, np.dtype(dtype).name)
-        slot = None
+        slot, by_name = None, False
         if pool is None:
             rows = torch.empty((len(plans), layout.nbytes), dtype=torch.uint8)
         else:
-            rows, slot = pool.rows(len(plans), layout.nbytes)
+            rows, slot, by_name = pool.rows(len(plans), layout.nbytes)
         host = rows.numpy()
         for plan, row in zip(plans, host, strict=True):
             for lo, hi in layout.gaps:
                 row[lo:hi] = 0  # alignment padding: a row's bytes are a function of the sample
             self._write(plan, layout.arrays(row))
-        return PackedBatch(rows, layout, slot, in_slot=slot is not None)
+        return PackedBatch(rows, layout, slot, in_slot=slot is not None, by_name=by_name)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """Sample `index` unpacked on the host, as `SAMPLE_KEYS` (module docstring): the image
@@ -746,12 +775,13 @@ class _PackedStream(Dataset):
 
     The DataLoader calls `__getitems__` with a batch's indices when a dataset has it; the
     collate function then passes the batch through (`_as_batch`). In a worker the rows are
-    that worker's shared slots (`_SlotPool`), handed back through `returns[worker id]`.
+    that worker's shared slots (`_SlotPool`), handed back through `returns[worker id]` by the
+    main process's `_SlotReturns` (set up by `PackedLoader` before the workers start).
     """
 
     def __init__(self, dataset: PatchDataset) -> None:
         self.dataset = dataset
-        self.returns: list[Any] | None = None  # set by PackedLoader before workers start
+        self.returns: list[Any] | None = None
         self._pool: _SlotPool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -778,53 +808,84 @@ def _as_batch(batch: PackedBatch) -> PackedBatch:
     return batch
 
 
-class PackedLoader(DataLoader):
-    """The DataLoader of `build_loader`: yields `PackedBatch`es whose rows are private.
+# The number of references to a storage's memory (tensors, views, NumPy arrays of them, storage
+# objects). Private to torch; without it, batches are copied out of their slots instead.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
-    A worker's batch arrives in one of that worker's shared slots (`_SlotPool`). Before it is
-    yielded it is copied out (the pin-memory thread's copy counts, when pinning is on) and the
-    slot goes back to the worker, so what the caller holds is never overwritten. The main
-    process keeps the slots mapped while it iterates, so receiving a reused slot costs no new
-    mapping or page faults.
+
+class _SlotReturns:
+    """The main process's side of the slots: which it holds, and handing them back.
+
+    A batch is yielded in its slot, without a copy, and the slot stays mapped here (so the
+    slot's next batch needs no new mapping). The slot goes back to its worker once nothing but
+    that mapping refers to its memory: no tensor, view or NumPy array of the batch is left,
+    checked at every batch (a loop that keeps its last batch until the next frees it one
+    batch later). Where torch cannot count references the batch is copied out instead, and
+    the slot goes back at once, as it does when the pin-memory thread has already copied it.
     """
+
+    def __init__(self, returns: list[Any]) -> None:
+        self.returns = returns
+        self.mapped: dict[tuple[int, int, int], torch.UntypedStorage] = {}
+        self.lent: set[tuple[int, int, int]] = set()
+
+    def claim(self, batch: PackedBatch) -> PackedBatch:
+        """The batch as the caller may keep it; slots no longer used go back first."""
+        self.give_back_unused()
+        rows = batch.rows
+        if batch.in_slot:
+            storage = rows.untyped_storage()
+            # The worker may send this slot's next batch by name (`_from_mapped_slot`).
+            self.mapped[batch.slot] = storage
+            _MAPPED_SLOTS[batch.slot[1:]] = storage
+            if _use_count is not None:
+                self.lent.add(batch.slot)
+                return PackedBatch(rows, batch.layout)
+            tune_malloc()  # the copies come from a warm heap, not fresh pages each time
+            own = torch.empty(rows.shape, dtype=torch.uint8)
+            np.copyto(own.numpy(), rows.numpy())  # one thread; torch's copy_ would use OpenMP
+            rows = own
+        self._give_back(batch.slot)
+        return PackedBatch(rows, batch.layout)
+
+    def give_back_unused(self) -> None:
+        for slot in list(self.lent):
+            # One reference: the storage object in `mapped`.
+            if _use_count is not None and _use_count(self.mapped[slot]._cdata) <= 1:
+                self.lent.discard(slot)
+                self._give_back(slot)
+
+    def _give_back(self, slot: tuple[int, int, int]) -> None:
+        worker, pid, number = slot
+        if 0 <= worker < len(self.returns):
+            self.returns[worker].put((pid, number, slot in self.mapped))
+
+
+class PackedLoader(DataLoader):
+    """The DataLoader of `build_loader`: yields `PackedBatch`es and recycles worker slots.
+
+    A worker's batch arrives in one of that worker's shared slots (`_SlotPool`); `_SlotReturns`
+    decides when the slot may be written again: never while the caller still refers to the
+    batch.
+    """
+
+    slot_returns: _SlotReturns | None = None
 
     def _get_iterator(self) -> Any:
         if self.num_workers > 0 and isinstance(self.dataset, _PackedStream):
             # Fresh queues for the workers this call starts (persistent ones start once).
             context = self.multiprocessing_context or torch.multiprocessing
             self.dataset.returns = [context.SimpleQueue() for _ in range(self.num_workers)]
+            self.slot_returns = _SlotReturns(self.dataset.returns)
         return super()._get_iterator()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches = super().__iter__()
-        returns = getattr(self.dataset, "returns", None)
-        mapped: dict[tuple[int, int, int], torch.UntypedStorage] = {}
-        try:
-            for batch in batches:
-                if isinstance(batch, PackedBatch) and batch.slot is not None:
-                    batch = _claim(batch, returns, mapped)
-                yield batch
-        finally:
-            mapped.clear()
-
-
-def _claim(
-    batch: PackedBatch,
-    returns: list[Any] | None,
-    mapped: dict[tuple[int, int, int], torch.UntypedStorage],
-) -> PackedBatch:
-    """A private copy of a batch that arrived in a worker's slot; then the slot goes back."""
-    rows = batch.rows
-    if batch.in_slot:
-        mapped[batch.slot] = rows.untyped_storage()  # torch's cache then finds it mapped
-        tune_malloc()  # the copies come from a warm heap, not fresh pages each time
-        own = torch.empty(rows.shape, dtype=torch.uint8)
-        np.copyto(own.numpy(), rows.numpy())  # one thread; torch's copy_ would use OpenMP
-        rows = own
-    worker, pid, slot = batch.slot
-    if returns is not None and 0 <= worker < len(returns):
-        returns[worker].put((pid, slot))
-    return PackedBatch(rows, batch.layout)
+        returns = self.slot_returns
+        for batch in batches:
+            if returns is not None and isinstance(batch, PackedBatch) and batch.slot is not None:
+                batch = returns.claim(batch)
+            yield batch
 
 
 class StreamSampler(Sampler[int]):
