@@ -15,8 +15,10 @@ import yaml
 import zarr
 from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
+from ctseg.masks import binary_mask
 from ctseg.report import fmt
 from ctseg.targets import targets_reference
+from ctseg.tuning import load_tuned
 
 
 def test_precompute_targets_end_to_end(workflow_dir: Path):
@@ -129,7 +131,9 @@ def test_default_target_runs_the_whole_demo_with_phase_auto(workflow_dir: Path):
             str(results / "tiny" / "probabilities" / f"{record_id}.zarr"), mode="r"
         )
         assert probabilities.dtype == np.float16
-        np.testing.assert_array_equal(mask, (probabilities[:] > 0.5).astype(np.uint8))
+        # infer.postprocess: tuned (the default): the settings chosen on the val split.
+        tuned = load_tuned(results / "tiny" / "postprocess" / "tuned.json")
+        np.testing.assert_array_equal(mask, binary_mask(probabilities[:], tuned)[0])
 
     scores = pd.read_csv(results / "tiny" / "evaluation" / "scores.csv", dtype={"id": str})
     assert sorted(scores["id"]) == sorted(test_ids)

@@ -267,7 +267,7 @@ def cmd_infer(args: argparse.Namespace) -> None:
         model,
         Path(args.image),
         Path(args.probabilities),
-        Path(args.mask),
+        Path(args.mask) if args.mask else None,
         window=args.window or patch,
         overlap=args.overlap,
         batch_size=args.batch_size,
@@ -280,6 +280,51 @@ def cmd_infer(args: argparse.Namespace) -> None:
         fill_holes=args.fill_holes,
     )
     print(json.dumps(row, indent=1, default=str))
+
+
+def cmd_tune_postprocess(args: argparse.Namespace) -> None:
+    from ctseg.tuning import SearchSpace, tune_postprocess, volumes_from_paths
+
+    given = {
+        "thresholds": args.thresholds,
+        "refine_step": args.refine_step,
+        "hysteresis_offsets": args.hysteresis_offsets,
+        "min_component_voxels": args.min_component_voxels,
+    }
+    space = SearchSpace(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None},
+        fill_holes=not args.no_fill_holes,
+    )
+    volumes = volumes_from_paths(
+        [Path(p) for p in args.probabilities], [Path(p) for p in args.labels]
+    )
+    print(
+        f"tune-postprocess: at most {space.max_candidates()} candidates x {len(volumes)} "
+        f"volume(s), {args.topo_method}",
+        file=sys.stderr,
+    )
+    summary = tune_postprocess(
+        volumes, Path(args.out), space, workers=args.workers, topo_method=args.topo_method
+    )
+    print(json.dumps(summary, indent=1))
+
+
+def cmd_postprocess(args: argparse.Namespace) -> None:
+    from ctseg.infer import write_mask
+    from ctseg.masks import PostprocessSettings
+    from ctseg.tuning import load_tuned
+
+    if args.settings:
+        settings = load_tuned(Path(args.settings))
+    else:
+        settings = PostprocessSettings(
+            threshold=args.threshold,
+            hysteresis_high=args.hysteresis_high,
+            min_component_voxels=args.min_component_voxels,
+            fill_holes=args.fill_holes,
+        )
+    info = write_mask(Path(args.probabilities), Path(args.mask), settings)
+    print(json.dumps(info, indent=1))
 
 
 def cmd_score(args: argparse.Namespace) -> None:
@@ -319,6 +364,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         evaluation_dir=optional(args.evaluation_dir),
         overlays=overlays,
         benchmarks_dir=optional(args.benchmarks_dir),
+        postprocess_dir=optional(args.postprocess_dir),
     )
 
 
@@ -423,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("infer", help="sliding-window inference of one volume")
     p.add_argument("weights", help="last.pt written by ctseg train")
     p.add_argument("image", help="image .zarr written by ctseg convert")
-    p.add_argument("--mask", required=True, help="uint8 mask TIFF to write (submission layout)")
+    p.add_argument(
+        "--mask", default=None, help="uint8 mask TIFF to write (default: probabilities only)"
+    )
     p.add_argument("--probabilities", required=True, help="float16 probability .zarr to write")
     p.add_argument("--window", type=_shape, default=None, help="default: the training patch")
     p.add_argument("--overlap", type=float, default=0.5)
@@ -442,6 +490,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_infer)
+
+    p = sub.add_parser(
+        "tune-postprocess",
+        help="choose threshold, hysteresis, small-component removal and hole filling by the "
+        "competition score on probabilities with labels; tuned.json + candidates.csv",
+    )
+    p.add_argument("--probabilities", nargs="+", required=True, help="<id>.zarr from infer")
+    p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
+    p.add_argument("--out", required=True, help="directory for tuned.json and candidates.csv")
+    # Defaults (None): ctseg.tuning.SearchSpace's, the grid its docstring describes.
+    p.add_argument("--thresholds", type=float, nargs="+", default=None, help="0.1 .. 0.9")
+    p.add_argument("--refine-step", type=float, default=None, help="0.05; 0: no refinement")
+    p.add_argument(
+        "--hysteresis-offsets", type=float, nargs="*", default=None, help="0.1 0.2; none: off"
+    )
+    p.add_argument(
+        "--min-component-voxels",
+        type=int,
+        nargs="*",
+        default=None,
+        help="16 64 256 1024: sizes tried beside keeping every component; none: off",
+    )
+    p.add_argument("--no-fill-holes", action="store_true", help="do not try hole filling")
+    p.add_argument("--workers", type=int, default=1, help="scoring processes")
+    p.add_argument(
+        "--topo-method", choices=["betti_matching", "betti_counts"], default="betti_matching"
+    )
+    p.set_defaults(func=cmd_tune_postprocess)
+
+    p = sub.add_parser("postprocess", help="probabilities to the uint8 mask of the submission")
+    p.add_argument("probabilities", help="float16 probability .zarr written by ctseg infer")
+    p.add_argument("mask", help="uint8 mask TIFF to write")
+    p.add_argument("--settings", default=None, help="tuned.json; overrides the options below")
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--hysteresis-high", type=float, default=None)
+    p.add_argument("--min-component-voxels", type=int, default=0)
+    p.add_argument("--fill-holes", action="store_true")
+    p.set_defaults(func=cmd_postprocess)
 
     p = sub.add_parser("score", help="every part of the competition score for one pair")
     p.add_argument("pred", help="predicted mask, multi-page TIFF")
@@ -475,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a volume to show: image/label .zarr and prediction .tif (repeatable)",
     )
     p.add_argument("--benchmarks-dir", default=None, help="Snakemake benchmark: TSVs")
+    p.add_argument("--postprocess-dir", default=None, help="tuned.json and candidates.csv")
     p.set_defaults(func=cmd_report)
 
     return parser

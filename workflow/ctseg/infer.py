@@ -63,10 +63,11 @@ On a CPU the gain over one window at a time comes from batching (PyTorch sends e
 convolution of a batch of two or more to oneDNN) and from keeping freed activation buffers in
 the heap (`ctseg.data.tune_malloc`); bench/infer.py measures both.
 
-Memory of `postprocess`: the threshold is applied slab by slab; with neither component removal
-nor hole filling the mask is streamed page by page into the TIFF. ``min_component_voxels`` (cc3d,
-26-connectivity) and ``fill_holes`` need the whole mask: then this step holds one uint8 volume
-(1 byte per voxel, plus scipy's temporaries of the same size for hole filling).
+Memory of `postprocess`: a plain threshold is applied slab by slab and the mask streamed page
+by page into the TIFF. Hysteresis, ``min_component_voxels`` (cc3d, 26-connectivity) and
+``fill_holes`` need the whole volume (`ctseg.masks`): then this step holds the float16
+probabilities, a uint8 mask and cc3d's 4-byte labels (about 8 bytes a voxel, plus scipy's
+temporaries of the mask's size for hole filling).
 """
 
 from __future__ import annotations
@@ -81,16 +82,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import cc3d
 import numpy as np
 import tifffile
 import torch
 import zarr
-from scipy import ndimage
 from tqdm import tqdm
 
 from ctseg.data import tune_malloc
 from ctseg.io import CtsegError, atomic_path, check_id
+from ctseg.masks import PostprocessSettings, binary_mask
 from ctseg.model import build_model
 from ctseg.store import create_volume, open_volume
 
@@ -642,42 +642,40 @@ def postprocess(
     threshold: float = 0.5,
     min_component_voxels: int = 0,
     fill_holes: bool = False,
+    hysteresis_high: float | None = None,
 ) -> dict[str, Any]:
-    """Binary mask (prob > threshold), optionally cleaned, as a uint8 0/1 multi-page TIFF.
+    """Binary mask of a probability store, optionally cleaned, as a uint8 0/1 multi-page TIFF.
 
-    ``min_component_voxels``: drop 26-connected components with fewer voxels (cc3d.dust).
-    ``fill_holes``: fill 3D cavities (scipy binary_fill_holes on the whole volume, after the
-    component removal). Per volume, not per slice: a sheet crossing a slice is a curve there,
-    and per-slice filling would fill the background enclosed between wraps of the scroll.
+    The settings are those of `ctseg.masks.PostprocessSettings` (threshold or hysteresis,
+    small-component removal, 3D hole filling; `ctseg.masks.binary_mask` applies them, the
+    same function the tuning search scores with).
     """
+    settings = PostprocessSettings(
+        threshold=threshold,
+        hysteresis_high=hysteresis_high,
+        min_component_voxels=min_component_voxels,
+        fill_holes=fill_holes,
+    )
+    return write_mask(Path(prob_store), Path(out_tif), settings)
+
+
+def write_mask(prob_store: Path, out_tif: Path, settings: PostprocessSettings) -> dict[str, Any]:
+    """`postprocess` with its settings as one value (how the tuned settings are applied)."""
     prob_store, out_tif = Path(prob_store), Path(out_tif)
-    if not 0 <= threshold < 1:
-        raise CtsegError(f"threshold={threshold!r}: expected 0 <= threshold < 1")
-    if min_component_voxels < 0:
-        raise CtsegError(f"min_component_voxels={min_component_voxels!r}: expected >= 0")
     probs = _open_array(prob_store, "probability store")
     shape = tuple(int(s) for s in probs.shape)
-    whole = min_component_voxels > 0 or fill_holes
-    info: dict[str, Any] = {"threshold": threshold, "holds_whole_mask": whole}
+    whole = settings.whole_volume
+    info: dict[str, Any] = {**settings.as_dict(), "holds_whole_mask": whole}
     with atomic_path(out_tif) as tmp:
         if not whole:
             counter = [0]
-            pages = _threshold_pages(probs, threshold, counter)
+            pages = _threshold_pages(probs, settings.threshold, counter)
             tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack")
             info["foreground_voxels"] = counter[0]
         else:
-            mask = np.empty(shape, np.uint8)
-            for z0, slab in _threshold_slabs(probs, threshold):
-                mask[z0 : z0 + slab.shape[0]] = slab
-            before = int(np.count_nonzero(mask))
-            if min_component_voxels > 0:
-                cc3d.dust(mask, threshold=min_component_voxels, connectivity=26, in_place=True)
-            after_dust = int(np.count_nonzero(mask))
-            if fill_holes:
-                mask = ndimage.binary_fill_holes(mask).view(np.uint8)
-            info["foreground_voxels"] = int(np.count_nonzero(mask))
-            info["removed_voxels"] = before - after_dust
-            info["filled_voxels"] = info["foreground_voxels"] - after_dust
+            # float16, as stored: 2 bytes a voxel, the same values the search thresholded.
+            mask, counts = binary_mask(np.asarray(probs[...]), settings)
+            info.update(counts)
             tifffile.imwrite(tmp, mask, photometric="minisblack")
     return info
 
@@ -795,28 +793,29 @@ def predict_record(
     model: torch.nn.Module,
     image_store: Path,
     probabilities: Path,
-    mask: Path,
+    mask: Path | None,
     *,
     threshold: float,
     min_component_voxels: int,
     fill_holes: bool,
+    hysteresis_high: float | None = None,
     **inference: Any,
 ) -> dict[str, Any]:
     """One volume: the probabilities (`infer_volume`, with `inference`'s settings), then the
-    post-processed mask. The threshold is checked first, before the long inference."""
-    if not 0 <= threshold < 1:
-        raise CtsegError(f"threshold {threshold!r}: expected 0 <= threshold < 1")
-    info = infer_volume(model, Path(image_store), Path(probabilities), **inference)
-    post = postprocess(
-        Path(probabilities),
-        Path(mask),
+    post-processed mask (none when `mask` is None: the workflow post-processes in a step of its
+    own, with settings tuned on the val split's probabilities). The settings are checked first,
+    before the long inference."""
+    settings = PostprocessSettings(
         threshold=threshold,
+        hysteresis_high=hysteresis_high,
         min_component_voxels=min_component_voxels,
         fill_holes=fill_holes,
     )
+    info = infer_volume(model, Path(image_store), Path(probabilities), **inference)
+    post = None if mask is None else write_mask(Path(probabilities), Path(mask), settings)
     return {
-        "prediction": str(mask),
+        "prediction": None if mask is None else str(mask),
         "probabilities": str(probabilities),
         "inference": info,
-        "mask": post,
+        "mask": post or {},
     }

@@ -291,6 +291,75 @@ def prediction(record_id):
     return f"results/{EXP_NAME}/predictions/{record_id}.tif"
 
 
+def probability(record_id):
+    """The model's float16 probabilities of a record (rule infer); masks come from them."""
+    return f"results/{EXP_NAME}/probabilities/{record_id}.zarr"
+
+
+# Where rule tune_postprocess writes tuned.json (the chosen settings) and candidates.csv.
+TUNED_DIR = f"results/{EXP_NAME}/postprocess"
+
+
+def tune_ids():
+    """Labelled volumes the post-processing is tuned on: the experiment's val split, held out
+    of training. (With real data evaluate scores the same split, so its score is optimistic
+    by what the tuning fitted; the demo scores its separate test volumes.)"""
+    return list(SPLIT.loc[SPLIT["split"] == "val", "id"])
+
+
+def postprocess_settings_file():
+    """tuned.json when infer.postprocess is tuned (a mask then waits for the search), else
+    nothing: the fixed values in config infer are passed as arguments."""
+    if config["infer"]["postprocess"] != "tuned":
+        return []
+    if not tune_ids():
+        raise WorkflowError(
+            f"infer.postprocess: tuned needs a val split to tune on, and experiment "
+            f"{EXP_NAME!r} has none: set split.val_fraction above 0 or list split.val_ids, "
+            "or set infer.postprocess: fixed"
+        )
+    return f"{TUNED_DIR}/tuned.json"
+
+
+def postprocess_report_inputs():
+    """tuned.json and candidates.csv for the report, when the masks are tuned."""
+    if not postprocess_settings_file():
+        return []
+    return [f"{TUNED_DIR}/tuned.json", f"{TUNED_DIR}/candidates.csv"]
+
+
+def postprocess_args(wildcards):
+    """`ctseg postprocess` options: the tuned file, or the fixed values of config infer."""
+    if config["infer"]["postprocess"] == "tuned":
+        return f"--settings {postprocess_settings_file()}"
+    infer = config["infer"]
+    high = infer["hysteresis_high"]
+    options = [
+        f"--threshold {infer['threshold']}",
+        f"--hysteresis-high {high}" if high is not None else "",
+        f"--min-component-voxels {infer['min_component_voxels']}",
+        "--fill-holes" if infer["fill_holes"] else "",
+    ]
+    return " ".join(o for o in options if o)
+
+
+def tune_args():
+    """The search space of `ctseg tune-postprocess`, from config infer.tune."""
+    tune = config["infer"]["tune"]
+
+    def values(option, items):
+        return " ".join([option, *(str(v) for v in items)])
+
+    options = [
+        values("--thresholds", tune["thresholds"]),
+        f"--refine-step {tune['refine_step']}",
+        values("--hysteresis-offsets", tune["hysteresis_offsets"]),
+        values("--min-component-voxels", tune["min_component_voxels"]),
+        "" if tune["fill_holes"] else "--no-fill-holes",
+    ]
+    return " ".join(o for o in options if o)
+
+
 def overlay_ids(count=3):
     return eval_ids()[:count]
 

@@ -10,6 +10,8 @@ rule report:
         # label store no other rule needs, such as a held-out volume's, is converted first.
         images=[IMAGE_STORE.format(id=i) for i in overlay_ids()],
         labels=[LABEL_STORE.format(id=i) for i in overlay_ids()],
+        # The tuned post-processing (infer.postprocess: tuned), nothing when fixed.
+        postprocess=postprocess_report_inputs(),
     output:
         report(
             "results/report.html",
@@ -27,8 +29,13 @@ rule report:
         overlays=overlay_args(),
         # Timings of every job so far; the report lists the files it read.
         benchmarks="results/benchmarks",
+        postprocess=lambda wildcards, input: (
+            f"--postprocess-dir {Path(input.postprocess[0]).parent}"
+            if input.postprocess
+            else ""
+        ),
     shell:
         "ctseg report --out {output:q} --experiment {params.experiment} "
         "--phases {input.trials:q} --train-dir {params.train_dir:q} "
         "--evaluation-dir {params.evaluation_dir:q} {params.overlays} "
-        "--benchmarks-dir {params.benchmarks} > {log} 2>&1"
+        "--benchmarks-dir {params.benchmarks} {params.postprocess} > {log} 2>&1"

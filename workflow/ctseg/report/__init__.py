@@ -28,6 +28,7 @@ from ctseg.report.markup import Sources
 from ctseg.report.overlays import Overlay, overlay_section
 from ctseg.report.page import IMAGE_CHECK_SCRIPT, page, sources_section
 from ctseg.report.phases import phase_section
+from ctseg.report.postprocess import postprocess_section
 from ctseg.report.scores import evaluation_section
 from ctseg.report.timings import timing_section
 from ctseg.report.training import training_section
@@ -46,6 +47,7 @@ def build_report(
     benchmarks_dir: Path | None,
     title: str = "ctseg report",
     root: Path | None = None,
+    postprocess_dir: Path | None = None,
 ) -> None:
     """Write the report to `out_html` atomically; see the module docstring.
 
@@ -57,6 +59,7 @@ def build_report(
         phase_section(phase_summaries, src),
         training_section(train_dir, src),
         evaluation_section(evaluation_dir, src),
+        postprocess_section(postprocess_dir, src),
         overlay_section(overlays, src),
         timing_section(benchmarks_dir, src),
     ]

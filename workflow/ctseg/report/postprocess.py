@@ -1,0 +1,109 @@
+"""The report's post-processing section: the settings `ctseg tune-postprocess` chose on the val
+split, against the default threshold 0.5, and every candidate it scored (tuned.json and
+candidates.csv, see ctseg.tuning)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ctseg.formatting import fmt
+from ctseg.report.markup import (
+    Sources,
+    esc,
+    missing,
+    png,
+    read_json,
+    read_table,
+    records,
+    source_line,
+    table,
+)
+
+CANDIDATE_COLUMNS = ("stage", "label", "score", "surface_dice", "voi_score", "topo_score", "chosen")
+
+
+def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
+    out = ['<h2 id="postprocess">Post-processing</h2>']
+    if tuned_dir is None:
+        note = (
+            "Not tuned in this run (<code>infer.postprocess: fixed</code>): the masks use the "
+            "threshold, hysteresis, component size and hole filling fixed in the config."
+        )
+        return "\n".join([*out, f"<p class='note'>{note}</p>"])
+    tuned_json = Path(tuned_dir) / "tuned.json"
+    candidates_csv = Path(tuned_dir) / "candidates.csv"
+    names = []
+    if tuned_json.exists():
+        out.append(_choice_block(read_json(tuned_json)))
+        names.append(src.use(tuned_json))
+    else:
+        out.append(missing("Tuned settings", [src.rel(tuned_json)]))
+    if candidates_csv.exists():
+        candidates = read_table(candidates_csv)
+        names.append(src.use(candidates_csv))
+        out.append(_candidates_block(candidates))
+    else:
+        out.append(missing("Candidates", [src.rel(candidates_csv)]))
+    out.append(source_line(names))
+    return "\n".join(out)
+
+
+def _choice_block(tuned: Mapping[str, Any]) -> str:
+    settings = tuned.get("settings") or {}
+    search = tuned.get("search") or {}
+    volumes = tuned.get("volumes") or []
+    rows = [
+        ["chosen", str(tuned.get("label", "n/a")), fmt(tuned.get("score"), 4)],
+        ["default (threshold 0.5)", "t>0.5", fmt((tuned.get("default") or {}).get("score"), 4)],
+    ]
+    setting_rows = [
+        [key, "none" if value is None else fmt(value)] for key, value in settings.items()
+    ]
+    return (
+        f"<p>Chosen by the competition score (TopoScore by <b>{esc(tuned.get('topo_method'))}"
+        f"</b>) on the probabilities of {len(volumes)} val volume(s) "
+        f"({esc(', '.join(map(str, volumes)))}), held out of training; the masks of every "
+        f"predicted volume use it. Gain over the default: "
+        f"<b>{fmt(tuned.get('gain_over_default'), 3)}</b> on these volumes. Search: "
+        f"{esc(search.get('method', 'n/a'))}; {fmt(tuned.get('candidates'))} candidates scored "
+        f"(at most {fmt(search.get('max_candidates'))}) in {fmt(tuned.get('seconds'))} s.</p>"
+        + table(["", "settings", "mean score"], rows)
+        + table(["setting", "chosen"], setting_rows)
+    )
+
+
+def _candidates_block(candidates: pd.DataFrame) -> str:
+    columns = [c for c in CANDIDATE_COLUMNS if c in candidates.columns]
+    rows = [[fmt(row[c], 4) for c in columns] for row in records(candidates)]
+    note = ""
+    if "chosen" in candidates and "label" in candidates:
+        chosen = candidates.loc[candidates["chosen"].astype(bool), "label"]
+        if len(chosen):
+            note = f"<p class='note'>Chosen: <b>{esc(chosen.iloc[0])}</b> (highest mean score).</p>"
+    return "<h3>Candidates</h3>" + note + _threshold_plot(candidates) + table(columns, rows)
+
+
+def _threshold_plot(candidates: pd.DataFrame) -> str:
+    """Mean score against the threshold for the plain thresholds, the other stages as points."""
+    needed = {"stage", "threshold", "score"}
+    if not needed <= set(candidates.columns) or candidates.empty:
+        return ""
+    plain = candidates[candidates["stage"].isin(["threshold", "refine"])].sort_values("threshold")
+    others = candidates[~candidates["stage"].isin(["threshold", "refine"])]
+    fig = Figure(figsize=(5.5, 3.0), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(plain["threshold"], plain["score"], "o-", color="#4c72b0", label="threshold")
+    for stage, group in others.groupby("stage", sort=False):
+        ax.plot(group["threshold"], group["score"], "s", alpha=0.7, label=str(stage))
+    if "chosen" in candidates and candidates["chosen"].astype(bool).any():
+        best = candidates[candidates["chosen"].astype(bool)].iloc[0]
+        ax.plot(best["threshold"], best["score"], "*", ms=14, color="#c44e52", label="chosen")
+    ax.axvline(0.5, color="#999", lw=0.8, ls="--")
+    ax.set(xlabel="threshold (hysteresis: low)", ylabel="mean score", xlim=(0, 1))
+    ax.legend(fontsize=7)
+    return png(fig, "mean competition score of each post-processing candidate")

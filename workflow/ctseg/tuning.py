@@ -1,0 +1,393 @@
+"""Post-processing chosen by the competition score on the val split's probabilities.
+
+Top solutions of the Vesuvius surface-detection competition gained 0.02 to 0.035 from
+post-processing chosen against the score (DOMAIN.md, "The field"): the threshold, hysteresis,
+removing small components, filling holes. `tune_postprocess` searches these settings
+(`ctseg.masks.PostprocessSettings`) on probability stores already written by `ctseg infer`
+(the model is not run again) against their labels, scoring every candidate with the exact
+competition score (`ctseg.metrics`, Betti matching by default), and writes
+
+* ``tuned.json``: the chosen settings, their mean score, the default's (threshold 0.5 and
+  nothing else) and the gain over it, the search space and its size;
+* ``candidates.csv``: one row per candidate scored: the stage, the settings, the mean score and
+  its three terms, and each volume's score.
+
+The search is a bounded coordinate search, one setting at a time, each stage starting from the
+best so far (a full grid over four settings would cost hundreds of exact scores per volume):
+
+1. ``threshold``: every threshold of the grid (0.5 always among them);
+2. ``refine``: the best threshold +- ``refine_step``;
+3. ``hysteresis``: with the best threshold t, for each offset d the pairs (low t, high t + d),
+   which drop weak blobs that never reach t + d, and (low t - d, high t), which keep weak
+   voxels attached to surface above t;
+4. ``min_component``: each minimum component size with the best binarisation;
+5. ``fill_holes``: hole filling on top of the best.
+
+At most ``max_candidates`` candidates (20 by default) are scored on each volume; a candidate
+already scored in an earlier stage is not scored again. A candidate replaces the best only when
+it scores strictly higher, so ties keep the simpler settings found first.
+
+Volumes are scored in a pool of ``workers`` spawned processes, like `ctseg evaluate`; each
+worker keeps the last volumes it read, so a volume's probabilities and label are read once per
+worker rather than once per candidate. The score is the same function either way (rows are in
+candidate order), so a parallel search gives the same result as a serial one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from ctseg.io import CtsegError, atomic_path, check_id
+from ctseg.masks import PostprocessSettings, binary_mask, settings_from_mapping
+from ctseg.metrics import (
+    TOPO_METHODS,
+    TopoMethod,
+    combined_score,
+    prepare_masks,
+    surface_dice,
+    topo_counts,
+    topo_score_from_counts,
+    voi,
+    voi_score_from_total,
+)
+
+DEFAULT_SETTINGS = PostprocessSettings()
+TUNED_JSON = "tuned.json"
+CANDIDATES_CSV = "candidates.csv"
+STAGES = ("threshold", "refine", "hysteresis", "min_component", "fill_holes")
+SCORE_TERMS = ("score", "surface_dice", "voi_score", "topo_score")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    thresholds: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    refine_step: float = 0.05
+    hysteresis_offsets: tuple[float, ...] = (0.1, 0.2)
+    min_component_voxels: tuple[int, ...] = (16, 64, 256, 1024)
+    fill_holes: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.thresholds or any(not 0 < t < 1 for t in self.thresholds):
+            raise CtsegError(f"thresholds {list(self.thresholds)}: expected values in (0, 1)")
+        if not 0 <= self.refine_step < 1:
+            raise CtsegError(f"refine_step={self.refine_step!r}: expected 0 <= step < 1")
+        if any(not 0 < d < 1 for d in self.hysteresis_offsets):
+            raise CtsegError(
+                f"hysteresis_offsets {list(self.hysteresis_offsets)}: expected values in (0, 1)"
+            )
+        if any(isinstance(n, bool) or int(n) != n or n < 1 for n in self.min_component_voxels):
+            raise CtsegError(
+                f"min_component_voxels {list(self.min_component_voxels)}: expected integers "
+                ">= 1 (keeping every component is always a candidate)"
+            )
+
+    def grid(self) -> list[float]:
+        """The stage-1 thresholds: the grid plus the default 0.5, sorted, without repeats."""
+        return sorted({_round(t) for t in (*self.thresholds, DEFAULT_SETTINGS.threshold)})
+
+    def max_candidates(self) -> int:
+        """Candidates scored per volume at most (fewer when values leave (0, 1) or repeat)."""
+        return (
+            len(self.grid())
+            + (2 if self.refine_step > 0 else 0)
+            + 2 * len(self.hysteresis_offsets)
+            + len(set(self.min_component_voxels))
+            + (1 if self.fill_holes else 0)
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "thresholds": self.grid(),
+            "refine_step": self.refine_step,
+            "hysteresis_offsets": list(self.hysteresis_offsets),
+            "min_component_voxels": sorted(set(self.min_component_voxels)),
+            "fill_holes": self.fill_holes,
+            "max_candidates": self.max_candidates(),
+        }
+
+
+@dataclass(frozen=True)
+class Volume:
+    id: str
+    probabilities: Path
+    label: Path
+
+
+@dataclass
+class Candidate:
+    stage: str
+    settings: PostprocessSettings
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # volume id -> terms
+
+    def mean(self, term: str = "score") -> float:
+        return float(np.mean([s[term] for s in self.scores.values()]))
+
+
+def _round(x: float) -> float:
+    """Grid values without float noise (0.1 + 0.2 is not 0.3)."""
+    return round(float(x), 4)
+
+
+# ----------------------------------------------------------------------------- scoring
+def competition_score(
+    pred: np.ndarray, gt: np.ndarray, topo_method: TopoMethod = "betti_matching"
+) -> dict[str, float]:
+    """The competition score of one volume and its three terms, as `ctseg.metrics.score_volume`
+    computes them (its functions, in its order), without the diagnostics Dice and clDice that
+    the search does not need (clDice's skeletons cost more than the score's other terms)."""
+    pred_bin, gt_bin = prepare_masks(pred, gt)
+    sd = surface_dice(pred_bin, gt_bin)
+    split, merge = voi(pred_bin, gt_bin)
+    voi_s = voi_score_from_total(split + merge)
+    counts, _ = topo_counts(pred_bin, gt_bin, topo_method)
+    topo, _ = topo_score_from_counts(counts)
+    return {
+        "score": combined_score(topo, sd, voi_s),
+        "surface_dice": sd,
+        "voi_score": voi_s,
+        "topo_score": topo,
+    }
+
+
+@functools.lru_cache(maxsize=2)
+def _probabilities(path: str) -> np.ndarray:
+    from ctseg.store import open_volume
+
+    try:
+        arr = open_volume(path)
+    except Exception as exc:
+        raise CtsegError(f"{path}: cannot open the probability store: {exc}") from exc
+    if arr.ndim != 3:
+        raise CtsegError(f"{path}: expected a 3D probability volume, got shape {arr.shape}")
+    return np.asarray(arr[...])
+
+
+@functools.lru_cache(maxsize=2)
+def _label(path: str) -> np.ndarray:
+    import tifffile
+
+    try:
+        label = tifffile.imread(path)
+    except Exception as exc:  # tifffile raises many types for missing or damaged files
+        raise CtsegError(f"{path}: cannot read the label TIFF ({exc})") from exc
+    if label.ndim != 3:
+        raise CtsegError(f"{path}: expected a 3D label volume, got shape {label.shape}")
+    return label
+
+
+def _score_job(job: tuple[str, str, dict[str, Any], str]) -> dict[str, float]:
+    """One (volume, candidate) score; module-level so that a process pool can pickle it."""
+    probs_path, label_path, settings, topo_method = job
+    probs, label = _probabilities(probs_path), _label(label_path)
+    if probs.shape != label.shape:
+        raise CtsegError(
+            f"shape mismatch: probabilities {probs_path} have shape {probs.shape}, "
+            f"label {label_path} has shape {label.shape}"
+        )
+    mask, _ = binary_mask(probs, PostprocessSettings(**settings))
+    return competition_score(mask, label, topo_method)  # type: ignore[arg-type]
+
+
+class _Scorer:
+    """Scores candidates on every volume, in-process or in a pool, with one progress bar."""
+
+    def __init__(
+        self, volumes: Sequence[Volume], workers: int, topo_method: str, total: int
+    ) -> None:
+        self.volumes = list(volumes)
+        self.topo_method = topo_method
+        self.pool = (
+            ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
+        )
+        self.bar = tqdm(total=total * len(self.volumes), desc="tune-postprocess", unit="score")
+
+    def score(self, candidates: Sequence[Candidate]) -> None:
+        # Volume-major order: a worker that takes consecutive jobs reuses its cached volume.
+        jobs = [
+            (str(v.probabilities), str(v.label), c.settings.as_dict(), self.topo_method)
+            for v in self.volumes
+            for c in candidates
+        ]
+        mapped = self.pool.map(_score_job, jobs) if self.pool else map(_score_job, jobs)
+        for (v, c), result in zip(
+            ((v, c) for v in self.volumes for c in candidates), mapped, strict=True
+        ):
+            c.scores[v.id] = result
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+# ----------------------------------------------------------------------------- search
+def _stage_candidates(
+    stage: str, best: PostprocessSettings, space: SearchSpace
+) -> list[PostprocessSettings]:
+    t = best.threshold
+    if stage == "refine":
+        step = space.refine_step
+        return [
+            PostprocessSettings(threshold=_round(x))
+            for x in (t - step, t + step)
+            if step > 0 and 0 < x < 1
+        ]
+    if stage == "hysteresis":
+        pairs = []
+        for d in space.hysteresis_offsets:
+            pairs += [(t, t + d), (t - d, t)]
+        return [
+            PostprocessSettings(threshold=_round(low), hysteresis_high=_round(high))
+            for low, high in pairs
+            if 0 < low < high < 1
+        ]
+    if stage == "min_component":
+        return [
+            PostprocessSettings(best.threshold, best.hysteresis_high, int(n), best.fill_holes)
+            for n in sorted(set(space.min_component_voxels))
+        ]
+    if stage == "fill_holes":
+        if not space.fill_holes or best.fill_holes:
+            return []
+        return [
+            PostprocessSettings(
+                best.threshold, best.hysteresis_high, best.min_component_voxels, True
+            )
+        ]
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def search(
+    volumes: Sequence[Volume],
+    space: SearchSpace = SearchSpace(),
+    *,
+    workers: int = 1,
+    topo_method: TopoMethod = "betti_matching",
+) -> tuple[Candidate, list[Candidate]]:
+    """The best candidate (highest mean score over the volumes) and every candidate scored."""
+    if not volumes:
+        raise CtsegError("nothing to tune on: no volume with probabilities and a label")
+    if workers < 1:
+        raise CtsegError(f"workers must be at least 1, got {workers}")
+    if topo_method not in TOPO_METHODS:
+        raise CtsegError(f"unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}")
+    scored: dict[PostprocessSettings, Candidate] = {}
+    bound = space.max_candidates()
+    scorer = _Scorer(volumes, min(workers, bound * len(volumes)), topo_method, bound)
+    try:
+        first = [Candidate("threshold", PostprocessSettings(threshold=t)) for t in space.grid()]
+        scorer.score(first)
+        scored.update((c.settings, c) for c in first)
+        best = max(first, key=Candidate.mean)  # max keeps the first of equals
+        for stage in STAGES[1:]:
+            fresh = [
+                Candidate(stage, s)
+                for s in _stage_candidates(stage, best.settings, space)
+                if s not in scored
+            ]
+            scorer.score(fresh)
+            scored.update((c.settings, c) for c in fresh)
+            for c in fresh:
+                if c.mean() > best.mean():
+                    best = c
+    finally:
+        scorer.close()
+        # The in-process path caches volumes by path: a later search must read them afresh.
+        _probabilities.cache_clear()
+        _label.cache_clear()
+    return best, list(scored.values())
+
+
+def candidates_table(candidates: Sequence[Candidate], best: Candidate) -> pd.DataFrame:
+    rows = []
+    for i, c in enumerate(candidates):
+        row: dict[str, Any] = {"candidate": i, "stage": c.stage, **c.settings.as_dict()}
+        row["label"] = c.settings.label()
+        row.update({term: c.mean(term) for term in SCORE_TERMS})
+        row.update({f"score_{vid}": s["score"] for vid, s in c.scores.items()})
+        row["chosen"] = c is best
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def tune_postprocess(
+    volumes: Sequence[Volume],
+    out_dir: Path,
+    space: SearchSpace = SearchSpace(),
+    *,
+    workers: int = 1,
+    topo_method: TopoMethod = "betti_matching",
+) -> dict[str, Any]:
+    """Search, then write ``<out_dir>/tuned.json`` and ``<out_dir>/candidates.csv``
+    (each to a temporary path, renamed when complete); returns what tuned.json holds."""
+    ids = [v.id for v in volumes]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise CtsegError(f"volumes with the same id {duplicates}: their scores would collide")
+    t0 = time.perf_counter()
+    best, candidates = search(volumes, space, workers=workers, topo_method=topo_method)
+    seconds = time.perf_counter() - t0
+    default = next(c for c in candidates if c.settings == DEFAULT_SETTINGS)
+    summary = {
+        "settings": best.settings.as_dict(),
+        "label": best.settings.label(),
+        "score": best.mean(),
+        "terms": {term: best.mean(term) for term in SCORE_TERMS[1:]},
+        "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": default.mean()},
+        "gain_over_default": best.mean() - default.mean(),
+        "topo_method": topo_method,
+        "volumes": ids,
+        "candidates": len(candidates),
+        "search": {"method": "coordinate search: " + ", ".join(STAGES), **space.as_dict()},
+        "candidates_csv": CANDIDATES_CSV,
+        "seconds": seconds,
+    }
+    text = json.dumps(summary, indent=1)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Both written to temporaries first, then renamed one after the other: a failure on the
+    # way leaves the previous pair as it was, never a new table beside an old choice.
+    with (
+        atomic_path(out_dir / CANDIDATES_CSV) as csv_tmp,
+        atomic_path(out_dir / TUNED_JSON) as json_tmp,
+    ):
+        candidates_table(candidates, best).to_csv(csv_tmp, index=False)
+        json_tmp.write_text(text)
+    return summary
+
+
+def volumes_from_paths(probabilities: Sequence[Path], labels: Sequence[Path]) -> list[Volume]:
+    """Pair `<id>.zarr` probability stores with their labels (same order), ids from the names."""
+    if len(probabilities) != len(labels):
+        raise CtsegError(f"{len(probabilities)} probability stores but {len(labels)} labels")
+    return [
+        Volume(check_id(Path(p).name.removesuffix(".zarr"), p), Path(p), Path(g))
+        for p, g in zip(probabilities, labels, strict=True)
+    ]
+
+
+def load_tuned(path: Path) -> PostprocessSettings:
+    """The settings tuned.json chose, checked; a bad file is a one-line error naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise CtsegError(f"{path}: tuned settings not found (run ctseg tune-postprocess)") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CtsegError(f"{path}: cannot read the tuned settings: {exc}") from exc
+    if not isinstance(data, dict) or "settings" not in data:
+        raise CtsegError(f'{path}: no "settings" entry (not written by ctseg tune-postprocess?)')
+    return settings_from_mapping(data["settings"], str(path))
