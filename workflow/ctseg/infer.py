@@ -89,6 +89,7 @@ import zarr
 from tqdm import tqdm
 
 from ctseg.data import tune_malloc
+from ctseg.distributed import pick_device
 from ctseg.io import CtsegError, atomic_path, check_id
 from ctseg.masks import PostprocessSettings, binary_mask
 from ctseg.model import build_model
@@ -721,12 +722,6 @@ def load_model(
     except (ValueError, RuntimeError, TypeError, CtsegError) as exc:
         raise CtsegError(f"{weights}: weights do not match their model config: {exc}") from exc
     return model.to(pick_device(device)).eval(), patch
-
-
-def pick_device(requested: str | torch.device | None = None) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def record_id(image_store: Path) -> str:
