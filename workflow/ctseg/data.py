@@ -882,10 +882,15 @@ class PackedLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches = super().__iter__()
         returns = self.slot_returns
-        for batch in batches:
-            if returns is not None and isinstance(batch, PackedBatch) and batch.slot is not None:
-                batch = returns.claim(batch)
-            yield batch
+        try:
+            for batch in batches:
+                if returns is not None and isinstance(batch, PackedBatch) and batch.slot:
+                    batch = returns.claim(batch)
+                yield batch
+        finally:
+            if not self.persistent_workers and self.slot_returns is returns:
+                # These workers are gone: unmap their slots (batches still held keep theirs).
+                self.slot_returns = None
 
 
 class StreamSampler(Sampler[int]):
