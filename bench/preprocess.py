@@ -5,13 +5,22 @@
 
 Figures:
 - convert MB/s (TIFF -> Zarr, whole step) vs the configured codec compressing the same bytes in
-  memory, chunk by chunk: the ceiling for this step.
-- precompute_targets time and peak RSS, in one process, vs the naive whole-volume method the
-  seeds' workers used (also printed: the one-orientation `medial_surface_fast` skeleton and a
-  run with one worker process per core):
+  memory, chunk by chunk (``convert_vs_codec``), and vs zarr-python writing the same array from
+  memory with the same chunks and codec (``convert_vs_zarr_write``: the ceiling of any convert
+  that writes through zarr). Also printed, each alone in memory: the sha256 convert records,
+  the exact histogram it counts, and the codec plus plain chunk-file writes.
+- precompute_targets time and peak RSS, in one process, with the default ``distance_ridge``
+  skeleton vs the naive whole-volume method the seeds' workers used; the same for the
+  8-orientation ``medial_surface`` (the previous default, ``precompute_speedup_medial_surface``),
+  the one-orientation ``medial_surface_fast`` and a ridge run with one worker per core. The
+  naive method:
   scipy.ndimage.distance_transform_edt inside and outside, skimage.morphology.skeletonize on the
   whole volume, then the tube dilation.
 - peak RSS of convert and precompute at two volume sizes: bounded memory shows as a flat line.
+- skeleton quality of ``distance_ridge`` and ``medial_surface`` on the same volume (from the
+  stores just written): voxels per foreground voxel, mean thickness (the shortest axis-aligned
+  run of skeleton through each voxel), foreground inside the tube, 26-connected pieces (of the
+  foreground too), and the share of each skeleton within one voxel of the other.
 
 Each measurement runs in a fresh child process; peak RSS is sampled over the child and all its
 descendants together (so worker processes count), and time is measured inside the child,
@@ -28,6 +37,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
@@ -69,6 +80,49 @@ def child_codec(source: str) -> float:
     return time.perf_counter() - start
 
 
+def child_zarr_write(source: str, dest: str) -> float:
+    """zarr-python writing the volume from memory: same chunks and codec, no reading or stats."""
+    import tifffile
+
+    from ctseg.store import create_volume
+
+    volume = tifffile.imread(source)
+    array = create_volume(Path(dest), volume.shape, volume.dtype, CHUNKS, CODEC)
+    start = time.perf_counter()
+    array[...] = volume
+    return time.perf_counter() - start
+
+
+def child_files(source: str, dest: str) -> float:
+    """The codec plus one plain file per chunk: the bytes a store must write, without zarr."""
+    import tifffile
+    from numcodecs import Blosc
+
+    volume = tifffile.imread(source)
+    codec = Blosc(cname=CODEC["cname"], clevel=CODEC["clevel"], shuffle=Blosc.SHUFFLE)
+    Path(dest).mkdir()
+    start = time.perf_counter()
+    for z in range(0, volume.shape[0], 64):
+        for y in range(0, volume.shape[1], 64):
+            for x in range(0, volume.shape[2], 64):
+                chunk = np.ascontiguousarray(volume[z : z + 64, y : y + 64, x : x + 64])
+                (Path(dest) / f"{z}.{y}.{x}").write_bytes(codec.encode(chunk))
+    return time.perf_counter() - start
+
+
+def child_histogram(source: str) -> float:
+    """The exact histogram convert counts (its default budget's piece size), whole volume."""
+    import tifffile
+
+    from ctseg.convert import HISTOGRAM_SHARE, _Histogram
+
+    volume = tifffile.imread(source)
+    histogram = _Histogram(volume.dtype, int(256 * 2**20 * HISTOGRAM_SHARE) // 8)
+    start = time.perf_counter()
+    histogram.add(volume)
+    return time.perf_counter() - start
+
+
 def child_sha256(source: str) -> float:
     """Hashing the source: convert must do it (the source_sha256 attribute), so it bounds it."""
     from ctseg.io import sha256_file
@@ -79,7 +133,7 @@ def child_sha256(source: str) -> float:
 
 
 def child_precompute(
-    label_store: str, dest: str, workers: str, method: str = "medial_surface"
+    label_store: str, dest: str, workers: str, method: str = "distance_ridge"
 ) -> float:
     from ctseg.targets import compute_targets
 
@@ -119,6 +173,9 @@ CHILDREN = {
     "convert": child_convert,
     "codec": child_codec,
     "sha256": child_sha256,
+    "zarr_write": child_zarr_write,
+    "files": child_files,
+    "histogram": child_histogram,
     "precompute": child_precompute,
     "naive": child_naive,
 }
@@ -145,6 +202,27 @@ def make_volume(workdir: Path, size: int) -> tuple[Path, Path]:
     if not label_store.exists():
         convert_volume(label, label_store, kind="label", chunks=CHUNKS, codec=CODEC)
     return image, label
+
+
+def skeleton_quality(skeleton: np.ndarray, fg: np.ndarray, other: np.ndarray) -> dict:
+    """How thin, how covering and how connected a skeleton is, and how close to `other`."""
+    from scipy import ndimage
+
+    runs = np.full(skeleton.shape, np.iinfo(np.int64).max)
+    for axis in range(3):
+        line = np.zeros((3, 3, 3), dtype=bool)
+        line[tuple(slice(None) if a == axis else 1 for a in range(3))] = True
+        pieces, _ = ndimage.label(skeleton, line)
+        runs = np.minimum(runs, np.bincount(pieces.ravel())[pieces])
+    cube = np.ones((3, 3, 3), dtype=bool)
+    tube = ndimage.binary_dilation(skeleton, ndimage.generate_binary_structure(3, 1), 2)
+    return {
+        "per_fg": skeleton.sum() / fg.sum(),
+        "thickness": runs[skeleton].mean(),
+        "fg_in_tube": (tube & fg).sum() / fg.sum(),
+        "pieces": ndimage.label(skeleton, cube)[1],
+        "near_other": (skeleton & ndimage.binary_dilation(other, cube)).sum() / skeleton.sum(),
+    }
 
 
 def machine() -> str:
@@ -181,9 +259,13 @@ def main() -> None:
         convert = measure("convert", str(image), str(workdir / "c256.zarr"))
         codec = measure("codec", str(image))
         sha = measure("sha256", str(image))
+        zarr_write = measure("zarr_write", str(image), str(workdir / "z256.zarr"))
+        files = measure("files", str(image), str(workdir / "files256"))
+        histogram = measure("histogram", str(image))
         label256 = str(workdir / "label256.zarr")
         # One process against the single-process naive method: the RESULT's time and memory.
         ours = measure("precompute", label256, str(workdir / "t256.zarr"), "1")
+        union8 = measure("precompute", label256, str(workdir / "m256.zarr"), "1", "medial_surface")
         fast = measure(
             "precompute", label256, str(workdir / "f256.zarr"), "1", "medial_surface_fast"
         )
@@ -197,10 +279,14 @@ def main() -> None:
             f"  convert           {convert_mb_s:8.1f} MB/s   peak RSS {convert['rss_mb']:7.1f} MB"
         )
         print(f"  codec in memory   {codec_mb_s:8.1f} MB/s")
-        sha_mb_s = mb / sha["seconds"]
-        print(f"  sha256 of source  {sha_mb_s:8.1f} MB/s   (convert must hash: its ceiling)")
+        zarr_mb_s = mb / zarr_write["seconds"]
+        print(f"  zarr write, memory{zarr_mb_s:8.1f} MB/s   (same chunks and codec, no reading)")
+        print(f"  codec + chunk files{mb / files['seconds']:7.1f} MB/s   (the same bytes, no zarr)")
+        print(f"  sha256 of source  {mb / sha['seconds']:8.1f} MB/s   (recorded as source_sha256)")
+        print(f"  exact histogram   {mb / histogram['seconds']:8.1f} MB/s")
         for name, run in (
             ("precompute", ours),
+            ("  medial_surface", union8),
             ("  _fast skeleton", fast),
             (f"  {args.workers} workers", parallel),
         ):
@@ -208,6 +294,25 @@ def main() -> None:
         print(
             f"  naive whole-vol   {naive['seconds']:8.2f} s      peak RSS {naive['rss_mb']:7.1f} MB"
         )
+
+        import zarr
+        from scipy import ndimage
+
+        fg = zarr.open_array(label256, mode="r")[...] == 1
+        ridge = zarr.open_array(f"{workdir}/t256.zarr/skeleton", mode="r")[...].astype(bool)
+        thinned = zarr.open_array(f"{workdir}/m256.zarr/skeleton", mode="r")[...].astype(bool)
+        print("\nskeleton quality, 256^3 (thickness: shortest axis-aligned run, voxels)")
+        print(f"  foreground: 26-connected pieces {ndimage.label(fg, np.ones((3, 3, 3)))[1]}")
+        for name, skel, other in (
+            ("distance_ridge", ridge, thinned),
+            ("medial_surface", thinned, ridge),
+        ):
+            q = skeleton_quality(skel, fg, other)
+            print(
+                f"  {name:<15} per fg voxel {q['per_fg']:.3f}  thickness {q['thickness']:.2f}  "
+                f"fg in tube {q['fg_in_tube']:.4f}  pieces {q['pieces']}  "
+                f"within 1 voxel of the other {q['near_other']:.4f}"
+            )
 
         rss = {}
         print("\npeak RSS by volume size (MB)")
@@ -240,7 +345,9 @@ def main() -> None:
     )
     print(
         f"\nRESULT preprocess convert_vs_codec={convert_mb_s / codec_mb_s:.2f} "
+        f"convert_vs_zarr_write={convert_mb_s / zarr_mb_s:.2f} "
         f"precompute_speedup={naive['seconds'] / ours['seconds']:.1f} "
+        f"precompute_speedup_medial_surface={naive['seconds'] / union8['seconds']:.1f} "
         f"precompute_rss_ratio={ours['rss_mb'] / naive['rss_mb']:.3f} "
         f"rss_growth={growth:.2f}"
     )

@@ -208,10 +208,10 @@ def _medial_surface(
 
 def _ridge_depth(sq: np.ndarray, fg: np.ndarray) -> np.ndarray:
     """uint8 squared depth: min(squared distance to the nearest non-foreground voxel, RIDGE_CAP)
-    inside the foreground, 0 outside. `sq` may be inf (edt's answer where there is no
-    background at all): that saturates too."""
-    depth = np.minimum(sq, RIDGE_CAP).astype(np.uint8)
-    depth *= fg.astype(bool)
+    inside the foreground (0 or 1 per voxel), 0 outside. `sq` may be inf (edt's answer where
+    there is no background at all): that saturates too. Clips `sq` in place: no float copy."""
+    depth = np.minimum(sq, RIDGE_CAP, out=sq).astype(np.uint8)
+    depth *= fg
     return depth
 
 
@@ -536,7 +536,7 @@ def _block_ridge(
         empty = np.zeros(block_shape, dtype=bool)
         return np.full(block_shape, -plan.clip_distance, dtype=np.float16), empty, empty
     sq = edt.edtsq(fg + np.uint8(1), black_border=False, parallel=plan.edt_threads)
-    sdt = _sdt_from_squares(sq[inner], fg[inner], plan.clip_distance)
+    sdt = _sdt_from_squares(sq[inner], fg[inner], plan.clip_distance)  # before sq is clipped
     grown = [_grow(o, e, k, s) for o, e, s in zip(origin, stop, shape, strict=True)]
     skel = _distance_ridge(_ridge_depth(sq, fg), _local(lo, *zip(*grown, strict=True)))
     tube = _dilate6(skel, k) if k > 0 else skel
