@@ -10,7 +10,6 @@ that file here too, so a bench runs what `snakemake` would run.
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import os
 import shutil
@@ -64,50 +63,27 @@ def child_env() -> dict[str, str]:
     return env
 
 
-@functools.cache
-def _help(step: str) -> str:
-    out = subprocess.run(
-        [*ctseg_command(), step, "--help"],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        check=False,
-    )
-    return out.stdout
-
-
 def experiment_args(
     step: str, exp: Mapping[str, Any], phases: Mapping[Any, Any] | None, workdir: Path
 ) -> list[str]:
-    """The experiment (and for trial/train the phase table) as `ctseg <step>` takes them.
-
-    The one place that builds them. The CLI is moving from JSON on the command line to file
-    paths, as the rules are; until that has landed everywhere, its own --help says which form
-    this `ctseg` takes. The files are written either way, as a record of what ran.
-    """
-    phase_table = {int(k): dict(v) for k, v in (phases or {}).items()}
+    """The experiment (and for trial/train the phase table) as `ctseg <step>` takes them, as
+    the rules pass them: file paths. The one place that builds them. The experiment file is
+    named for the experiment, as ctseg's config loader requires."""
     config_dir = workdir / "config"
-    exp_file = config_dir / "experiments" / f"{exp['name']}.yaml"  # the name must match
-    phases_file = config_dir / "phases.yaml"
+    exp_file = config_dir / "experiments" / f"{exp['name']}.yaml"
     exp_file.parent.mkdir(parents=True, exist_ok=True)
     exp_file.write_text(yaml.safe_dump(dict(exp), sort_keys=False))
-    if phases is not None:
-        phases_file.write_text(yaml.safe_dump({"phases": phase_table}, sort_keys=False))
-    if "--subset" in _help("split"):  # JSON form: `ctseg split --subset J --split J`
-        if step == "split":
-            return ["--subset", json.dumps(exp["subset"]), "--split", json.dumps(exp["split"])]
-        table = {str(k): v for k, v in phase_table.items()}
-        return ["--experiment", json.dumps(exp), "--phases", json.dumps(table)]
-    if step == "split":
+    if phases is None:
         return ["--experiment", str(exp_file)]
+    phases_file = config_dir / "phases.yaml"
+    table = {int(k): dict(v) for k, v in phases.items()}
+    phases_file.write_text(yaml.safe_dump({"phases": table}, sort_keys=False))
     return ["--experiment", str(exp_file), "--phases", str(phases_file)]
 
 
 def codec_arg(codec: Mapping[str, Any]) -> str:
-    """config's convert.codec as `ctseg convert --codec` takes it: NAME,KEY=VALUE,... as the
-    rules' codec_arg() writes it, or JSON for a `ctseg` that still takes that."""
-    if "as JSON" in _help("convert"):
-        return json.dumps(dict(codec))
+    """config's convert.codec as `ctseg convert --codec` takes it (NAME,KEY=VALUE,...), as the
+    rules' codec_arg() writes it."""
     rest = {k: v for k, v in codec.items() if k != "name"}
     return ",".join([str(codec["name"]), *(f"{k}={v}" for k, v in sorted(rest.items()))])
 

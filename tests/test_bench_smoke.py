@@ -38,24 +38,23 @@ def test_experiment_args_carry_the_modified_experiment(tmp_path: Path) -> None:
     phases = pipeline.load_phases()
     args = pipeline.experiment_args("train", exp, phases, tmp_path)
     assert args[0] == "--experiment" and args[2] == "--phases"
-    if args[1].startswith("{"):  # a ctseg that takes JSON
-        passed, passed_phases = json.loads(args[1]), json.loads(args[3])
-    else:  # a ctseg that takes file paths
-        passed = yaml.safe_load(Path(args[1]).read_text())
-        passed_phases = yaml.safe_load(Path(args[3]).read_text())["phases"]
-        assert Path(args[1]).stem == "exp001"  # ctseg checks the name against the file name
+    passed = yaml.safe_load(Path(args[1]).read_text())
+    passed_phases = yaml.safe_load(Path(args[3]).read_text())["phases"]
+    assert Path(args[1]).stem == "exp001"  # ctseg checks the name against the file name
     assert passed["train"]["steps_per_epoch"] == 40 and passed["train"]["epochs"] == 1
     assert passed["train"]["warmup_steps"] == 4 and passed["train"]["val_batches"] == 3
     assert {int(k) for k in passed_phases} == set(phases)
+    # ctseg's own loaders accept both files (the schema, the name and every phase).
+    from ctseg.config import load_experiment, load_phases
+
+    assert load_experiment(args[1]).name == "exp001"
+    assert set(load_phases(args[3])) == set(phases)
+    assert pipeline.experiment_args("split", exp, None, tmp_path) == ["--experiment", args[1]]
 
 
 def test_codec_arg_matches_what_convert_accepts() -> None:
     codec = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
-    text = pipeline.codec_arg(codec)
-    if text.startswith("{"):
-        assert json.loads(text) == codec
-    else:
-        assert text == "blosc,clevel=5,cname=lz4,shuffle=shuffle"
+    assert pipeline.codec_arg(codec) == "blosc,clevel=5,cname=lz4,shuffle=shuffle"
 
 
 def test_threshold_masks_keep_the_brightest_voxels(tmp_path: Path) -> None:
