@@ -301,6 +301,21 @@ def test_distance_ridge_halo_too_small_is_wrong(store, reference) -> None:
     assert not (wrong & ~(reference["foreground"].astype(bool))).any()
 
 
+def test_a_patch_with_the_recorded_halo_equals_the_whole_volume(blockwise, label, reference):
+    """What run-time targets rely on (`ctseg.data`): targets of a patch computed from the patch
+    plus the summary's ``halo``, cut at the volume's faces, are the whole volume's."""
+    summary, _ = blockwise
+    halo, size = summary["halo"], np.array([16, 20, 24])
+    rng = np.random.default_rng(5)
+    for start in [np.array([24, 24, 24]), *rng.integers(0, np.array(SHAPE) - size, (5, 3))]:
+        lo, hi = np.maximum(start - halo, 0), np.minimum(start + size + halo, SHAPE)
+        patch = targets_reference(label[tuple(map(slice, lo, hi))], clip_distance=CLIP)
+        inner = tuple(map(slice, start - lo, start - lo + size))
+        whole = tuple(map(slice, start, start + size))
+        for name in ("skeleton", "tube", "sdt"):
+            np.testing.assert_array_equal(patch[name][inner], reference[name][whole], name)
+
+
 def test_medial_surface_on_main_volume(thinned_blockwise, thinned_reference, label) -> None:
     """Differences, if any, lie only in slices whose cross-section is wider than 2 x halo.
 
