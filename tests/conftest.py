@@ -15,6 +15,24 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+# Whole modules of the slow tier (see pyproject's `slow` marker); single slow tests elsewhere
+# carry @pytest.mark.slow themselves.
+SLOW_MODULES = {
+    "test_workflow",
+    "test_workflow_phase6",
+    "test_phases_as_shipped",
+    "test_ddp",
+    "test_slurm",
+    "test_bench_smoke",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 # The smallest dataset that still has several chunks and blocks per axis.
 TINY_CONFIG = {
     "dataset": "demo",
