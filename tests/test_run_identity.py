@@ -20,6 +20,7 @@ from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_sc
 
 import ctseg.checkpoint
 import ctseg.io
+import ctseg.recipe
 from ctseg.io import CtsegError
 from ctseg.train import identity_changes, run_identity, save_checkpoint, train
 
@@ -273,3 +274,42 @@ def same_weights_bytes(saved: bytes, path: Path) -> bool:
     old = torch.load(io.BytesIO(saved), weights_only=True)["model"]
     new = weights(path)
     return all(torch.equal(old[k], new[k]) for k in new)
+
+
+def test_a_run_resumes_under_a_faster_phase_with_its_kernels(
+    scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same maths, other speed settings (phase 7's fused optimizer): the checkpoint resumes,
+    and the optimizer keeps the resuming phase's kernel choice, not the saved one's."""
+    root = tmp_path / "run"
+    run(scratch, root, changed(train={"epochs": 1}))
+    exp = changed(train={"epochs": 2})
+    state = torch.load(root / "state" / "resume.pt", weights_only=True)
+    # Make the checkpoint one of the two-epoch run, interrupted after its first epoch.
+    state["identity"] = run_identity(
+        exp, PHASE, data=state["identity"]["data"], total_steps=6, clip_distance=CLIP
+    )
+    torch.save(state, root / "state" / "resume.pt")
+    seen = []
+    real = ctseg.recipe.build_optimizer
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(ctseg.recipe, "build_optimizer", spy)
+    summary = train(
+        exp,
+        {**PHASE, "fused_optimizer": True},
+        scratch=scratch,
+        train_ids=TRAIN_IDS,
+        val_ids=VAL_IDS,
+        out_dir=root / "out",
+        state_dir=root / "state",
+        clip_distance=CLIP,
+        device="cpu",
+        progress=False,
+    )
+    assert summary["resume"] == "resumed" and summary["from_step"] == 3
+    assert summary["steps"] == 6
+    assert all(group["fused"] for group in seen[0].param_groups)

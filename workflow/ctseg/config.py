@@ -167,6 +167,8 @@ class Phase(_Readable):
     channels_last: bool
     compile: bool
     accumulate: int = 1
+    compile_mode: str = "default"
+    fused_optimizer: bool = False
     gpus: int | None = None
 
     def _keys(self) -> tuple[str, ...]:

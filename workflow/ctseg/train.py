@@ -129,7 +129,7 @@ def train(
         resumed = resume(run)
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
-            run.step_model = torch.compile(run.step_model)
+            run.step_model = torch.compile(run.step_model, mode=phase.get("compile_mode"))
         stop = run.sample_index + (run.total_steps - run.step) * run.effective_batch
         batches = training_feed(
             exp, phase, scratch, train_ids, dev, ranks, start=run.sample_index, stop=stop
@@ -147,6 +147,10 @@ def train(
                 end_of_epoch(run, scratch, val_ids)
         bar.close()
         return finish(run, final_weights, resumed)
+
+
+# Optimizer settings that pick a kernel, not an update (kept from the phase on resume).
+SPEED_FLAGS = ("fused", "foreach")
 
 
 # ----------------------------------------------------------------------------- setup
@@ -174,7 +178,8 @@ def setup(
     dtype = recipe.autocast_dtype(phase)
     layout = recipe.memory_format(phase)
     model = build_model(exp["model"]).to(dev, memory_format=layout)
-    optimizer = recipe.build_optimizer(model, tcfg, base_lr)
+    fused = bool(phase.get("fused_optimizer"))
+    optimizer = recipe.build_optimizer(model, tcfg, base_lr, fused=fused)
     return Run(
         exp=exp,
         phase=phase,
@@ -210,8 +215,12 @@ def resume(run: Run) -> dict[str, Any]:
         return {"resume": "fresh"}
     state, resumed = resume_state(run.resume_path.parent, run.identity, run.ranks)
     if state is not None:
+        # The kernel choice (fused/foreach) is this phase's, not the saved run's: speed only.
+        speed = [{k: g.get(k) for k in SPEED_FLAGS} for g in run.optimizer.param_groups]
         for part in ("model", "optimizer", "scheduler", "scaler"):
             getattr(run, part).load_state_dict(state[part])
+        for group, flags in zip(run.optimizer.param_groups, speed, strict=True):
+            group.update(flags)
         set_rng_state(state["rng"])
         run.step, run.epoch = int(state["step"]), int(state["epoch"])
         run.sample_index = int(state["sample_index"])  # where the interrupted run's loader was
