@@ -67,13 +67,13 @@ below at 1e-3). On the random-init model used here either difference alone moves
 probabilities a lot (a one-off check on 2 cores: MONAI's own map gave mean |dp| 0.025 and 2.7% of
 masks on a 64x96x96 volume with a 48x64x64 window, its padding 0.17 and 20% on 64x56x56 with
 40x64x64), because a random network's windows disagree near their borders and under shifts
-that a trained one is robust to (issue 13 measured mean |dp| 0.0009 with MONAI's defaults and
-a trained model). The window positions must be the same in both, and are checked first: MONAI
+that a trained one is robust to (an earlier measurement gave mean |dp| 0.0009 with MONAI's defaults
+and a trained model). The window positions must be the same in both, and are checked first: MONAI
 steps by window * (1 - overlap) and clamps its last window to the far face, ctseg spreads them
-evenly; they coincide when the step divides evenly, hence z = 144 rather than issue 13's 128,
-where MONAI's z starts are 0, 36, 56 and ctseg's 0, 28, 56. The model's output head is
-rescaled so that about half the voxels are foreground (a random-init U-Net puts nearly every
-voxel on one side of 0.5, which would make the mask check vacuous).
+evenly; they coincide when the step divides evenly, hence z = 144 rather than 128, where MONAI's z
+starts are 0, 36, 56 and ctseg's 0, 28, 56. The model's output head is rescaled so that about half
+the voxels are foreground (a random-init U-Net puts nearly every voxel on one side of 0.5, which
+would make the mask check vacuous).
 
 Each measurement runs in a fresh child process; peak RSS is sampled over the child and all its
 descendants, and time is measured inside the child, excluding start-up, imports and the model
@@ -106,8 +106,9 @@ BATCH = 4
 RSS_BUDGET_MB = 32
 RSS_WINDOW = (48, 48, 48)
 LOW, HIGH = 30.0, 220.0
-# MONAI comparison (window, volume): issue 13's window and plane (padded to the window in y
-# and x), with z = 144, not 128, so that both place their windows alike (see monai_grid).
+# MONAI comparison (window, volume): exp001_full's window and a 128x128 plane (padded to the
+# window in y and x), with z = 144, not 128, so that both place their windows alike (see
+# monai_grid).
 MONAI_GEOMETRY = ((72, 136, 136), (144, 128, 128))
 MONAI_QUICK_GEOMETRY = ((48, 64, 64), (64, 96, 96))
 # Same inputs, windows and weights: what remains is ctseg's float16 store (2^-12 at p ~ 0.5)

@@ -9,9 +9,9 @@ its fg_fraction, flips and permutations applied in the worker, intensity paramet
 every target (label, ignore, skeleton, tube, sdt). The configurations:
 - phases 0-5 of config/phases.yaml (workers, batch, prefetch, persistent workers, pin memory
   when CUDA exists), precomputed targets, raw scratch;
-- run-time targets (`runtime_targets=True`: the seeds' status quo, every target recomputed per
-  sample in the worker from the label plus the halo), phase 1, raw scratch, against phase 1
-  with precomputed targets;
+- run-time targets (`runtime_targets=True`: the status quo of README.md's "The starting point",
+  every target recomputed per sample in the worker from the label plus the halo), phase 1, raw
+  scratch, against phase 1 with precomputed targets;
 - zarr scratch against raw scratch, phase 1, precomputed targets;
 - the loader without workers against 2 workers: phase 2 (batch 2) with `workers: 0` against
   phase 2 itself (`workers_vs_main`; below 1, workers cost more than they bring);
@@ -69,7 +69,7 @@ allocated itself: patch buffers, target computation, heap kept by `ctseg.data.tu
   files and on when the read happens, not on what the data path needs; freshly staged files can
   even show their page cache as Private_Dirty until it is written back.
 RSS and USS ratios are printed beside it.
-- Since batches are packed (issue 13), a worker writes its samples straight into shared-memory
+- Since batches are packed, a worker writes its samples straight into shared-memory
   batch buffers that it reuses (`ctseg.data._SlotPool`), so its RssAnon no longer holds patch
   buffers at all: with precomputed targets "own" is near 0 and the ratio says little more than
   that. The buffers show as "worker shm MB" (peak RssShmem: the worker's slots, each one

@@ -1,13 +1,13 @@
 """Training benchmark: one measured trial per loader phase, same data, same run.
 
     python bench/train.py --quick                    # exp001 on CPU, phases 0-5, a few steps
-    python bench/train.py --experiment exp001_full   # the seeds' model and patch, phases 0-6
+    python bench/train.py --experiment exp001_full   # the starting point's model, phases 0-6
 
 For each phase it runs `ctseg.trials.run_trial`: `trial.steps` training steps with the phase's
 loader settings, then the same model on batches already on the device (the compute ceiling).
 It prints samples/s, the data-wait fraction and the feed efficiency (samples/s / ceiling) per
-phase; with ``--status-quo`` it first runs the seeds' real starting point, phase 0 with the
-targets computed in the data workers (``runtime_targets``), then
+phase; with ``--status-quo`` it first runs the real starting point (README.md, "The starting
+point"): phase 0 with the targets computed in the data workers (``runtime_targets``), then
 
     RESULT train best_phase=<n> speedup_vs_phase0=<x> feed_efficiency=<x> data_wait_fraction=<x>
 
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument(
         "--status-quo",
         action="store_true",
-        help="also run the seeds' status quo: phase 0 with targets computed in the workers",
+        help="also run the starting point: phase 0 with targets computed in the workers",
     )
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
@@ -134,7 +134,7 @@ def main() -> None:
                 clip_distance=clip,
                 device=device,
             ).to_dict()
-            print("seeds' status quo:", describe(0, phases[0], results["seeds"]), flush=True)
+            print("status quo:", describe(0, phases[0], results["seeds"]), flush=True)
         for phase_id in wanted:
             out = Path(tmp) / f"phase{phase_id}"
             summary = run_trial(

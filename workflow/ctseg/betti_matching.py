@@ -1,6 +1,6 @@
 """Exact Betti matching of two binary 3D masks, as Betti-Matching-3D computes it.
 
-TopoScore (DOMAIN.md, "The competition metric", 4.) needs, per octant tile and per dimension
+TopoScore (docs/metric.md, "The score of one volume", 4.) needs, per octant tile and per dimension
 k, the number m_k of persistence intervals of the prediction that Betti matching pairs with
 intervals of the label. The reference computes it with Betti-Matching-3D (Stucki et al., ICML
 2023, and the efficient 3D algorithm of Stucki et al., 2024): induced matchings (Bauer and

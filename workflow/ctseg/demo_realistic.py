@@ -4,8 +4,8 @@ The `simple` preset (`ctseg.demo_data`) is easy: bright sheets on a dark backgro
 drift, so a model separates them almost perfectly (exp001_full scored 0.94 on it, against
 0.61-0.63 for the best private-leaderboard entries on real scrolls). Real data is hard where the
 competition's VOI (merged sheets) and TopoScore (holes, fragments) look. Each setting below
-imitates one property of real scroll CT (DOMAIN.md: uint8 volumes, label 1 the papyrus surface
-about 2 voxels thick, label 2 about 58% of a volume):
+imitates one property of real scroll CT (docs/metric.md, "The data": uint8 volumes, label 1
+the papyrus surface about 2 voxels thick, label 2 about 58% of a volume):
 
 * **Sheets that run together** (`CLOSE_PROBABILITY`, `CLOSE_GAP`, `CLOSE_GAP_SPREAD`): in a
   compressed scroll neighbouring wraps lie pressed together. About half the pairs of adjacent

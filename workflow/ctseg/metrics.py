@@ -1,12 +1,12 @@
 """The competition metric for one volume, plus Dice and hard clDice for diagnostics.
 
-This follows the reference scorer (`topometrics`) as described in docs DOMAIN.md, "The
-competition metric":
+This follows the competition's reference scorer (`topometrics`) as described in docs/metric.md,
+"The score of one volume":
 
     score = clip(0.30 * TopoScore + 0.35 * SurfaceDice + 0.35 * VOI_score, 0, 1)
 
 The weights are divided by their sum and the result clipped to [0, 1], as the competition does
-(DOMAIN, "Facts added on 2026-11-26"): their sum is 0.9999999999999999 in floats, so a perfect
+(docs/metric.md, step 5): their sum is 0.9999999999999999 in floats, so a perfect
 prediction scores exactly 1.0 only after the division.
 
 Conventions chosen here (the reference leaves them open or they are ours):
@@ -22,12 +22,14 @@ Conventions chosen here (the reference leaves them open or they are ours):
   default; its docstring has the reasoning, tests/test_betti_matching.py the checks). The
   feature counts p_k and g_k come from Betti numbers. ``topo_method="betti_counts"`` replaces
   m_k by the upper bound min(p_k, g_k) per tile: faster, never too low, but it overstates
-  TopoScore on noisy predictions (by 0.09 on average and up to 0.43 in issue 12's check).
+  TopoScore on noisy predictions (by 0.09 on average and up to 0.43 on the pairs compared with
+  Betti-Matching-3D when the exact method was written).
   ``topo_method`` in the result says which ran.
 * ``cldice`` is the hard clDice *score* (higher is better, not the loss 1 - score), computed on
   the ignored-and-binarised masks with the project's medial-surface skeleton: the union of 2D
-  skeletons of every slice along z, y and x (DOMAIN "Thin sheets"; a 3D Lee skeleton collapses
-  a sheet to curves). Both masks empty gives 1, exactly one empty gives 0.
+  skeletons of every slice along z, y and x (as the official Vesuvius training code does; a 3D
+  Lee skeleton collapses a sheet to curves, see `ctseg.targets`). Both masks empty gives 1,
+  exactly one empty gives 0.
 * ``dice`` is binary Dice after the ignore step; both empty gives 1.
 """
 

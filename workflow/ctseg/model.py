@@ -5,9 +5,9 @@ has one block of two 3x3x3 convolutions; the decoder upsamples with a transposed
 concatenates the encoder's output of the same level (the skip).
 
 Any input shape is accepted: ``forward`` pads the input at the far end of each spatial axis to a
-multiple of 2**(depth-1) and crops every output back. The seeds' 72x136x136 patches need this with
-5 levels (72 is not a multiple of 16). Because padding is only at the far end, output voxel j of
-the 1/2**k head covers input voxels [j*2**k, (j+1)*2**k), and its shape is ceil(size / 2**k):
+multiple of 2**(depth-1) and crops every output back. exp001_full's 72x136x136 patches need this
+with 5 levels (72 is not a multiple of 16). Because padding is only at the far end, output voxel j
+of the 1/2**k head covers input voxels [j*2**k, (j+1)*2**k), and its shape is ceil(size / 2**k):
 exactly what `ctseg.losses` expects when it pools the targets for deep supervision.
 """
 

@@ -1,10 +1,10 @@
 """Post-processing chosen by the competition score on the val split's probabilities.
 
 Top solutions of the Vesuvius surface-detection competition gained 0.02 to 0.035 from
-post-processing chosen against the score (DOMAIN.md, "The field"): the threshold, hysteresis,
-removing small components, filling holes. `tune_postprocess` searches these settings
-(`ctseg.masks.PostprocessSettings`) on probability stores already written by `ctseg infer`
-(the model is not run again) against their labels, scoring every candidate with the exact
+post-processing chosen against the score (docs/metric.md, "What the field found"): the threshold,
+hysteresis, removing small components, filling holes. `tune_postprocess` searches these settings
+(`ctseg.masks.PostprocessSettings`) on probability stores already written by `ctseg infer` (the
+model is not run again) against their labels, scoring every candidate with the exact
 competition score (`ctseg.metrics`, Betti matching by default), and writes
 
 * ``tuned.json``: the chosen settings, their mean score, the default's (threshold 0.5 and

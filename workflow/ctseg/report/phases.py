@@ -25,7 +25,8 @@ from ctseg.report.markup import Sources, esc, missing, png, read_table, setting,
 from ctseg.summaries import TrialSummary
 
 NOT_RECORDED = "not recorded"
-# Phase settings always shown (the seeds' knobs); any other setting is shown when it varies.
+# Phase settings always shown (the knobs of the staged plan in README.md, "The starting point");
+# any other setting is shown when it varies.
 KEY_SETTINGS = ("workers", "batch_size", "prefetch_factor", "persistent_workers", "precision")
 SETTING_LABELS = {
     "workers": "workers",

@@ -66,8 +66,8 @@ def _topo_note(method: Any) -> str:
     note = f"Topology term computed with <b>{esc(method)}</b>"
     if method == "betti_counts":
         note += (
-            " (no Betti-Matching-3D module: matched counts are the upper bound min(p, g), "
-            "so TopoScore is overstated on noisy predictions)"
+            " (the faster upper bound, chosen explicitly: matched counts taken as min(p, g) "
+            "instead of exact Betti matching, so TopoScore is overstated on noisy predictions)"
         )
     return f"<p>{note}.</p>"
 
