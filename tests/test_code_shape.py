@@ -1,4 +1,4 @@
-"""The shape of the code (issue 11): the training loop reads top to bottom in one short module,
+"""The shape of the code: the training loop reads top to bottom in one short module,
 and no function in the package is too long to read in one go.
 
 Measured with `ast` on the source files: a function's length runs from its first decorator (or
@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "workflow" / "ctseg"
 LOOP_MODULE = PACKAGE / "train.py"
 MAX_LOOP_LINES = 400
 MAX_FUNCTION_LINES = 99  # under 100
-# Functions known to be longer, left to their owners' decision (issue 11); a new long function
+# Functions known to be longer, left to their owners' decision; a new long function
 # fails the test, and so does an entry here that has since become short enough.
 KNOWN_LONG = {"cli.py:build_parser"}
 

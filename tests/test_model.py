@@ -76,7 +76,7 @@ def test_deep_supervision_returns_one_head_per_decoder_level_in_training_only():
 
 
 def test_deep_supervision_shapes_at_the_seed_depth():
-    """Five levels, the seeds' 72x136x136 at 1/4 in z and 1/8 in y, x: 18x17x17."""
+    """Five levels, exp001_full's 72x136x136 at 1/4 in z and 1/8 in y, x: 18x17x17."""
     model = UNet3D(filters=(2, 2, 2, 2, 2), deep_supervision=True, norm="none")
     outs = model(seeded_input((1, 1, 18, 17, 17)))
     expected = [(18, 17, 17), (9, 9, 9), (5, 5, 5), (3, 3, 3)]
