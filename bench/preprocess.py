@@ -10,12 +10,12 @@ Figures:
   that writes through zarr). Also printed, each alone in memory: the sha256 convert records,
   the exact histogram it counts, and the codec plus plain chunk-file writes.
 - precompute_targets time and peak RSS, in one process, with the default ``distance_ridge``
-  skeleton vs the naive whole-volume method the seeds' workers used; the same for the
-  8-orientation ``medial_surface`` (the previous default, ``precompute_speedup_medial_surface``),
-  the one-orientation ``medial_surface_fast`` and a ridge run with one worker per core. The
-  naive method:
-  scipy.ndimage.distance_transform_edt inside and outside, skimage.morphology.skeletonize on the
-  whole volume, then the tube dilation.
+  skeleton vs the naive whole-volume method the starting point's workers used (README.md); the
+  same for the 8-orientation ``medial_surface`` (the previous default,
+  ``precompute_speedup_medial_surface``), the one-orientation ``medial_surface_fast`` and a
+  ridge run with one worker per core. The naive method: scipy.ndimage.distance_transform_edt
+  inside and outside, skimage.morphology.skeletonize on the whole volume, then the tube
+  dilation.
 - peak RSS of convert and precompute at two volume sizes: bounded memory shows as a flat line.
 - skeleton quality of ``distance_ridge`` and ``medial_surface`` on the same volume (from the
   stores just written): voxels per foreground voxel, mean thickness (the shortest axis-aligned

@@ -1,11 +1,11 @@
 """Training data: a reproducible patch stream over the scratch copy, its loader and device feed.
 
-The seeds' GPU waited 15-17 s of every 18 s step because distance transforms ran in the data
-workers. Here the targets are precomputed (`ctseg.targets`) and staged to scratch
-(`ctseg.store` describes the layout); a worker only slices arrays, applies an exact cube
-symmetry and writes the sample into its batch buffer. `runtime_targets=True` puts the seeds'
-status quo back (targets recomputed per sample from the label plus a halo) as a benchmark
-baseline; it yields the same samples.
+The starting point's GPU (README.md, "The starting point") waited 15-17 s of every 18 s step
+because distance transforms ran in the data workers. Here the targets are precomputed
+(`ctseg.targets`) and staged to scratch (`ctseg.store` describes the layout); a worker only
+slices arrays, applies an exact cube symmetry and writes the sample into its batch buffer.
+`runtime_targets=True` puts that status quo back (targets recomputed per sample from the label
+plus a halo) as a benchmark baseline; it yields the same samples.
 
 Sample `i` is a pure function of `(seed, i)`: the stream does not depend on the number of
 workers, and a run resumes by starting the sampler at the next index (`build_loader(start=)`).
@@ -649,7 +649,7 @@ class PatchDataset(Dataset):
     def _runtime_sources(
         self, record: _Record, start: np.ndarray, size: Sequence[int]
     ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-        """The seeds' way: targets from the label patch plus a halo, computed per sample.
+        """The starting point's way: targets from the label patch plus a halo, per sample.
 
         The halo window is cut at the volume faces rather than padded, exactly as the
         whole-volume computation sees them, so border patches match the precomputed ones too.

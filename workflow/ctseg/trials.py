@@ -8,7 +8,7 @@ same `trial.warmup_steps`, so the two medians in the feed efficiency rest on at 
 steps each (a 4-step ceiling gave feed efficiencies of 1.9 on a loaded 2-core machine). From
 the measured steps it records the median step time, samples/s, the data-wait and
 host-to-device fractions, the feed efficiency (real samples/s / ceiling samples/s) with its
-uncertainty band, each run's step-time spread, the seeds' memory checks and the speed against
+uncertainty band, each run's step-time spread, the memory checks and the speed against
 the previous phase; then its verdict and next knob (ctseg.diagnosis) and the machine facts the
 verdict used (CPU count, device, scratch format). The report only shows them.
 
