@@ -12,8 +12,8 @@ into the targets group described in `ctseg.store`:
   itself, so it is exactly equivariant by construction; 3-voxel sheets keep their middle plane
   and 2-voxel sheets both planes (any exactly flip-equivariant rule must keep both: the flip
   across the sheet maps one plane onto the other). Measured on the demo volume it has about as
-  many voxels as ``medial_surface`` and every voxel of either lies within one voxel of the other
-  (bench/preprocess.py prints the figures). ``medial_surface`` is the union of the 2D
+  many voxels as ``medial_surface`` and 99.9% of either's voxels lie within one voxel of the
+  other (bench/preprocess.py prints the figures). ``medial_surface`` is the union of the 2D
   skeletons (`skimage.morphology.skeletonize`, Zhang) of every slice along z, y and x, as the
   official Vesuvius training code does, each slice thinned in all 8 orientations of the square
   so that the result is exactly equivariant under the 48 flips and axis permutations of the cube
@@ -67,16 +67,19 @@ so no two blocks (or worker processes) ever write the same chunk. Memory is boun
 
 Cost
 ----
-``distance_ridge``, measured on the same 256^3 volume and machine (loaded): 1.2 s for the whole step
-in one process, against 3.0-7.2 s for ``medial_surface`` and 1.3-1.8 s for ``medial_surface_fast``;
-the one multi-label `edt` pass over the crop is most of it. For the thinning methods, per block: one
-label read, one multi-label `edt` pass (in a background thread: it releases the GIL, 2D thinning
-does not), per-slice thinning on foreground bounding boxes, and five writes that overlap the next
-block. Measured on a 256^3 volume of sheets (5% foreground, half ignore, 128^3 blocks, a shared
-2-core machine) against whole-volume scipy EDT twice plus skimage 3D skeletonize (16-20 s, 1.03 GB
-peak RSS): ``workers=1`` 2.2-2.8 s at 0.17 GB; ``workers=2`` 1.8-2.2 s with an 87 MB parent and two
-140 MB workers (summed PSS about 0.25 GB). About 3 s of CPU in all: edt 40%, zarr writes 25%,
-thinning 23%.
+``distance_ridge``, measured on the same 256^3 volume and machine (bench/preprocess.py, best of two,
+lightly loaded): 0.85-1.05 s for the whole step in one process, against 2.4-3.2 s for
+``medial_surface`` and 1.2-1.9 s for ``medial_surface_fast``. Its critical path is now zarr writing
+the five arrays on the write-behind thread (0.7 s beside the compute), then the multi-label `edt`
+over the crops (0.3 s).
+
+For the thinning methods, per block: one label read, one multi-label `edt` pass (in a background
+thread: it releases the GIL, 2D thinning does not), per-slice thinning on foreground bounding boxes,
+and five writes that overlap the next block. Measured on a 256^3 volume of sheets (5% foreground,
+half ignore, 128^3 blocks, a shared 2-core machine) against whole-volume scipy EDT twice plus
+skimage 3D skeletonize (16-20 s, 1.03 GB peak RSS): ``workers=1`` 2.2-2.8 s at 0.17 GB;
+``workers=2`` 1.8-2.2 s with an 87 MB parent and two 140 MB workers (summed PSS about 0.25 GB).
+About 3 s of CPU in all: edt 40%, zarr writes 25%, thinning 23%.
 
 Sampling
 --------
