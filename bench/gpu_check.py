@@ -137,7 +137,6 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
     if unknown:
         raise SystemExit(f"--phases: {unknown} not in config/phases.yaml")
     device = sizes["device"]
-    clip = float(pipeline.load_config()["targets"]["clip_distance"])
     record.update(
         machine=machine(device),
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -168,12 +167,12 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
         )
         summaries, previous = [], None
         for phase in wanted:
-            previous = pipeline.trial(runner, data, exp, phases, phase, previous, clip, device)
+            previous = pipeline.trial(runner, data, exp, phases, phase, previous, device)
             summaries.append(previous)
             summary = pipeline.read_json(previous)
             record["phases"][phase] = phase_figures(summary)
             print(f"  phase {phase}: {describe(summary)}", flush=True)
-        weights = pipeline.train(runner, data, exp, phases, "auto", summaries, clip, device)
+        weights = pipeline.train(runner, data, exp, phases, "auto", summaries, device)
         auto = chosen_phase(workdir / "logs/train.log")
         masks = pipeline.infer(runner, data, exp, weights, device)
         run_dir = data.results / exp["name"]

@@ -374,7 +374,6 @@ def trial(
     phases: Mapping[int, Mapping[str, Any]],
     phase: int,
     previous: Path | None,
-    clip: float,
     device: str | None,
 ) -> Path:
     """`ctseg trial` for one phase (rule train_trial); returns its summary.json."""
@@ -390,8 +389,6 @@ def trial(
         str(data.split_csv),
         "--out",
         str(out),
-        "--clip-distance",
-        str(clip),
         *(["--previous", str(previous)] if previous is not None else []),
         *(["--device", device] if device else []),
     ]
@@ -406,7 +403,6 @@ def train(
     phases: Mapping[int, Mapping[str, Any]],
     phase: int | str,
     trials: Sequence[Path],
-    clip: float,
     device: str | None,
 ) -> Path:
     """`ctseg train` (rule train); returns last.pt. Its log says which phase auto chose."""
@@ -433,8 +429,6 @@ def train(
         str(run_dir / "checkpoints"),
         "--weights",
         str(weights),
-        "--clip-distance",
-        str(clip),
         *(["--device", device] if device else []),
     ]
     runner.run("train", args, launch=launch)

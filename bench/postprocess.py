@@ -132,7 +132,6 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
     phases = pipeline.load_phases()
     pipeline.set_training_budget(exp, steps, val_batches=4 if quick else 20)
     n_train, size = args.records or (4 if quick else 8), args.size or (96 if quick else 128)
-    clip = float(pipeline.load_config()["targets"]["clip_distance"])
     record.update(
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         experiment=exp["name"],
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
         )
         if not data.val_ids:
             raise SystemExit(f"experiment {exp['name']}: the val split is empty; nothing to tune")
-        weights = pipeline.train(runner, data, exp, phases, phase, [], clip, args.device)
+        weights = pipeline.train(runner, data, exp, phases, phase, [], args.device)
         name = exp["name"]
         stores = probabilities(
             runner, data, name, data.val_ids + data.test_ids, weights, args.device

@@ -127,7 +127,6 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
     n_train = args.records or (4 if quick else 8)
     size = args.size or (96 if quick else 128)
     preset = args.preset or pipeline.load_config()["demo"]["preset"]
-    clip = float(pipeline.load_config()["targets"]["clip_distance"])
     record.update(
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         experiment=exp["name"],
@@ -156,7 +155,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
             seed=args.seed,
             preset=preset,
         )
-        weights = pipeline.train(runner, data, exp, phases, phase, [], clip, args.device)
+        weights = pipeline.train(runner, data, exp, phases, phase, [], args.device)
         masks = pipeline.infer(runner, data, exp, weights, args.device)
         model = pipeline.evaluate(
             runner, masks, pipeline.test_labels(data), data.results / exp["name"] / "evaluation"

@@ -178,7 +178,7 @@ def cli_args(scratch: Path, run_dir: Path, command: str = "train") -> list[str]:
     common = [
         *settings_args(run_dir / "settings", EXPERIMENT, {0: PHASE}),
         *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
-        *("--clip-distance", str(CLIP), "--device", "cpu"),
+        *("--device", "cpu"),
     ]
     if command == "trial":
         return [*common, "--out", str(run_dir / "phase0")]

@@ -28,7 +28,7 @@ import torch
 import yaml
 import zarr
 from conftest import REPO
-from training_setup import CLIP, EXPERIMENT, TRAIN_IDS, VAL_IDS, build_scratch, torch_globals
+from training_setup import EXPERIMENT, TRAIN_IDS, VAL_IDS, build_scratch, torch_globals
 
 from ctseg.cli import main
 from ctseg.config import load_phases
@@ -78,7 +78,7 @@ def training_args(phase_id: int, scratch: Path, run_dir: Path) -> list[str]:
         *("--experiment", str(experiment_file(scratch.parent))),
         *("--phases", str(REPO / "config" / "phases.yaml")),
         *("--phase", str(phase_id)),
-        *("--scratch", str(scratch), "--split", str(split), "--clip-distance", str(CLIP)),
+        *("--scratch", str(scratch), "--split", str(split)),
         *("--device", "cpu"),
     ]
 

@@ -542,7 +542,7 @@ def train_command(scratch: Path, run_dir: Path, workers: int) -> list[str]:
         *settings_args(run_dir / "settings", RESUME_EXP, {0: phase}),
         *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
         *("--out", str(run_dir / "train"), "--state-dir", str(run_dir / "checkpoints")),
-        *("--weights", str(run_dir / "last.pt"), "--clip-distance", str(CLIP)),
+        *("--weights", str(run_dir / "last.pt")),
         *("--device", "cpu"),
     ]
 
@@ -834,7 +834,7 @@ def test_trial_out_of_memory_is_recorded_and_the_cli_goes_on(scratch: Path, tmp_
         "trial",
         *settings_args(tmp_path / "settings", exp, {0: PHASE}),
         *("--phase", "0", "--scratch", str(scratch), "--split", str(split)),
-        *("--out", str(out), "--clip-distance", str(CLIP), "--device", "cpu"),
+        *("--out", str(out), "--device", "cpu"),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)

@@ -212,7 +212,6 @@ def cmd_trial(args: argparse.Namespace) -> None:
             scratch=scratch,
             train_ids=train_ids,
             out_dir=Path(args.out),
-            clip_distance=args.clip_distance,
             previous=Path(args.previous) if args.previous else None,
             device=str(device),
             ranks=ranks,
@@ -248,7 +247,6 @@ def cmd_train(args: argparse.Namespace) -> None:
             out_dir=Path(args.out),
             state_dir=Path(args.state_dir),
             final_weights=Path(args.weights),
-            clip_distance=args.clip_distance,
             device=str(device),
         )
     if first:
@@ -368,10 +366,24 @@ def cmd_report(args: argparse.Namespace) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ctseg", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _training_args(p: argparse.ArgumentParser) -> None:
+    """What `trial` and `train` share: the settings files, the data and the device."""
+    p.add_argument(
+        "--experiment", type=_experiment, required=True, help="config/experiments/<name>.yaml"
+    )
+    p.add_argument("--phases", type=_phases, required=True, help="config/phases.yaml")
+    p.add_argument("--scratch", required=True, help="staged scratch directory ($VARS)")
+    p.add_argument("--stage-from", default=None, help="stage the split's records from here first")
+    p.add_argument("--split", required=True, help="split.csv (id, scroll_id, split)")
+    p.add_argument("--out", required=True, help="directory for steps.csv etc.")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cuda, cuda:1, cpu; default: cuda if any (under torchrun: cuda:LOCAL_RANK)",
+    )
 
+
+def _demo_data_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo-data", help="generate the synthetic dataset in the Kaggle layout")
     p.add_argument("--out", required=True, help="dataset directory, e.g. resources/demo")
     p.add_argument("--n-train", type=int, default=4)
@@ -387,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_demo_data)
 
+
+def _convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="TIFF (multi-page or directory of slices) to Zarr v3")
     p.add_argument("source", help="a 3D .tif/.tiff or a directory of 2D slice TIFFs")
     p.add_argument("dest", help="the .zarr store to write")
@@ -400,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-mb", type=float, default=256.0)
     p.set_defaults(func=cmd_convert)
 
+
+def _targets_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("targets", help="precompute training targets from a label store")
     p.add_argument("label", help="label .zarr written by `ctseg convert --kind label`")
     p.add_argument("dest", help="the targets .zarr group to write")
@@ -417,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1)
     p.set_defaults(func=cmd_targets)
 
+
+def _split_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("split", help="select the experiment's records and split train/val")
     p.add_argument("dataset", help="dataset directory in the Kaggle layout")
     p.add_argument("out", help="split.csv to write (id, scroll_id, split)")
@@ -425,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_split)
 
+
+def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stage", help="copy the experiment's subset to local scratch")
     p.add_argument("source", help="preprocessed store: a local path or an fsspec URL")
     p.add_argument("split_csv", help="split.csv naming the ids to stage")
@@ -434,38 +454,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=4)
     p.set_defaults(func=cmd_stage)
 
-    def training_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--experiment", type=_experiment, required=True, help="config/experiments/<name>.yaml"
-        )
-        p.add_argument("--phases", type=_phases, required=True, help="config/phases.yaml")
-        p.add_argument("--scratch", required=True, help="staged scratch directory ($VARS)")
-        p.add_argument(
-            "--stage-from", default=None, help="stage the split's records from here first"
-        )
-        p.add_argument("--split", required=True, help="split.csv (id, scroll_id, split)")
-        p.add_argument("--out", required=True, help="directory for steps.csv etc.")
-        p.add_argument("--clip-distance", type=float, default=8.0)
-        p.add_argument(
-            "--device",
-            default=None,
-            help="cuda, cuda:1, cpu; default: cuda if any (under torchrun: cuda:LOCAL_RANK)",
-        )
 
+def _trial_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trial", help="a short measured run of one loader phase")
-    training_args(p)
+    _training_args(p)
     p.add_argument("--phase", required=True)
     p.add_argument("--previous", default=None, help="the previous phase's summary.json")
     p.set_defaults(func=cmd_trial)
 
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the experiment under a phase (or auto)")
-    training_args(p)
+    _training_args(p)
     p.add_argument("--phase", required=True, help="a phase number or auto")
     p.add_argument("--trials", nargs="*", default=[], help="trial summaries, for auto")
     p.add_argument("--state-dir", required=True, help="resumable checkpoint directory")
     p.add_argument("--weights", required=True, help="final weights (last.pt)")
     p.set_defaults(func=cmd_train)
 
+
+def _infer_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("infer", help="sliding-window inference of one volume")
     p.add_argument("weights", help="last.pt written by ctseg train")
     p.add_argument("image", help="image .zarr written by ctseg convert")
@@ -491,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_infer)
 
+
+def _tune_postprocess_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune-postprocess",
         help="choose threshold, hysteresis, small-component removal and hole filling by the "
@@ -519,6 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_tune_postprocess)
 
+
+def _postprocess_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("postprocess", help="probabilities to the uint8 mask of the submission")
     p.add_argument("probabilities", help="float16 probability .zarr written by ctseg infer")
     p.add_argument("mask", help="uint8 mask TIFF to write")
@@ -529,11 +541,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fill-holes", action="store_true")
     p.set_defaults(func=cmd_postprocess)
 
+
+def _score_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("score", help="every part of the competition score for one pair")
     p.add_argument("pred", help="predicted mask, multi-page TIFF")
     p.add_argument("gt", help="ground-truth label TIFF (0/1/2)")
     p.set_defaults(func=cmd_score)
 
+
+def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="score predictions against labels; scores.csv + summary")
     p.add_argument("--predictions", nargs="+", required=True)
     p.add_argument("--labels", nargs="+", required=True, help="in the same order")
@@ -547,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_evaluate)
 
+
+def _report_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="one self-contained HTML report of a run")
     p.add_argument("--out", required=True, help="report.html to write")
     p.add_argument("--experiment", required=True)
@@ -564,6 +582,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--postprocess-dir", default=None, help="tuned.json and candidates.csv")
     p.set_defaults(func=cmd_report)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctseg", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _demo_data_parser,
+        _convert_parser,
+        _targets_parser,
+        _split_parser,
+        _stage_parser,
+        _trial_parser,
+        _train_parser,
+        _infer_parser,
+        _tune_postprocess_parser,
+        _postprocess_parser,
+        _score_parser,
+        _evaluate_parser,
+        _report_parser,
+    ):
+        add(sub)
     return parser
 
 

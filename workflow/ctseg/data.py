@@ -2,8 +2,9 @@
 
 The starting point's GPU (README.md, "The starting point") waited 15-17 s of every 18 s step
 because distance transforms ran in the data workers. Here the targets are precomputed
-(`ctseg.targets`) and staged to scratch (`ctseg.store` describes the layout); a worker only
-slices arrays, applies an exact cube symmetry and writes the sample into its batch buffer.
+(`ctseg.targets`) and staged to scratch (`ctseg.layout` defines the formats and opens a
+record); a worker only slices arrays, applies an exact cube symmetry and writes the sample
+into its batch buffer.
 `runtime_targets=True` puts that status quo back (targets recomputed per sample from the label
 plus a halo) as a benchmark baseline; it yields the same samples.
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import math
 import os
 import platform
@@ -45,7 +45,7 @@ import random
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from ctseg import augment as aug
 from ctseg.io import CtsegError, check_id
+from ctseg.layout import SCRATCH_FORMATS, TARGET_PARAM_KEYS, ScratchRecord, open_record
 from ctseg.store import MASK_BITS
 
-FORMATS = ("raw", "zarr")
 MP_CONTEXTS = ("fork", "spawn", "forkserver")
 SAMPLE_KEYS = (
     "image",
@@ -71,23 +71,7 @@ SAMPLE_KEYS = (
     "index",
     "worker",
 )
-TARGET_PARAM_KEYS = ("clip_distance", "skeleton_method", "tube_dilations", "halo")
 MASK_PAD = MASK_BITS["ignore"]  # label 2 outside the volume
-
-
-@dataclass
-class _Record:
-    """Per-process handles of one record; never pickled (see PatchDataset.__getstate__)."""
-
-    path: Path
-    shape: tuple[int, int, int]
-    image: Any  # np.memmap or zarr.Array
-    sdt: Any
-    masks: Any = None  # raw: packed uint8 bit flags
-    planes: dict[str, Any] = field(default_factory=dict)  # zarr: foreground, ignore, ...
-    fg_locations: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))
-    intensity: np.ndarray = field(default_factory=lambda: np.zeros(2, np.float32))
-    params: dict[str, Any] = field(default_factory=dict)
 
 
 def _write_window(
@@ -485,8 +469,10 @@ class PatchDataset(Dataset):
         target_params: Mapping[str, Any] | None = None,
     ) -> None:
         self.scratch = Path(scratch)
-        if fmt not in FORMATS:
-            raise CtsegError(f"{self.scratch}: unknown scratch format {fmt!r}; expected {FORMATS}")
+        if fmt not in SCRATCH_FORMATS:
+            raise CtsegError(
+                f"{self.scratch}: unknown scratch format {fmt!r}; expected {SCRATCH_FORMATS}"
+            )
         if not ids:
             raise CtsegError(f"{self.scratch}: no record ids to sample from")
         self.ids = [check_id(i, self.scratch) for i in ids]
@@ -511,7 +497,7 @@ class PatchDataset(Dataset):
         self.target_params = dict(target_params or {})
         # Opened per process on first use; a pid change (a forked worker) starts afresh, so
         # no handle opened in the parent is ever used in a child.
-        self._records: dict[int, _Record] | None = None
+        self._records: dict[int, ScratchRecord] | None = None
         self._pid: int | None = None
 
     def __len__(self) -> int:
@@ -525,7 +511,7 @@ class PatchDataset(Dataset):
 
     # -- opening -----------------------------------------------------------------------------
 
-    def _record(self, k: int) -> _Record:
+    def _record(self, k: int) -> ScratchRecord:
         pid = os.getpid()
         if self._records is None or self._pid != pid:
             self._records, self._pid = {}, pid
@@ -533,85 +519,9 @@ class PatchDataset(Dataset):
         record = self._records.get(k)
         if record is None:
             path = self.scratch / self.ids[k]
-            record = self._open_raw(path) if self.fmt == "raw" else self._open_zarr(path)
+            needed = TARGET_PARAM_KEYS if self.runtime_targets else ("clip_distance",)
+            record = open_record(path, self.fmt, target_params=self.target_params, needed=needed)
             self._records[k] = record
-        return record
-
-    def _params(self, path: Path, attrs: Mapping[str, Any]) -> dict[str, Any]:
-        params = {k: attrs[k] for k in TARGET_PARAM_KEYS if k in attrs}
-        params.update(self.target_params)
-        needed = TARGET_PARAM_KEYS if self.runtime_targets else ("clip_distance",)
-        missing = [k for k in needed if params.get(k) is None]
-        if missing:
-            raise CtsegError(
-                f"{path}: target parameters {missing} are neither in the scratch metadata nor "
-                "in target_params"
-            )
-        return params
-
-    @staticmethod
-    def _intensity(path: Path, attrs: Mapping[str, Any]) -> np.ndarray:
-        if "p0_5" not in attrs or "p99_5" not in attrs:
-            raise CtsegError(f"{path}: image attributes lack the intensity range p0_5/p99_5")
-        return np.array([attrs["p0_5"], attrs["p99_5"]], np.float32)
-
-    def _open_raw(self, path: Path) -> _Record:
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-            image = np.load(path / "image.npy", mmap_mode="r")
-            masks = np.load(path / "masks.npy", mmap_mode="r")
-            sdt = np.load(path / "sdt.npy", mmap_mode="r")
-            fg = np.asarray(np.load(path / "fg_locations.npy"), np.int64).reshape(-1, 3)
-        except (OSError, ValueError) as exc:
-            raise CtsegError(f"{path}: cannot open raw scratch record: {exc}") from exc
-        # The targets' attributes may sit in their own mapping or beside the image's.
-        target_attrs = {**meta, **(meta.get("targets") or {})}
-        return self._checked(
-            _Record(
-                path=path,
-                shape=tuple(image.shape),
-                image=image,
-                sdt=sdt,
-                masks=masks,
-                fg_locations=fg,
-                intensity=self._intensity(path / "meta.json", meta),
-                params=self._params(path / "meta.json", target_attrs),
-            ),
-            [masks.shape, sdt.shape],
-        )
-
-    def _open_zarr(self, path: Path) -> _Record:
-        import zarr  # only the zarr format needs it
-
-        try:
-            image = zarr.open_array(str(path / "image.zarr"), mode="r")
-            targets = zarr.open_group(str(path / "targets.zarr"), mode="r")
-            planes = {k: targets[k] for k in ("foreground", "ignore", "skeleton", "tube")}
-            sdt = targets["sdt"]
-            fg = np.asarray(targets["fg_locations"][...], np.int64).reshape(-1, 3)
-        except (OSError, KeyError, ValueError, FileNotFoundError) as exc:
-            raise CtsegError(f"{path}: cannot open zarr scratch record: {exc}") from exc
-        return self._checked(
-            _Record(
-                path=path,
-                shape=tuple(image.shape),
-                image=image,
-                sdt=sdt,
-                planes=planes,
-                fg_locations=fg,
-                intensity=self._intensity(path / "image.zarr", dict(image.attrs)),
-                params=self._params(path / "targets.zarr", dict(targets.attrs)),
-            ),
-            [p.shape for p in planes.values()] + [sdt.shape],
-        )
-
-    @staticmethod
-    def _checked(record: _Record, shapes: list[tuple[int, ...]]) -> _Record:
-        if len(record.shape) != 3 or any(tuple(s) != record.shape for s in shapes):
-            raise CtsegError(
-                f"{record.path}: image shape {record.shape} and target shapes "
-                f"{[tuple(s) for s in shapes]} disagree"
-            )
         return record
 
     # -- reading -----------------------------------------------------------------------------
@@ -619,13 +529,13 @@ class PatchDataset(Dataset):
     # on, which `_write_window` crops and pads into the patch.
 
     @staticmethod
-    def _clipped_box(record: _Record, start: np.ndarray, size: Sequence[int]) -> tuple:
+    def _clipped_box(record: ScratchRecord, start: np.ndarray, size: Sequence[int]) -> tuple:
         lo = np.clip(start, 0, record.shape)
         hi = np.clip(start + np.array(size), 0, record.shape)
         return lo, tuple(slice(int(a), int(b)) for a, b in zip(lo, hi, strict=True))
 
     def _bits_source(
-        self, record: _Record, start: np.ndarray, size: Sequence[int]
+        self, record: ScratchRecord, start: np.ndarray, size: Sequence[int]
     ) -> tuple[Any, Any]:
         if record.masks is not None:
             return record.masks, (0, 0, 0)
@@ -637,7 +547,9 @@ class PatchDataset(Dataset):
             bits = flag if bits is None else np.bitwise_or(bits, flag, out=bits)
         return bits, lo
 
-    def _read_label(self, record: _Record, start: np.ndarray, size: Sequence[int]) -> np.ndarray:
+    def _read_label(
+        self, record: ScratchRecord, start: np.ndarray, size: Sequence[int]
+    ) -> np.ndarray:
         """The 0/1/2 label of a box inside the volume (no padding)."""
         box = tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size, strict=True))
         if record.masks is not None:
@@ -647,7 +559,7 @@ class PatchDataset(Dataset):
         return label
 
     def _runtime_sources(
-        self, record: _Record, start: np.ndarray, size: Sequence[int]
+        self, record: ScratchRecord, start: np.ndarray, size: Sequence[int]
     ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
         """The starting point's way: targets from the label patch plus a halo, per sample.
 

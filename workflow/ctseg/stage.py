@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -72,9 +71,9 @@ from ctseg.io import (
     remove_path,
     sha256_file,
 )
-from ctseg.store import MASK_BITS, TARGET_VOLUMES, pack_masks
+from ctseg.layout import SCRATCH_FORMATS, RawFile, npy_header, raw_files, raw_meta
+from ctseg.store import TARGET_VOLUMES
 
-FORMATS = ("raw", "zarr")
 VERIFY_MODES = ("size", "sha256")
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -260,66 +259,14 @@ def _fingerprint(files: Sequence[SourceFile], texts: Mapping[str, bytes]) -> str
 # --------------------------------------------------------------------------- planning
 
 
-@dataclasses.dataclass(frozen=True)
-class RawFile:
-    """One .npy file of the raw format and the source arrays it is made from."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    inputs: tuple[str, ...]  # "image" or target array names
-    chunk0: int
-
-    @property
-    def size(self) -> int:
-        return (
-            len(_npy_header(self.shape, self.dtype)) + math.prod(self.shape) * self.dtype.itemsize
-        )
-
-    def combine(self, blocks: Sequence[np.ndarray]) -> np.ndarray:
-        if len(self.inputs) > 1:
-            return pack_masks(dict(zip(self.inputs, blocks, strict=True)))
-        return blocks[0]
-
-
 def _raw_files(record: SourceRecord) -> tuple[RawFile, ...]:
-    image, t = record.image, record.targets
-    return (
-        RawFile("image.npy", image.shape, image.dtype, ("image",), image.chunk0),
-        RawFile(
-            "masks.npy", image.shape, np.dtype(np.uint8), tuple(MASK_BITS), t["foreground"].chunk0
-        ),
-        RawFile("sdt.npy", t["sdt"].shape, t["sdt"].dtype, ("sdt",), t["sdt"].chunk0),
-        RawFile(
-            "fg_locations.npy",
-            t["fg_locations"].shape,
-            t["fg_locations"].dtype,
-            ("fg_locations",),
-            t["fg_locations"].chunk0,
-        ),
-    )
-
-
-def _npy_header(shape: Sequence[int], dtype: np.dtype) -> bytes:
-    # The same header np.lib.format.open_memmap writes, so np.load(mmap_mode="r") reads it.
-    buffer = io.BytesIO()
-    header = {
-        "descr": np.lib.format.dtype_to_descr(dtype),
-        "fortran_order": False,
-        "shape": tuple(shape),
-    }
-    np.lib.format.write_array_header_1_0(buffer, header)
-    return buffer.getvalue()
+    return raw_files(record.image, record.targets)
 
 
 def _meta_json(record: SourceRecord) -> bytes:
-    meta = dict(record.attributes)
-    meta.setdefault("shape", list(record.image.shape))
-    meta.setdefault("dtype", str(record.image.dtype))
-    if record.target_attributes:
-        # What the zarr format keeps on targets.zarr (clip distance, skeleton method, ...).
-        meta["targets"] = dict(record.target_attributes)
-    return (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+    return raw_meta(
+        record.attributes, record.target_attributes, record.image.shape, record.image.dtype
+    )
 
 
 def _bytes_needed(record: SourceRecord, fmt: Format) -> int:
@@ -450,7 +397,7 @@ def _slabs(arrays: Sequence[Any], depth: int, combine: Callable) -> Iterator[mem
 def _write_npy(path: Path, spec: RawFile, arrays: Sequence[Any], progress: _Progress) -> dict:
     bytes_per_item = sum(a.dtype.itemsize for a in arrays) + spec.dtype.itemsize
     depth = _slab_depth(spec.shape, spec.chunk0, bytes_per_item)
-    header = _npy_header(spec.shape, spec.dtype)
+    header = npy_header(spec.shape, spec.dtype)
     body = _slabs(arrays, depth, lambda blocks: np.asarray(spec.combine(blocks), spec.dtype))
     entry = _write_file(path, path.name, itertools.chain([header], body), progress)
     if entry["size"] != spec.size:
@@ -585,8 +532,8 @@ def _remove_stale_temps(dest: Path) -> int:
 
 
 def _check_args(ids: Sequence[str], fmt: str, verify: str, workers: int, reserve: int) -> list:
-    if fmt not in FORMATS:
-        raise CtsegError(f"scratch_format: expected one of {FORMATS}, got {fmt!r}")
+    if fmt not in SCRATCH_FORMATS:
+        raise CtsegError(f"scratch_format: expected one of {SCRATCH_FORMATS}, got {fmt!r}")
     if verify not in VERIFY_MODES:
         raise CtsegError(f"verify: expected one of {VERIFY_MODES}, got {verify!r}")
     if workers < 1:

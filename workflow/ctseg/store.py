@@ -10,15 +10,8 @@ Layout (the results contract), under one root per dataset, ``results/preprocesse
   outside the foreground), all on the label's chunk grid, plus ``fg_locations`` (int32, N x 3,
   z/y/x of sampled foreground voxels).
 
-Scratch layout (written by `ctseg.stage`, read by `ctseg.data`), under ``<scratch>/<exp>/``:
-- ``manifest.json``: format, source, ids, and per file its relative path, size and sha256.
-- format ``zarr``: ``<id>/image.zarr`` and ``<id>/targets.zarr``, chunk files copied as they are.
-- format ``raw``: uncompressed ``.npy`` files read through ``np.load(mmap_mode="r")``:
-  ``<id>/image.npy`` (uint8 or uint16), ``<id>/masks.npy`` (uint8 bit flags, see
-  `MASK_BITS`), ``<id>/sdt.npy`` (float16), ``<id>/fg_locations.npy`` (int32, N x 3) and
-  ``<id>/meta.json`` (the image attributes: shape, dtype, mean, std, p0_5, p99_5, and under
-  ``targets`` the targets group attributes such as clip_distance and halo).
-  Packing the four binary targets into one byte keeps a patch read to three arrays.
+The scratch formats a staged record takes (raw .npy or zarr), and the results paths, are
+`ctseg.layout`'s: each format's writer beside its reader.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ from ctseg.distributed import (
 )
 from ctseg.feeds import Fed, ResidentBatches, training_feed
 from ctseg.io import atomic_path
+from ctseg.layout import staged_clip_distance
 from ctseg.losses import compute_losses, loss_settings
 from ctseg.model import build_model, parameter_digest, portable_state_dict
 from ctseg.probes import GpuMonitor, host_rss_bytes
@@ -114,7 +115,7 @@ def train(
     out_dir: Path,
     state_dir: Path | None = None,
     final_weights: Path | None = None,
-    clip_distance: float = 8.0,
+    clip_distance: float | None = None,
     max_steps: int | None = None,
     no_data: bool = False,
     device: str | None = None,
@@ -125,7 +126,10 @@ def train(
     dev = pick_device(device)
     with process_group(dev) as ranks:
         data = data_identity(scratch, train_ids, val_ids)
-        run = setup(exp, phase, ranks, dev, data, clip_distance, max_steps, out_dir, state_dir)
+        clip = staged_clip_distance(
+            scratch, train_ids + val_ids, exp["scratch_format"], clip_distance
+        )
+        run = setup(exp, phase, ranks, dev, data, clip, max_steps, out_dir, state_dir)
         resumed = resume(run)
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
@@ -215,7 +219,6 @@ def resume(run: Run) -> dict[str, Any]:
         return {"resume": "fresh"}
     state, resumed = resume_state(run.resume_path.parent, run.identity, run.ranks)
     if state is not None:
-        # The kernel choice (fused/foreach) is this phase's, not the saved run's: speed only.
         speed = [{k: g.get(k) for k in SPEED_FLAGS} for g in run.optimizer.param_groups]
         for part in ("model", "optimizer", "scheduler", "scaler"):
             getattr(run, part).load_state_dict(state[part])

@@ -72,7 +72,7 @@ def run_trial(
     scratch: Path,
     train_ids: list[str],
     out_dir: Path,
-    clip_distance: float,
+    clip_distance: float | None = None,
     previous: Path | None = None,
     device: str | None = None,
     ranks: Ranks | None = None,

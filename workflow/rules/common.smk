@@ -10,6 +10,7 @@ from ctseg.config import (
     load_phases,
     settings_used,
 )
+from ctseg import layout
 from ctseg.demo_data import demo_records
 from ctseg.io import CtsegError
 from ctseg.records import read_records
@@ -24,10 +25,10 @@ IS_DEMO = config["dataset"] == "demo"
 # Each dataset's preprocessed stores under a root of their own, so that two datasets with a
 # common id never overwrite each other's. Below the root is the layout `ctseg stage` reads from
 # any source, local or remote: zarr/images/<id>.zarr, zarr/labels/<id>.zarr, targets/<id>.zarr.
-STORE = f"results/preprocessed/{config['dataset']}"
-IMAGE_STORE = f"{STORE}/zarr/images/{{id}}.zarr"
-LABEL_STORE = f"{STORE}/zarr/labels/{{id}}.zarr"
-TARGET_STORE = f"{STORE}/targets/{{id}}.zarr"
+STORE = layout.store_root(config["dataset"])
+IMAGE_STORE = layout.image_store(STORE, "{id}")
+LABEL_STORE = layout.label_store(STORE, "{id}")
+TARGET_STORE = layout.target_store(STORE, "{id}")
 
 
 wildcard_constraints:
@@ -288,12 +289,12 @@ check_record_counts()
 
 
 def prediction(record_id):
-    return f"results/{EXP_NAME}/predictions/{record_id}.tif"
+    return layout.prediction(EXP_NAME, record_id)
 
 
 def probability(record_id):
     """The model's float16 probabilities of a record (rule infer); masks come from them."""
-    return f"results/{EXP_NAME}/probabilities/{record_id}.zarr"
+    return layout.probabilities(EXP_NAME, record_id)
 
 
 # Where rule tune_postprocess writes tuned.json (the chosen settings) and candidates.csv.

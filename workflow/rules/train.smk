@@ -23,7 +23,6 @@ rule train_trial:
         settings=lambda wildcards: settings_used(
             EXP, PHASES[int(wildcards.phase)], "trial"
         ),
-        clip=config["targets"]["clip_distance"],
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.summary).parent,
         previous=lambda wildcards, input: (
@@ -32,8 +31,7 @@ rule train_trial:
     shell:
         "{params.ctseg} trial --experiment {params.experiment:q} --phases {params.phases:q} "
         "--phase {wildcards.phase} {params.scratch} --split {input.split:q} "
-        "--out {params.out:q} "
-        "--clip-distance {params.clip} {params.previous} > {log} 2>&1"
+        "--out {params.out:q} {params.previous} > {log} 2>&1"
 
 
 rule trials:
@@ -66,7 +64,6 @@ rule train:
         phases=PHASES_FILE,
         settings=train_settings(),
         phase=config["phase"],
-        clip=config["targets"]["clip_distance"],
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.steps).parent,
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
@@ -76,5 +73,4 @@ rule train:
         "{params.ctseg} train --experiment {params.experiment:q} --phases {params.phases:q} "
         "--phase {params.phase} --trials {input.trials:q} {params.scratch} "
         "--split {input.split:q} --out {params.out:q} "
-        "--state-dir {params.state} --weights {output.weights:q} "
-        "--clip-distance {params.clip} > {log} 2>&1"
+        "--state-dir {params.state} --weights {output.weights:q} > {log} 2>&1"
