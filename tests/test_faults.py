@@ -108,6 +108,12 @@ def run_and_signal(source: Path, dest: Path, signum: int) -> subprocess.Complete
             if child.poll() is None:
                 child.kill()
                 child.wait()
+        if signum == signal.SIGKILL and child.returncode == -signal.SIGKILL:
+            if stale_temporaries(dest):
+                return subprocess.CompletedProcess(command, child.returncode, "", err.decode())
+            # The kill landed after the run had already removed its temporary (it was on its
+            # way out): that is not the moment this test is about, so try again.
+            continue
         if child.returncode != 0:
             return subprocess.CompletedProcess(command, child.returncode, "", err.decode())
         shutil.rmtree(dest)  # it finished before the signal: try again
