@@ -343,7 +343,8 @@ def score_volume(
     return result
 
 
-def _read_volume(path: Path) -> np.ndarray:
+def read_volume(path: Path) -> np.ndarray:
+    """A 3D multi-page TIFF (prediction or label), with a one-line error naming the file."""
     import tifffile
 
     try:
@@ -362,8 +363,8 @@ def score_files(pred_tif: Path, gt_tif: Path, **kwargs: Any) -> dict[str, Any]:
     mismatched shapes. Keyword arguments go to score_volume.
     """
     pred_tif, gt_tif = Path(pred_tif), Path(gt_tif)
-    pred = _read_volume(pred_tif)
-    gt = _read_volume(gt_tif)
+    pred = read_volume(pred_tif)
+    gt = read_volume(gt_tif)
     if pred.shape != gt.shape:
         raise CtsegError(
             f"shape mismatch: prediction {pred_tif} has shape {pred.shape}, "

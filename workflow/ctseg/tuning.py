@@ -56,6 +56,7 @@ from ctseg.metrics import (
     TopoMethod,
     combined_score,
     prepare_masks,
+    read_volume,
     surface_dice,
     topo_counts,
     topo_score_from_counts,
@@ -176,15 +177,8 @@ def _probabilities(path: str) -> np.ndarray:
 
 @functools.lru_cache(maxsize=2)
 def _label(path: str) -> np.ndarray:
-    import tifffile
-
-    try:
-        label = tifffile.imread(path)
-    except Exception as exc:  # tifffile raises many types for missing or damaged files
-        raise CtsegError(f"{path}: cannot read the label TIFF ({exc})") from exc
-    if label.ndim != 3:
-        raise CtsegError(f"{path}: expected a 3D label volume, got shape {label.shape}")
-    return label
+    # The same reader (and messages) as evaluate's; cached, since every candidate rescores it.
+    return read_volume(Path(path))
 
 
 def _score_job(job: tuple[str, str, dict[str, Any], str]) -> dict[str, float]:
