@@ -27,9 +27,14 @@ SLOW_MODULES = {
 }
 
 
+# Fixtures that start real training processes and kill them (test_train's resume checks).
+SLOW_FIXTURES = {"resume_runs"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.module is not None and item.module.__name__ in SLOW_MODULES:
+        in_slow_module = item.module is not None and item.module.__name__ in SLOW_MODULES
+        if in_slow_module or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

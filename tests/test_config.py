@@ -118,6 +118,7 @@ def test_the_codec_travels_as_name_and_pairs() -> None:
     assert _codec("zstd,level=3") == {"name": "zstd", "level": 3}
 
 
+@pytest.mark.slow
 def test_an_unrelated_edit_reruns_nothing_and_a_used_setting_reruns_the_job(
     tmp_path: Path,
 ) -> None:

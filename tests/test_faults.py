@@ -411,6 +411,7 @@ def workdir(tmp_path) -> Path:
     return copy_workflow(tmp_path, {**TINY_CONFIG, "experiment": "tiny"})
 
 
+@pytest.mark.slow
 def test_bad_datasets_stop_the_workflow_before_any_job(workdir):
     cases = {
         "one": ([("a", "1")], "no record to evaluate", "label at least 2 records"),
@@ -442,6 +443,7 @@ def test_a_trial_phase_missing_from_phases_yaml_is_named(workdir):
     assert "KeyError" not in output
 
 
+@pytest.mark.slow
 def test_each_dataset_has_its_own_preprocessed_stores(workdir):
     for name in ("first", "second"):
         dataset(workdir, name, [("a", "1"), ("b", "2")])

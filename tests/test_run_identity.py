@@ -236,6 +236,7 @@ def test_a_disk_that_fills_during_the_save_is_a_message_about_space(
 # --------------------------------------------------------------------------- through snakemake
 
 
+@pytest.mark.slow
 def test_snakemake_train_after_an_lr_change_trains_the_new_run(tmp_path: Path) -> None:
     """Finish a run, multiply lr by 3 and rerun `snakemake train`: new weights, equal to a
     fresh run with the new lr, and the first run's checkpoint still on disk."""

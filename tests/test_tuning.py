@@ -225,6 +225,7 @@ def test_fixed_postprocess_bypasses_the_search(tmp_path: Path):
     assert out.count("rule infer:") == TINY_CONFIG["demo"]["n_test"]
 
 
+@pytest.mark.slow
 def test_workflow_tunes_on_val_and_applies_it_to_test_volumes(tmp_path: Path):
     """A real run of the tiny workflow to the report: the val record's probabilities are
     searched, the test volume's mask uses the choice, and the report shows it."""
