@@ -23,7 +23,6 @@ fails (the step and the tail of its log are printed) or a phase's trial ends ``f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -253,14 +252,6 @@ def result_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_json(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    tmp.replace(path)
-    print(f"figures: {path}")
-
-
 def main() -> int:
     args = parse_args()
     if not args.cpu_smoke and args.device in (None, "cuda"):
@@ -277,11 +268,11 @@ def main() -> int:
         record["failed_step"] = exc.step
         print(f"gpu_check: {exc}", file=sys.stderr)
         print(f"gpu_check: work dir kept for inspection: {workdir}", file=sys.stderr)
-        write_json(args.json, record)
+        pipeline.write_json(args.json, record)
         print(f"RESULT gpu_check failed_step={exc.step.replace(' ', ':')}")
         return 1
     lines = result_lines(record)
-    write_json(args.json, record)
+    pipeline.write_json(args.json, record)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     print("\n".join(lines))

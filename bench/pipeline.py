@@ -508,3 +508,11 @@ def last_epoch(data: Prepared, exp: Mapping[str, Any]) -> dict[str, str]:
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
     return rows[-1] if rows else {}
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    tmp.replace(path)
+    print(f"figures: {path}")

@@ -192,7 +192,7 @@ def main() -> int:
         print(f"postprocess: {exc}", file=sys.stderr)
         print(f"postprocess: work dir kept for inspection: {workdir}", file=sys.stderr)
         record["failed_step"] = exc.step
-        quality.write_json(args.json, record)
+        pipeline.write_json(args.json, record)
         print(f"RESULT postprocess failed_step={exc.step.replace(' ', ':')}")
         return 1
     tuned, default = record["test_tuned"], record["test_default"]
@@ -219,7 +219,7 @@ def main() -> int:
         "baseline": base,
         "gap": t - base,
     }
-    quality.write_json(args.json, record)
+    pipeline.write_json(args.json, record)
     print(
         f"RESULT postprocess tuned={t:.4f} default={d:.4f} tuned_gain={t - d:.4f} "
         f"ratio={ratio:.3f} baseline={base:.4f} gap={t - base:.4f}"

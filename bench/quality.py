@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import shutil
 import statistics
@@ -169,14 +168,6 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
         record["total_s"] = round(runner.elapsed(), 1)
 
 
-def write_json(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    tmp.replace(path)
-    print(f"figures: {path}")
-
-
 def main() -> int:
     args = parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ctseg_quality_"))
@@ -187,7 +178,7 @@ def main() -> int:
         print(f"quality: {exc}", file=sys.stderr)
         print(f"quality: work dir kept for inspection: {workdir}", file=sys.stderr)
         record["failed_step"] = exc.step
-        write_json(args.json, record)
+        pipeline.write_json(args.json, record)
         print(f"RESULT quality failed_step={exc.step.replace(' ', ':')}")
         return 1
     model, base = record["model"], record["baseline"]
@@ -205,7 +196,7 @@ def main() -> int:
     ratio = model["mean_score"] / test["mean_score"] if test["mean_score"] else float("nan")
     record["score_vs_baseline"] = ratio
     print(f"score vs baseline: {ratio:.2f}x; total {record['total_s']:.0f} s")
-    write_json(args.json, record)
+    pipeline.write_json(args.json, record)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     print(
