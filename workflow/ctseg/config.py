@@ -37,9 +37,6 @@ class Frozen(dict):
     __setitem__ = __delitem__ = _refuse
     clear = pop = popitem = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
 
-    def __hash__(self) -> int:  # frozen, so usable as a key (e.g. in functools caches)
-        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
-
     def __reduce__(self) -> tuple:  # copy and pickle build it whole, never item by item
         return (Frozen, (dict(self),))
 
