@@ -583,6 +583,76 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_report)
 
 
+def cmd_ensemble(args: argparse.Namespace) -> None:
+    from ctseg.ensemble import ensemble_volume, load_weights
+
+    if args.weights_file:
+        weights, where = load_weights(Path(args.weights_file), args.names), args.weights_file
+    else:
+        weights, where = args.weights, "--weights"
+    info = ensemble_volume(
+        [Path(p) for p in args.members],
+        weights,
+        Path(args.out),
+        memory_budget_mb=args.memory_budget_mb,
+        where=where,
+    )
+    print(json.dumps(info, indent=1))
+
+
+def cmd_tune_ensemble(args: argparse.Namespace) -> None:
+    from ctseg.ensemble import tune_weights
+
+    members = [(m[0], [Path(p) for p in m[1:]]) for m in args.member]
+    summary = tune_weights(
+        members,
+        [Path(p) for p in args.labels],
+        Path(args.out),
+        step=args.step,
+        topo_method=args.topo_method,
+    )
+    print(json.dumps({k: v for k, v in summary.items() if k != "grid"}, indent=1))
+
+
+def _ensemble_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ensemble", help="weighted mean of several runs' probabilities of one volume"
+    )
+    p.add_argument("--members", nargs="+", required=True, help="<id>.zarr of each member")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--weights", type=float, nargs="+", help="one per member, >= 0")
+    given.add_argument("--weights-file", help="weights.json from ctseg tune-ensemble")
+    p.add_argument(
+        "--names", nargs="+", default=None, help="member names, checked against --weights-file"
+    )
+    p.add_argument("--out", required=True, help="<id>.zarr to write")
+    p.add_argument("--memory-budget-mb", type=float, default=512, help="per z-slab")
+    p.set_defaults(func=cmd_ensemble)
+
+
+def _tune_ensemble_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune-ensemble",
+        help="ensemble weights chosen by the competition score on held-out probabilities",
+    )
+    p.add_argument(
+        "--member",
+        nargs="+",
+        action="append",
+        required=True,
+        metavar="NAME_THEN_ZARRS",
+        help="a member's name, then its <id>.zarr for every held-out volume (repeat per member; "
+        "the same ids in the same order)",
+    )
+    p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
+    p.add_argument("--out", required=True, help="weights.json to write")
+    p.add_argument("--step", type=float, default=None, help="grid step; 0.25 up to 4 members")
+    p.add_argument(
+        "--topo-method", choices=["betti_matching", "betti_counts"], default="betti_matching"
+    )
+    p.set_defaults(func=cmd_tune_ensemble)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctseg", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -600,6 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
         _score_parser,
         _evaluate_parser,
         _report_parser,
+        _ensemble_parser,
+        _tune_ensemble_parser,
     ):
         add(sub)
     return parser
