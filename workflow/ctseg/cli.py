@@ -139,7 +139,9 @@ def cmd_stage(args: argparse.Namespace) -> None:
 
     from ctseg.stage import expand_scratch, stage_records
 
-    ids = pd.read_csv(args.split_csv, dtype={"id": str})["id"].tolist()
+    # The records training reads; a test split is never staged (nor trained on).
+    table = pd.read_csv(args.split_csv, dtype={"id": str})
+    ids = table.loc[table["split"] != "test", "id"].tolist()
     summary = stage_records(
         args.source,
         ids,
@@ -345,14 +347,35 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from ctseg.report import build_report
+    from ctseg.report import build_report, build_runs_report
 
     def optional(path: str | None) -> Path | None:
         return Path(path) if path else None
 
+    items = args.overlay or []
+    for item in items:
+        if len(item) not in (3, 4) or (args.run and len(item) != 3):
+            form = "ID IMAGE LABEL" if args.run else "ID IMAGE LABEL PRED"
+            raise CtsegError(f"--overlay {' '.join(item)}: expected {form}")
+    if args.run:
+        single = ("experiment", "train_dir", "evaluation_dir", "postprocess_dir")
+        given = [f"--{k.replace('_', '-')}" for k in single if getattr(args, k)] + (
+            ["--phases"] if args.phases else []
+        )
+        if given:
+            raise CtsegError(f"--run reads each run's own files; drop {', '.join(given)}")
+        build_runs_report(
+            Path(args.out),
+            [Path(r) for r in args.run],
+            overlays=[(i, Path(image), optional(label)) for i, image, label in items],
+            benchmarks_dir=optional(args.benchmarks_dir),
+        )
+        return
+    if not args.experiment:
+        raise CtsegError("report: give --run results/<run> (repeatable), or --experiment NAME")
     overlays = [
-        (record_id, Path(image), optional(label), optional(pred))
-        for record_id, image, label, pred in (args.overlay or [])
+        (item[0], Path(item[1]), optional(item[2]), optional(item[3] if len(item) > 3 else None))
+        for item in items
     ]
     build_report(
         Path(args.out),
@@ -366,11 +389,21 @@ def cmd_report(args: argparse.Namespace) -> None:
     )
 
 
+def _fold_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fold",
+        type=int,
+        default=None,
+        help="run fold I of an experiment with split.folds (the run <experiment>.fold<I>)",
+    )
+
+
 def _training_args(p: argparse.ArgumentParser) -> None:
     """What `trial` and `train` share: the settings files, the data and the device."""
     p.add_argument(
         "--experiment", type=_experiment, required=True, help="config/experiments/<name>.yaml"
     )
+    _fold_arg(p)
     p.add_argument("--phases", type=_phases, required=True, help="config/phases.yaml")
     p.add_argument("--scratch", required=True, help="staged scratch directory ($VARS)")
     p.add_argument("--stage-from", default=None, help="stage the split's records from here first")
@@ -441,6 +474,7 @@ def _split_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--experiment", type=_experiment, required=True, help="config/experiments/<name>.yaml"
     )
+    _fold_arg(p)
     p.set_defaults(func=cmd_split)
 
 
@@ -565,18 +599,25 @@ def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _report_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="one self-contained HTML report of a run")
+    p = sub.add_parser("report", help="one self-contained HTML report of one or more runs")
     p.add_argument("--out", required=True, help="report.html to write")
-    p.add_argument("--experiment", required=True)
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        help="results/<run>: an experiment, fold or ensemble (repeatable; compared side by side)",
+    )
+    p.add_argument("--experiment", default=None, help="one-run form: the experiment's name")
     p.add_argument("--phases", nargs="*", default=[], help="trial summary.json files")
     p.add_argument("--train-dir", default=None, help="directory with steps.csv, epochs.csv")
     p.add_argument("--evaluation-dir", default=None, help="scores.csv and summary.json")
     p.add_argument(
         "--overlay",
-        nargs=4,
+        nargs="+",
         action="append",
-        metavar=("ID", "IMAGE", "LABEL", "PRED"),
-        help="a volume to show: image/label .zarr and prediction .tif (repeatable)",
+        metavar="ID IMAGE LABEL",
+        help="a volume to show: image/label .zarr (repeatable); with --run each run's "
+        "predictions/<ID>.tif, in the one-run form a fourth argument: the prediction .tif",
     )
     p.add_argument("--benchmarks-dir", default=None, help="Snakemake benchmark: TSVs")
     p.add_argument("--postprocess-dir", default=None, help="tuned.json and candidates.csv")
@@ -689,6 +730,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated) if on_main_thread else None
     func: Callable[[argparse.Namespace], None] = args.func
     try:
+        if getattr(args, "fold", None) is not None:
+            from ctseg.config import with_fold
+
+            args.experiment = with_fold(args.experiment, args.fold)
         func(args)
     except CtsegError as exc:
         print(f"ctseg {args.command}: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ through this module, so a setting is parsed once, by the same code, wherever it 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -192,12 +193,93 @@ def experiment_from(data: Mapping[str, Any], where: str) -> Experiment:
 
 
 def load_experiment(path: str | Path) -> Experiment:
-    """config/experiments/<name>.yaml; its `name` must be the file's name."""
+    """config/experiments/<name>.yaml, with `extends` resolved; its `name` must be the file's
+    name. What comes back are the effective settings: the ones the run identity, the rules'
+    `settings` params and the report use."""
     path = Path(path)
-    exp = experiment_from(read_yaml(path) or {}, str(path))
+    exp = experiment_from(extended(path), str(path))
     if exp.name != path.stem:
         raise CtsegError(f"{path}: name {exp.name!r} differs from the file name {path.stem!r}")
+    if not RUN_NAME.fullmatch(path.stem):
+        raise CtsegError(
+            f"{path}: an experiment's file name may hold only letters, digits, _ and - "
+            "(a '.' would be read as <experiment>.fold<i>); rename the file and its name"
+        )
+    folds = exp.split.get("folds")
+    if folds is not None and folds < 2:
+        raise CtsegError(
+            f"{path}: split.folds: {folds} is below 2: cross-validation needs at least 2 "
+            "folds (or remove split.folds)"
+        )
+    if exp.split.get("fold") is not None:
+        raise CtsegError(
+            f"{path}: split.fold is set by the run name <experiment>.fold<i> "
+            "(e.g. results/exp001.fold1/last.pt), not in the file; remove it"
+        )
     return exp
+
+
+def extended(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The file's settings over those of the experiment it `extends` (recursively): mappings
+    merge key by key, anything else (lists included) is replaced whole."""
+    data = read_yaml(path) or {}
+    if not isinstance(data, Mapping):
+        raise CtsegError(f"{path}: expected a mapping of experiment settings")
+    data = thaw(data)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str) or not RUN_NAME.fullmatch(parent):
+        raise CtsegError(f"{path}: extends: expected an experiment name, got {parent!r}")
+    parent_path = path.parent / f"{parent}.yaml"
+    if parent_path.resolve() in seen or parent_path.resolve() == path.resolve():
+        chain = " -> ".join(p.stem for p in (*seen, path.resolve(), parent_path.resolve()))
+        raise CtsegError(f"{path}: extends: a cycle ({chain})")
+    if not parent_path.exists():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise CtsegError(f"{path}: extends: {parent_path} does not exist (experiments: {known})")
+    base = extended(parent_path, (*seen, path.resolve()))
+    return merged(base, data)
+
+
+def merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# An experiment's name (and file stem); a run is an experiment, or one of its folds.
+RUN_NAME = re.compile(r"[A-Za-z0-9_-]+")
+FOLD_RUN = re.compile(r"(?P<experiment>[A-Za-z0-9_-]+)\.fold(?P<fold>[0-9]+)")
+
+
+def with_fold(exp: Experiment, fold: int, where: str = "--fold") -> Experiment:
+    """Fold `fold` of an experiment that declares split.folds: named <name>.fold<i>, with that
+    fold held out as its val split (`ctseg.records.select_records`)."""
+    folds = exp.split.get("folds")
+    if folds is None:
+        raise CtsegError(
+            f"{where}: experiment {exp.name!r} declares no split.folds, so it has no fold {fold}"
+        )
+    if not 0 <= fold < folds:
+        raise CtsegError(
+            f"{where}: fold {fold} is out of range: experiment {exp.name!r} has folds 0..{folds - 1}"
+        )
+    split = {**thaw(exp.split), "fold": fold}
+    return dataclasses.replace(exp, name=f"{exp.name}.fold{fold}", split=freeze(split))
+
+
+def load_run(experiments_dir: str | Path, run: str) -> Experiment:
+    """The experiment a run name stands for: <name> or <name>.fold<i>."""
+    found = FOLD_RUN.fullmatch(run)
+    name = found["experiment"] if found else run
+    path = Path(experiments_dir) / f"{name}.yaml"
+    exp = load_experiment(path)
+    return with_fold(exp, int(found["fold"]), str(path)) if found else exp
 
 
 def phases_from(data: Mapping[str, Any], where: str) -> dict[int, Phase]:

@@ -99,13 +99,17 @@ def read_records(dataset_dir: str | Path, require_files: bool = True) -> pd.Data
 
 
 def select_records(records: pd.DataFrame, subset: Mapping, split: Mapping) -> pd.DataFrame:
-    """Pick the experiment's records and split them into train and val.
+    """Pick the experiment's records and split them into train, val and test.
 
     records: columns id, scroll_id (the labelled training records). subset: {ids, scroll_ids,
     fraction} (at most one of ids / scroll_ids; fraction in (0, 1] applies after them).
-    split: {val_ids, val_fraction, seed}; val_ids, when given, wins over val_fraction.
-    Returns columns id, scroll_id, split ('train' | 'val'), sorted by id; the same inputs and
-    seed always give the same table, whatever the row order of `records`.
+    split: {val_ids, val_fraction, seed, test_ids, test_fraction, folds, fold, group_by}:
+    - test (test_ids, else test_fraction) is taken first; neither training nor tuning sees it;
+    - val is fold `fold` of `folds` (see `assign_folds`) when a fold is given, else val_ids,
+      else val_fraction of the rest;
+    - with group_by: scroll, or with subset.scroll_ids, whole scrolls go to one side.
+    Returns columns id, scroll_id, split ('train' | 'val' | 'test'), sorted by id; the same
+    inputs and seed always give the same table, whatever the row order of `records`.
     """
     table = records[["id", "scroll_id"]].copy()
     table["id"] = table["id"].astype(str)
@@ -115,14 +119,123 @@ def select_records(records: pd.DataFrame, subset: Mapping, split: Mapping) -> pd
     seed = _seed(split)
     table = _filter_subset(table, subset)
     table = _take_fraction(table, subset.get("fraction", 1.0), seed)
-    val = _choose_val(table, split, seed)
-    table["split"] = np.where(table["id"].isin(val), "val", "train")
+    by_scroll = split.get("group_by") == "scroll"
+    test = _choose_test(table, split, seed, by_scroll)
+    rest = table[~table["id"].isin(test)].reset_index(drop=True)
+    if split.get("fold") is not None:
+        folds = assign_folds(rest, split, folds_by_scroll(subset, split))
+        val = {i for i, f in folds.items() if f == split["fold"]}
+    elif by_scroll and split.get("val_ids") is None:
+        val = _choose_groups(rest, split.get("val_fraction", 0.0) or 0.0, [seed, 1], "val")
+    else:
+        val = _choose_val(rest, split, seed)
+        if by_scroll:
+            _check_whole_scrolls(rest, val, "split.val_ids")
+    table["split"] = np.where(
+        table["id"].isin(test), "test", np.where(table["id"].isin(val), "val", "train")
+    )
     if (table["split"] == "train").sum() == 0:
         raise CtsegError(
-            f"split.val_ids: every selected record ({len(table)}) is in val; "
+            f"split: every selected record ({len(table)}) is in val or test; "
             "at least one train record is needed"
         )
     return table.reset_index(drop=True)
+
+
+def folds_by_scroll(subset: Mapping, split: Mapping) -> bool:
+    """Folds keep scrolls whole with group_by: scroll, and whenever the subset is chosen by
+    scroll (a model is then meant to generalise across scrolls)."""
+    return split.get("group_by") == "scroll" or subset.get("scroll_ids") is not None
+
+
+def assign_folds(table: pd.DataFrame, split: Mapping, by_scroll: bool) -> dict[str, int]:
+    """Each record's fold, 0..folds-1, for the records of `table` (the selection less its test
+    split). Groups (records, or scrolls with `by_scroll`) are shuffled with the seed, then the
+    largest first go to the fold with the fewest records: folds as even as the groups allow,
+    and the same for the same records and seed."""
+    folds = split.get("folds")
+    if folds is None or isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+        raise CtsegError(f"split.folds: expected an integer of at least 2, got {folds!r}")
+    fold = split.get("fold")
+    if fold is not None and not 0 <= fold < folds:
+        raise CtsegError(f"split.fold: fold {fold} is out of range 0..{folds - 1}")
+    key = (table["scroll_id"] if by_scroll else table["id"]).astype(str)
+    groups = sorted(set(key))
+    if len(groups) < folds:
+        what = "scrolls" if by_scroll else "records"
+        raise CtsegError(
+            f"split.folds: {folds} folds need at least {folds} {what}, and the selection "
+            f"(less its test split) has {len(groups)}: lower split.folds or select more records"
+        )
+    order = np.random.default_rng([_seed(split), 3]).permutation(len(groups))
+    shuffled = [groups[i] for i in order]
+    sizes = {g: int((key == g).sum()) for g in groups}
+    shuffled.sort(key=lambda g: -sizes[g])  # stable: ties keep the shuffled order
+    load = [0] * folds
+    fold_of_group = {}
+    for group in shuffled:
+        target = min(range(folds), key=lambda f: (load[f], f))
+        fold_of_group[group] = target
+        load[target] += sizes[group]
+    return {i: fold_of_group[k] for i, k in zip(table["id"], key, strict=True)}
+
+
+def _choose_test(table: pd.DataFrame, split: Mapping, seed: int, by_scroll: bool) -> set[str]:
+    test_ids = split.get("test_ids")
+    if test_ids is not None:
+        wanted = {str(i) for i in test_ids}
+        unknown = sorted(wanted - set(table["id"]))
+        if unknown:
+            raise CtsegError(f"split.test_ids: id(s) {unknown} are not among the selected records")
+        if by_scroll:
+            _check_whole_scrolls(table, wanted, "split.test_ids")
+        return wanted
+    fraction = split.get("test_fraction", 0.0) or 0.0
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
+        raise CtsegError(f"split.test_fraction: expected a number in [0, 1), got {fraction!r}")
+    if fraction == 0:
+        return set()
+    if by_scroll:
+        return _choose_groups(table, fraction, [seed, 2], "test")
+    n = len(table)
+    n_test = min(max(_round_half_up(fraction * n), 1), n - 1) if n >= 2 else 0
+    order = np.random.default_rng([seed, 2]).permutation(n)
+    return set(table["id"].iloc[order[:n_test]])
+
+
+def _choose_groups(table: pd.DataFrame, fraction: float, stream: list[int], what: str) -> set[str]:
+    """Whole scrolls, shuffled, until they hold `fraction` of the records (at least one scroll
+    when fraction > 0, never every scroll)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1:
+        raise CtsegError(f"split.{what}_fraction: expected a number in [0, 1), got {fraction!r}")
+    scroll = table["scroll_id"].astype(str)
+    scrolls = sorted(set(scroll))
+    if fraction == 0 or not scrolls:
+        return set()
+    if len(scrolls) < 2:
+        raise CtsegError(
+            f"split.{what}_fraction: whole scrolls go to {what}, and the selection has one "
+            f"scroll ({scrolls[0]}); select records of at least 2 scrolls or set group_by: record"
+        )
+    order = np.random.default_rng(stream).permutation(len(scrolls))
+    want = fraction * len(table)
+    chosen: list[str] = []
+    for i in order[:-1]:  # never every scroll
+        chosen.append(scrolls[i])
+        if scroll.isin(chosen).sum() >= want:
+            break
+    return set(table.loc[scroll.isin(chosen), "id"])
+
+
+def _check_whole_scrolls(table: pd.DataFrame, ids: set[str], key: str) -> None:
+    scrolls = table["scroll_id"].astype(str)
+    for scroll in sorted(set(scrolls[table["id"].isin(ids)])):
+        members = set(table.loc[scrolls == scroll, "id"])
+        if not members <= ids:
+            raise CtsegError(
+                f"{key}: scroll {scroll} would span two sides (missing {sorted(members - ids)}); "
+                "list every record of a scroll, or set split.group_by: record"
+            )
 
 
 def _seed(split: Mapping) -> int:

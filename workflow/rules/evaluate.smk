@@ -1,18 +1,23 @@
 rule tune_postprocess:
     input:
-        probabilities=[probability(i) for i in tune_ids()],
-        labels=[RECORDS[i]["label"] for i in tune_ids()],
+        probabilities=lambda wildcards: [
+            tune_probability(wildcards.exp, i) for i in tune_ids(wildcards.exp)
+        ],
+        labels=lambda wildcards: [label_file(i) for i in tune_ids(wildcards.exp)],
     output:
         settings=report(
-            f"{TUNED_DIR}/tuned.json",
+            "results/{exp}/postprocess/tuned.json",
             caption="../report/tuned.rst",
             category="Evaluation",
+            subcategory="{exp}",
         ),
-        candidates=f"{TUNED_DIR}/candidates.csv",
+        candidates="results/{exp}/postprocess/candidates.csv",
     log:
-        f"results/logs/tune_postprocess/{EXP_NAME}.log",
+        "results/logs/tune_postprocess/{exp}.log",
     benchmark:
-        f"results/benchmarks/tune_postprocess/{EXP_NAME}.tsv"
+        bench("{exp}", "tune_postprocess")
+    wildcard_constraints:
+        exp=ANY_RUN,
     conda:
         "../../environment.yml"
     # Candidates are scored in parallel like evaluate's volumes, one process per thread.
@@ -23,28 +28,34 @@ rule tune_postprocess:
     shell:
         "ctseg tune-postprocess --probabilities {input.probabilities:q} "
         "--labels {input.labels:q} --out {params.out:q} {params.search} "
-        "--workers {threads} > {log} 2>&1"
+        "--workers {threads} > {log:q} 2>&1"
 
 
 rule evaluate:
     input:
-        predictions=[prediction(i) for i in eval_ids()],
-        labels=[RECORDS[i]["label"] for i in eval_ids()],
+        predictions=lambda wildcards: [
+            prediction(wildcards.exp, i) for i in eval_ids(wildcards.exp)
+        ],
+        labels=lambda wildcards: [label_file(i) for i in eval_ids(wildcards.exp)],
     output:
         scores=report(
-            f"results/{EXP_NAME}/evaluation/scores.csv",
+            "results/{exp}/evaluation/scores.csv",
             caption="../report/scores.rst",
             category="Evaluation",
+            subcategory="{exp}",
         ),
         summary=report(
-            f"results/{EXP_NAME}/evaluation/summary.json",
+            "results/{exp}/evaluation/summary.json",
             caption="../report/summary.rst",
             category="Evaluation",
+            subcategory="{exp}",
         ),
     log:
-        f"results/logs/evaluate/{EXP_NAME}.log",
+        "results/logs/evaluate/{exp}.log",
     benchmark:
-        f"results/benchmarks/evaluate/{EXP_NAME}.tsv"
+        bench("{exp}", "evaluate")
+    wildcard_constraints:
+        exp=ANY_RUN,
     conda:
         "../../environment.yml"
     # Volumes are scored in parallel, one process per thread (Snakemake caps it at --cores);
@@ -52,6 +63,7 @@ rule evaluate:
     threads: 8
     params:
         out=lambda wildcards, output: Path(output.summary).parent,
+        provenance=lambda wildcards: provenance_args(wildcards.exp),
     shell:
         "ctseg evaluate --predictions {input.predictions:q} --labels {input.labels:q} "
-        "--out {params.out:q} --workers {threads} > {log} 2>&1"
+        "--out {params.out:q} --workers {threads} {params.provenance} > {log:q} 2>&1"

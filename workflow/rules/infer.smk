@@ -1,15 +1,17 @@
 rule infer:
     input:
-        weights=f"results/{EXP_NAME}/last.pt",
+        weights="results/{exp}/last.pt",
         image=IMAGE_STORE,
     output:
         # The model's output only: the mask comes from rule postprocess, whose settings may be
         # tuned on these probabilities (for the val split) without running the model again.
-        probabilities=directory(probability("{id}")),
+        probabilities=directory("results/{exp}/probabilities/{id}.zarr"),
     log:
-        f"results/logs/infer/{EXP_NAME}_{{id}}.log",
+        "results/logs/infer/{exp}_{id}.log",
     benchmark:
-        f"results/benchmarks/infer/{EXP_NAME}_{{id}}.tsv"
+        bench("{exp}", "infer/{id}")
+    wildcard_constraints:
+        exp=TRAINED_RUN,
     conda:
         "../../environment.yml"
     threads: 2
@@ -32,29 +34,31 @@ rule infer:
         "--probabilities {output.probabilities:q} --overlap {params.overlap} "
         "--batch-size {params.batch} {params.tta} "
         "--memory-budget-mb {params.budget} --device-budget-mb {params.device_budget} "
-        "> {log} 2>&1"
+        "> {log:q} 2>&1"
 
 
 rule postprocess:
     input:
-        probabilities=probability("{id}"),
+        probabilities="results/{exp}/probabilities/{id}.zarr",
         # tuned.json for infer.postprocess: tuned; nothing for fixed.
-        settings=postprocess_settings_file(),
+        settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
     output:
-        mask=prediction("{id}"),
+        mask="results/{exp}/predictions/{id}.tif",
     log:
-        f"results/logs/postprocess/{EXP_NAME}_{{id}}.log",
+        "results/logs/postprocess/{exp}_{id}.log",
     benchmark:
-        f"results/benchmarks/postprocess/{EXP_NAME}_{{id}}.tsv"
+        bench("{exp}", "postprocess/{id}")
+    wildcard_constraints:
+        exp=ANY_RUN,
     conda:
         "../../environment.yml"
     params:
         settings=postprocess_args,
     shell:
         "ctseg postprocess {input.probabilities:q} {output.mask:q} {params.settings} "
-        "> {log} 2>&1"
+        "> {log:q} 2>&1"
 
 
 rule predict:
     input:
-        [prediction(i) for i in infer_ids()],
+        sorted({prediction(r, i) for r in DEFAULT_RUNS for i in infer_ids(r)}),

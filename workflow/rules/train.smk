@@ -1,76 +1,99 @@
 rule train_trial:
     input:
         unpack(training_data),
-        split=f"results/{EXP_NAME}/split.csv",
+        split="results/{exp}/split.csv",
         previous=previous_trial,
     output:
-        summary=f"results/{EXP_NAME}/phases/phase{{phase}}/summary.json",
-        steps=f"results/{EXP_NAME}/phases/phase{{phase}}/steps.csv",
+        summary="results/{exp}/phases/phase{phase}/summary.json",
+        steps="results/{exp}/phases/phase{phase}/steps.csv",
     log:
-        f"results/logs/train_trial/{EXP_NAME}_phase{{phase}}.log",
+        "results/logs/train_trial/{exp}_phase{phase}.log",
     benchmark:
-        f"results/benchmarks/train_trial/{EXP_NAME}_phase{{phase}}.tsv"
+        bench("{exp}", "train_trial/phase{phase}")
+    wildcard_constraints:
+        exp=BASE_RUN,
     conda:
         "../../environment.yml"
-    threads: lambda wildcards: phase_threads(int(wildcards.phase))
+    threads: lambda wildcards: phase_threads(wildcards.exp, int(wildcards.phase))
     resources:
-        gpu=lambda wildcards: phase_gpus(int(wildcards.phase)),
-        mem_mb=lambda wildcards: phase_mem_mb(int(wildcards.phase)),
+        gpu=lambda wildcards: phase_gpus(wildcards.exp, int(wildcards.phase)),
+        mem_mb=lambda wildcards: phase_mem_mb(wildcards.exp, int(wildcards.phase)),
     params:
-        ctseg=lambda wildcards: launcher(phase_gpus(int(wildcards.phase))),
-        experiment=EXP_FILE,
+        ctseg=lambda wildcards: launcher(phase_gpus(wildcards.exp, int(wildcards.phase))),
+        experiment=lambda wildcards: experiment_file(wildcards.exp),
         phases=PHASES_FILE,
         settings=lambda wildcards: settings_used(
-            EXP, PHASES[int(wildcards.phase)], "trial"
+            experiment(wildcards.exp), PHASES[int(wildcards.phase)], "trial"
         ),
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.summary).parent,
         previous=lambda wildcards, input: (
-            f"--previous {input.previous[0]}" if input.previous else ""
+            f"--previous '{input.previous[0]}'" if input.previous else ""
         ),
     shell:
         "{params.ctseg} trial --experiment {params.experiment:q} --phases {params.phases:q} "
         "--phase {wildcards.phase} {params.scratch} --split {input.split:q} "
-        "--out {params.out:q} {params.previous} > {log} 2>&1"
+        "--out {params.out:q} {params.previous} > {log:q} 2>&1"
 
 
 rule trials:
     input:
-        trial_summaries(),
+        sorted(
+            {
+                summary
+                for r in DEFAULT_RUNS
+                for t in trained_runs(r)
+                for summary in trial_summaries(t)
+            }
+        ),
 
 
-rule train:
+rule train_model:
     input:
         unpack(training_data),
-        split=f"results/{EXP_NAME}/split.csv",
-        trials=trial_summaries() if config["phase"] == "auto" else [],
+        split="results/{exp}/split.csv",
+        trials=lambda wildcards: (
+            trial_summaries(wildcards.exp) if config["phase"] == "auto" else []
+        ),
     output:
-        weights=f"results/{EXP_NAME}/last.pt",
-        steps=f"results/{EXP_NAME}/train/steps.csv",
-        epochs=f"results/{EXP_NAME}/train/epochs.csv",
+        weights="results/{exp}/last.pt",
+        steps="results/{exp}/train/steps.csv",
+        epochs="results/{exp}/train/epochs.csv",
     log:
-        f"results/logs/train/{EXP_NAME}.log",
+        "results/logs/train/{exp}.log",
     benchmark:
-        f"results/benchmarks/train/{EXP_NAME}.tsv"
+        bench("{exp}", "train")
+    wildcard_constraints:
+        exp=TRAINED_RUN,
     conda:
         "../../environment.yml"
-    threads: train_threads()
+    threads: lambda wildcards: max(phase_threads(wildcards.exp, p) for p in chosen_phases(wildcards.exp))
     resources:
-        gpu=train_gpus(),
-        mem_mb=train_mem_mb(),
+        gpu=lambda wildcards: train_gpus(wildcards.exp),
+        mem_mb=lambda wildcards: max(
+            phase_mem_mb(wildcards.exp, p) for p in chosen_phases(wildcards.exp)
+        ),
     params:
-        ctseg=launcher(train_gpus()),
-        experiment=EXP_FILE,
+        ctseg=lambda wildcards: launcher(train_gpus(wildcards.exp)),
+        experiment=lambda wildcards: experiment_file(wildcards.exp),
+        fold=lambda wildcards: fold_arg(wildcards.exp),
         phases=PHASES_FILE,
-        settings=train_settings(),
+        settings=lambda wildcards: train_settings(wildcards.exp),
         phase=config["phase"],
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.steps).parent,
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
-        state=f"results/{EXP_NAME}/checkpoints",
+        state=lambda wildcards: f"{run_dir(wildcards.exp)}/checkpoints",
     shell:
-        "{params.ctseg} train --experiment {params.experiment:q} --phases {params.phases:q} "
-        "--phase {params.phase} --trials {input.trials:q} {params.scratch} "
-        "--split {input.split:q} --out {params.out:q} "
-        "--state-dir {params.state} --weights {output.weights:q} > {log} 2>&1"
+        "{params.ctseg} train --experiment {params.experiment:q} {params.fold} "
+        "--phases {params.phases:q} --phase {params.phase} --trials {input.trials:q} "
+        "{params.scratch} --split {input.split:q} --out {params.out:q} "
+        "--state-dir {params.state:q} --weights {output.weights:q} > {log:q} 2>&1"
+
+
+rule train:
+    input:
+        sorted(
+            {f"{run_dir(t)}/last.pt" for r in DEFAULT_RUNS for t in trained_runs(r)}
+        ),

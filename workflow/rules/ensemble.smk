@@ -1,0 +1,47 @@
+# Combined runs: <exp>.cv (an experiment's folds) and config/ensembles/<name>.yaml. Their
+# probabilities are the weighted mean of their members' (ctseg.ensemble); post-processing,
+# evaluation and the report then treat them exactly like an experiment.
+
+
+rule tune_ensemble:
+    input:
+        probabilities=lambda wildcards: ensemble_tuning_inputs(wildcards.exp),
+        labels=lambda wildcards: [label_file(i) for i in tune_ids(wildcards.exp)],
+    output:
+        weights="results/{exp}/ensemble/weights.json",
+    log:
+        "results/logs/tune_ensemble/{exp}.log",
+    benchmark:
+        bench("{exp}", "tune_ensemble")
+    wildcard_constraints:
+        exp=COMBINED_RUN,
+    conda:
+        "../../environment.yml"
+    params:
+        members=lambda wildcards: ensemble_member_args(wildcards.exp),
+        step=lambda wildcards: ensemble(wildcards.exp).tune_step,
+    shell:
+        "ctseg tune-ensemble {params.members} --labels {input.labels:q} "
+        "--step {params.step} --out {output.weights:q} > {log:q} 2>&1"
+
+
+rule ensemble:
+    input:
+        members=lambda wildcards: [path for path, _ in ensemble_inputs(wildcards.exp, wildcards.id)],
+        weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
+    output:
+        probabilities=directory("results/{exp}/probabilities/{id}.zarr"),
+    log:
+        "results/logs/ensemble/{exp}_{id}.log",
+    benchmark:
+        bench("{exp}", "ensemble/{id}")
+    wildcard_constraints:
+        exp=COMBINED_RUN,
+    conda:
+        "../../environment.yml"
+    params:
+        weights=ensemble_weight_args,
+        budget=config["infer"]["memory_budget_mb"],
+    shell:
+        "ctseg ensemble --members {input.members:q} {params.weights} "
+        "--out {output.probabilities:q} --memory-budget-mb {params.budget} > {log:q} 2>&1"
