@@ -3,13 +3,13 @@
 An ensemble is ``config/ensembles/<name>.yaml`` (schema: workflow/schemas/ensemble.schema.yaml)::
 
     name: ens_demo
-    members: [exp001.fold0, exp001.fold1]   # experiments, or folds <exp>.fold<i> (0-based)
+    members: [exp001, exp001_cv.fold1]      # experiments, or folds <exp>.fold<i> (0-based)
     weights: [0.5, 0.5]                     # one number >= 0 per member, or `tuned`
     tune_step: null                         # grid step for `tuned` (null: `default_step`)
 
 `load_ensemble` checks it against the runs that exist (the caller says which: a mapping of
-experiment name to its ``split.folds``, a set of names, or a callable; `known_runs` builds the
-mapping from config/experiments/). Every problem is a one-line `CtsegError` naming the file.
+experiment name to its ``split.folds``, a set of names, or a callable). Every problem is a
+one-line `CtsegError` naming the file.
 
 `ensemble_volume` writes ``results/<name>/probabilities/<id>.zarr``: sum_i w_i p_i / sum_i w_i
 of the members' float16 stores, in the format `ctseg.infer.infer_volume` writes (float16, the
@@ -215,18 +215,6 @@ def load_ensemble(path: str | Path, known: KnownRuns) -> Ensemble:
     if ens.name != path.stem:
         raise CtsegError(f"{path}: name {ens.name!r} differs from the file name {path.stem!r}")
     return ens
-
-
-def known_runs(experiments_dir: str | Path) -> dict[str, int | None]:
-    """Experiment name -> split.folds (None: none) of every config/experiments/*.yaml, from the
-    effective settings (`ctseg.config.load_experiment`)."""
-    from ctseg.config import load_experiment
-
-    out = {}
-    for path in sorted(Path(experiments_dir).glob("*.yaml")):
-        exp = load_experiment(path)
-        out[exp.name] = exp.split.get("folds")
-    return out
 
 
 # ----------------------------------------------------------------------------- stores
