@@ -294,3 +294,15 @@ def test_tuning_inputs_are_checked(tmp_path):
     with pytest.raises(CtsegError, match="2 volumes per member but 1 labels"):
         tune_weights([("a", [a1, a2]), ("b", [a1, a2])], [t1], tmp_path / "w.json")
     assert not (tmp_path / "w.json").exists()
+
+
+@pytest.mark.slow  # two spawned workers import numpy, zarr and ctseg: ~10 s here
+def test_parallel_tuning_gives_the_serial_result(tmp_path):
+    cases = [sheet_case(tmp_path, rid, z) for rid, z in (("v1", 4), ("v2", 10))]
+    members = [("a", [a for a, _, _ in cases]), ("b", [b for _, b, _ in cases])]
+    labels = [t for _, _, t in cases]
+    kwargs = {"step": 0.5, "topo_method": "betti_counts"}
+    serial = tune_weights(members, labels, tmp_path / "w1.json", **kwargs)
+    parallel = tune_weights(members, labels, tmp_path / "w2.json", workers=2, **kwargs)
+    assert parallel["grid"] == serial["grid"] and parallel["weights"] == [1.0, 0.0]
+    assert len(serial["grid"]) == 3

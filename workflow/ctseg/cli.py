@@ -651,6 +651,7 @@ def cmd_tune_ensemble(args: argparse.Namespace) -> None:
         Path(args.out),
         step=args.step,
         topo_method=args.topo_method,
+        workers=args.workers,
     )
     print(json.dumps({k: v for k, v in summary.items() if k != "grid"}, indent=1))
 
@@ -688,6 +689,7 @@ def _tune_ensemble_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
     p.add_argument("--out", required=True, help="weights.json to write")
     p.add_argument("--step", type=float, default=None, help="grid step; 0.25 up to 4 members")
+    p.add_argument("--workers", type=int, default=1, help="volumes scored in parallel")
     p.add_argument(
         "--topo-method", choices=["betti_matching", "betti_counts"], default="betti_matching"
     )

@@ -42,7 +42,9 @@ import math
 import re
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -385,6 +387,28 @@ def check_held_out(
     return ids
 
 
+def _score_grid(job: tuple[list[Path], Path, list[tuple[float, ...]], str]) -> list[float]:
+    """One held-out volume's score at every grid point (module-level: a pool pickles it)."""
+    from ctseg.masks import PostprocessSettings, binary_mask
+    from ctseg.metrics import read_volume
+    from ctseg.tuning import competition_score
+
+    paths, label_path, grid, topo_method = job
+    arrays = [np.asarray(a[...]) for a in open_members(paths)]
+    label = read_volume(Path(label_path))
+    if label.shape != arrays[0].shape:
+        raise CtsegError(
+            f"shape mismatch: probabilities {paths[0]} have shape {arrays[0].shape}, "
+            f"label {label_path} has shape {label.shape}"
+        )
+    out = []
+    for weights in grid:
+        mean = weighted_mean(arrays.__getitem__, weights, label.shape)
+        mask, _ = binary_mask(mean, PostprocessSettings())
+        out.append(competition_score(mask, label, topo_method)["score"])  # type: ignore[arg-type]
+    return out
+
+
 def tune_weights(
     members: Sequence[tuple[str, Sequence[Path]]],
     labels: Sequence[Path],
@@ -392,37 +416,42 @@ def tune_weights(
     *,
     step: float | None = None,
     topo_method: str = "betti_matching",
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Weights chosen by the competition score on held-out volumes; writes `out` (weights.json).
 
     `members` are (name, probability stores) pairs, every member's stores for the same ids in
-    the same order, `labels` the label TIFFs of those ids. One volume's member probabilities
-    are held at a time (float16, plus the float32 mean).
+    the same order, `labels` the label TIFFs of those ids. A volume's member probabilities are
+    held whole (float16, plus the float32 mean: the score needs the whole mask); ``workers``
+    processes score volumes in parallel, one volume each, with the same result as one.
     """
-    from ctseg.masks import PostprocessSettings, binary_mask
-    from ctseg.metrics import read_volume
-    from ctseg.tuning import competition_score
+    from ctseg.masks import PostprocessSettings
+    from ctseg.metrics import TOPO_METHODS
 
+    if topo_method not in TOPO_METHODS:
+        raise CtsegError(f"topo_method={topo_method!r}: expected one of {list(TOPO_METHODS)}")
+    if workers < 1:
+        raise CtsegError(f"workers={workers!r}: expected >= 1")
     ids = check_held_out(members, labels)
     n = len(members)
     step = default_step(n) if step is None else float(step)
     grid = weight_grid(n, step)
-    settings = PostprocessSettings()
-    scores: list[dict[str, float]] = [{} for _ in grid]
+    jobs = [
+        ([Path(stores[v]) for _, stores in members], Path(labels[v]), grid, topo_method)
+        for v in range(len(ids))
+    ]
     t0 = time.perf_counter()
-    for v, rid in enumerate(ids):
-        paths = [Path(stores[v]) for _, stores in members]
-        arrays = [np.asarray(a[...]) for a in open_members(paths)]
-        label = read_volume(Path(labels[v]))
-        if label.shape != arrays[0].shape:
-            raise CtsegError(
-                f"shape mismatch: probabilities {paths[0]} have shape {arrays[0].shape}, "
-                f"label {labels[v]} has shape {label.shape}"
-            )
-        for g, weights in enumerate(grid):
-            mean = weighted_mean(arrays.__getitem__, weights, label.shape)
-            mask, _ = binary_mask(mean, settings)
-            scores[g][rid] = competition_score(mask, label, topo_method)["score"]  # type: ignore[arg-type]
+    if workers > 1 and len(jobs) > 1:
+        # spawn, as tune-postprocess and evaluate: no fork of a process holding threads.
+        context = get_context("spawn")
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
+            per_volume = list(pool.map(_score_grid, jobs))
+    else:
+        per_volume = [_score_grid(job) for job in jobs]
+    scores = [
+        {rid: vol[g] for rid, vol in zip(ids, per_volume, strict=True)} for g in range(len(grid))
+    ]
+    settings = PostprocessSettings()
     rows = [
         {"weights": list(w), "score": float(np.mean(list(s.values()))), "scores": s}
         for w, s in zip(grid, scores, strict=True)
