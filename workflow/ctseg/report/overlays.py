@@ -142,3 +142,105 @@ def overlay_section(overlays: Sequence[Overlay], src: Sources) -> str:
         return "\n".join([*out, missing("Slice overlays")])
     out += [_one_overlay(item, src) for item in overlays]
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- several runs
+# (id, image zarr, label zarr or None): each run's prediction is its predictions/<id>.tif.
+Volume = tuple[str, Path, Path | None]
+PANELS_PER_ROW = 4
+
+
+def _runs_figure(
+    name: str,
+    image: np.ndarray,
+    attrs: Mapping[str, Any],
+    label: np.ndarray | None,
+    preds: Sequence[tuple[str, np.ndarray | None]],
+    index: int,
+) -> Figure:
+    panels = 2 + len(preds)
+    cols = min(PANELS_PER_ROW, panels)
+    rows = -(-panels // cols)
+    fig = Figure(figsize=(3.4 * cols, 3.4 * rows + 0.5), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols)).ravel()
+    low, high = _display_range(image, attrs)
+    for ax in axes[:panels]:
+        ax.imshow(image, cmap="gray", vmin=low, vmax=high, interpolation="nearest")
+        ax.set_axis_off()
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    axes[0].set_title(f"{name}: image, z = {index}", fontsize=9)
+    axes[1].set_title("label" if label is not None else "label: not found", fontsize=9)
+    if label is not None:
+        _draw_label(axes[1], label, fill=True)
+    for ax, (run, pred) in zip(axes[2:], preds, strict=False):
+        if label is not None:
+            _draw_label(ax, label, fill=False)
+        if pred is None:
+            ax.set_title(f"{run}: no prediction", fontsize=9, color="#a33")
+            continue
+        ax.imshow(_tint(pred != 0, PRED_RGBA), interpolation="nearest")
+        if pred.any() and not pred.all():
+            ax.contour(pred != 0, levels=[0.5], colors="red", linewidths=1.0)
+        ax.set_title(f"{run}: prediction", fontsize=9)
+    handles = [
+        Patch(facecolor=LABEL_RGBA, edgecolor="#2ca02c", label="label 1 (contour on the runs)"),
+        Patch(facecolor=IGNORE_RGBA, hatch="//", label="label 2 (ignore)"),
+        Patch(facecolor=PRED_RGBA, edgecolor="red", label="prediction"),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
+    return fig
+
+
+def _one_volume(volume: Volume, runs: Sequence[tuple[str, Path | None]], src: Sources) -> str:
+    name, image_path, label_path = volume
+    image_path = Path(image_path)
+    if not image_path.exists():
+        return missing(f"Overlay {name}: image", [src.rel(image_path)])
+    image, index, depth, attrs = _middle_slice_zarr(image_path)
+    names, notes = [src.use(image_path)], []
+    label = None
+    if label_path is not None and Path(label_path).exists():
+        label, _, _, _ = _middle_slice_zarr(Path(label_path))
+        names.append(src.use(Path(label_path)))
+    else:
+        notes.append(missing(f"Overlay {name}: label", [src.rel(label_path)] if label_path else []))
+    preds: list[tuple[str, np.ndarray | None]] = []
+    for run, pred_path in runs:
+        if pred_path is not None and pred_path.exists():
+            preds.append((run, _middle_slice_tif(pred_path, index)))
+            names.append(src.use(pred_path))
+        else:
+            preds.append((run, None))
+            where = [src.rel(pred_path)] if pred_path is not None else []
+            notes.append(missing(f"Overlay {name}: prediction of {run}", where))
+    planes = [("label", label), *((f"prediction of {r}", p) for r, p in preds)]
+    for what, plane in planes:
+        if plane is not None and plane.shape != image.shape:
+            raise CtsegError(
+                f"overlay {name}: {what} slice shape {plane.shape} != image slice {image.shape}"
+            )
+    fig = _runs_figure(name, image, attrs, label, preds, index)
+    caption = f"<h3>{esc(name)} (slice {index} of {depth}, every run)</h3>"
+    return caption + "".join(notes) + png(fig, f"overlay {name}, every run") + source_line(names)
+
+
+def runs_overlay_section(
+    volumes: Sequence[Volume], runs: Sequence[tuple[str, Path | None]], src: Sources
+) -> str:
+    """The same slice of each volume for every run side by side; `runs` holds (run name, its
+    predictions directory or None)."""
+    out = ['<h2 id="overlays">Slice overlays, every run</h2>']
+    if not volumes:
+        return "\n".join([*out, missing("Slice overlays (--overlay ID IMAGE LABEL)")])
+    out.append(
+        "<p class='note'>The middle slice of each volume; each run's panel is its "
+        "<code>predictions/&lt;id&gt;.tif</code> (red) over the label's contour (green).</p>"
+    )
+    for volume in volumes:
+        paths = [
+            (run, None if folder is None else Path(folder) / f"{volume[0]}.tif")
+            for run, folder in runs
+        ]
+        out.append(_one_volume(volume, paths, src))
+    return "\n".join(out)

@@ -3,6 +3,7 @@ inert image-check script that tests/browser_check.py reads back."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from ctseg.report.markup import Sources, esc
@@ -60,22 +61,52 @@ def sources_section(src: Sources) -> str:
     )
 
 
-def page(title: str, experiment: str, sections: Sequence[str]) -> str:
-    nav = " ".join(
-        f'<a href="#{key}">{label}</a>'
-        for key, label in (
-            ("phases", "Phases"),
-            ("training", "Training"),
-            ("evaluation", "Evaluation"),
-            ("overlays", "Overlays"),
-            ("timings", "Timings"),
-            ("sources", "Files"),
-        )
-    )
+NAV = (
+    ("phases", "Phases"),
+    ("training", "Training"),
+    ("evaluation", "Evaluation"),
+    ("provenance", "Provenance"),
+    ("overlays", "Overlays"),
+    ("timings", "Timings"),
+    ("sources", "Files"),
+)
+
+
+def anchor(name: str) -> str:
+    """An HTML id from a run name (fold names carry a dot, which ids allow)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def nest(section: str, run: str) -> str:
+    """A section as part of one run's block: headings one level down, ids prefixed by the run,
+    so several runs' sections share a page without clashing anchors."""
+    section = re.sub(r"<(/?)h3\b", r"<\1h4", section)
+    section = re.sub(r'<h2 id="([^"]+)"', lambda m: f'<h3 id="{anchor(run)}-{m.group(1)}"', section)
+    return re.sub(r"<(/?)h2\b", r"<\1h3", section)
+
+
+def page(
+    title: str,
+    experiment: str,
+    sections: Sequence[str],
+    *,
+    runs: Sequence[str] = (),
+) -> str:
+    """The page; with `runs`, the header and navigation name the runs (several-run report)."""
+    if runs:
+        links = [("comparison", "Comparison"), ("overlays", "Overlays")]
+        links += [(f"run-{anchor(r)}", r) for r in runs]
+        links += [("timings", "Shared timings"), ("sources", "Files")]
+        names = ", ".join(f"<b>{esc(r)}</b>" for r in runs)
+        heading = f"<p>Runs {names}</p>"
+    else:
+        links = list(NAV)
+        heading = f"<p>Experiment <b>{esc(experiment)}</b></p>"
+    nav = " ".join(f'<a href="#{key}">{esc(label)}</a>' for key, label in links)
     body = "\n".join(sections)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>"
-        f"<h1>{esc(title)}</h1><p>Experiment <b>{esc(experiment)}</b></p><nav>{nav}</nav>\n"
+        f"<h1>{esc(title)}</h1>{heading}<nav>{nav}</nav>\n"
         f"{body}\n<script>{IMAGE_CHECK_SCRIPT}</script></body></html>\n"
     )

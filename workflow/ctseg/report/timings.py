@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
@@ -74,3 +76,39 @@ def timing_section(benchmarks_dir: Path | None, src: Sources) -> str:
         f"<code>{esc(src.rel(benchmarks_dir))}</code> (listed per row).</p>"
     )
     return "\n".join(out)
+
+
+# The rules whose jobs hold a GPU (`resources: gpu=` in workflow/rules/*.smk; a test keeps
+# the two in step). Their wall time is the run's GPU time.
+GPU_RULES: tuple[str, ...] = ("infer", "train", "train_trial")
+
+
+@dataclass(frozen=True)
+class RunHours:
+    """A run's job time from its benchmark TSVs: every job, and the GPU rules' jobs."""
+
+    job_s: float | None
+    gpu_s: float | None
+    jobs: int
+    files: tuple[str, ...]
+
+
+def run_hours(benchmarks_dir: Path | None, src: Sources, train_gpus: int = 1) -> RunHours:
+    """Sum of wall seconds over the run's jobs, and over its GPU-rule jobs times their GPUs.
+
+    Only the train job's GPU count is recorded anywhere (`world_size` in its log, passed as
+    `train_gpus`); every other GPU-rule job counts one GPU.
+    """
+    if benchmarks_dir is None or not Path(benchmarks_dir).is_dir():
+        return RunHours(None, None, 0, ())
+    jobs = _read_benchmarks(Path(benchmarks_dir), src)
+    if jobs.empty:
+        return RunHours(None, None, 0, ())
+    gpu = jobs[jobs["rule"].isin(GPU_RULES)]
+    gpus = np.where(gpu["rule"] == "train", train_gpus, 1)
+    return RunHours(
+        job_s=float(jobs["s"].sum()),
+        gpu_s=float((gpu["s"] * gpus).sum()),
+        jobs=len(jobs),
+        files=tuple(jobs["file"]),
+    )

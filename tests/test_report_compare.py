@@ -1,0 +1,462 @@
+"""One report for many runs: the comparison table's numbers are the runs' files' numbers, every
+run's loss curves and the same slice of every run are shown, each score says which volumes it
+comes from and whether anything was fitted on them, and each run keeps its own sections.
+
+Three fake runs with the files their writers write (columns: ctseg.summaries, train.py,
+metrics.evaluate_pairs, tuning's tuned.json, records.write_split, Snakemake's benchmark TSVs,
+the JSON `ctseg train` prints into its log): exp001 (trained, scored on test, tuned on val),
+exp001_full (trained, tuned on the very volumes it is scored on) and ens1 (an ensemble: no
+phases/ or train/, one scored volume).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import tifffile
+from browser_check import INSTALL_HINT, check_page, find_chromium
+from matplotlib import image as mpimg
+
+from ctseg.cli import main
+from ctseg.formatting import fmt
+from ctseg.io import CtsegError
+from ctseg.report import build_runs_report
+from ctseg.report.timings import GPU_RULES
+from ctseg.store import create_volume
+from ctseg.summaries import TrialSummary, step_columns
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = (10, 40, 40)
+SCORE_HEADER = (
+    "id,score,surface_dice,voi_score,voi_split,voi_merge,voi_total,topo_score,topo_f1_0,"
+    "topo_f1_1,topo_f1_2,topo_method,dice,cldice"
+)
+BENCH_HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time"
+
+
+def write_scores(folder: Path, rows: dict[str, tuple[float, float, float]], provenance: dict):
+    """scores.csv and summary.json as metrics.evaluate_pairs writes them (+ provenance)."""
+    folder.mkdir(parents=True)
+    lines = [SCORE_HEADER]
+    table = []
+    for record_id, (sd, voi, topo) in rows.items():
+        score = 0.35 * sd + 0.35 * voi + 0.30 * topo
+        table.append({"score": score, "surface_dice": sd, "voi_score": voi, "topo_score": topo})
+        lines.append(
+            f"{record_id},{score},{sd},{voi},0.5,0.5,1.0,{topo},0.9,0.5,0.4,betti_matching,0.8,0.7"
+        )
+    (folder / "scores.csv").write_text("\n".join(lines) + "\n")
+    means = pd.DataFrame(table).mean()
+    summary = {"volumes": len(rows), "topo_method": "betti_matching"}
+    summary |= {f"mean_{k}": float(v) for k, v in means.items()}
+    (folder / "summary.json").write_text(json.dumps({**summary, "provenance": provenance}))
+
+
+def write_train(folder: Path, rows: int, rate: float, val_dice: list[float]) -> None:
+    """train/steps.csv (the training loop's columns) and epochs.csv, one epoch per 10 steps."""
+    folder.mkdir(parents=True)
+    terms = ("bce", "dice")
+    lines = [",".join(step_columns(terms))]
+    for i in range(rows):
+        step_s = 2 / rate
+        loss = [0.8 * np.exp(-i / (rows / 3)) + 0.01 * (i % 3), 0.5 * np.exp(-i / rows)]
+        values = [i // 10, i + 1, 0.1, 0.01, step_s - 0.11, step_s, rate + 0.1 * (i % 2)]
+        values += [sum(loss), *loss, 1.0, 1e-3, 50.0, 900.0, 2000.0]
+        lines.append(",".join(f"{v:.6g}" for v in values))
+    (folder / "steps.csv").write_text("\n".join(lines) + "\n")
+    epochs = ["epoch,step,train_loss,samples_per_s,data_wait_fraction,val_loss,val_dice"]
+    epochs += [
+        f"{e},{10 * (e + 1)},0.5,{rate},0.05,{0.9 - 0.1 * e},{d}" for e, d in enumerate(val_dice)
+    ]
+    (folder / "epochs.csv").write_text("\n".join(epochs) + "\n")
+
+
+def write_bench(run: Path, jobs: dict[str, float]) -> None:
+    for name, seconds in jobs.items():
+        path = run / "benchmarks" / f"{name}.tsv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{BENCH_HEADER}\n{seconds}\t0:00:01\t300.0\t1\t1\t1\t0\t0\t90\t1.0\n")
+
+
+def write_prediction(run: Path, record_id: str, shift: int) -> None:
+    pred = np.zeros(SHAPE, np.uint8)
+    pred[:, 14 + shift : 22 + shift, 4:36] = 1
+    path = run / "predictions" / f"{record_id}.tif"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tifffile.imwrite(path, pred, photometric="minisblack")
+
+
+def write_volume(results: Path, record_id: str, seed: int) -> tuple[str, str, str]:
+    rng = np.random.default_rng(seed)
+    label = np.zeros(SHAPE, np.uint8)
+    label[:, 15:23, :] = 1
+    label[:, :, 34:] = 2
+    image = rng.integers(0, 60, SHAPE, dtype=np.uint8)
+    image[label == 1] += 150
+    image_path = results / "preprocessed/demo/zarr/images" / f"{record_id}.zarr"
+    label_path = results / "preprocessed/demo/zarr/labels" / f"{record_id}.zarr"
+    create_volume(image_path, SHAPE, np.uint8, (16, 16, 16), attributes={"p0_5": 1.0})[:] = image
+    create_volume(label_path, SHAPE, np.uint8, (16, 16, 16))[:] = label
+    return (
+        record_id,
+        str(image_path.relative_to(results.parent)),
+        str(label_path.relative_to(results.parent)),
+    )
+
+
+def trial(phase: int, rate: float) -> TrialSummary:
+    return TrialSummary(
+        phase=phase,
+        status="ok",
+        settings={"workers": phase + 1, "batch_size": 2},
+        samples_per_s=rate,
+        median_step_s=2 / rate,
+        verdict="compute-bound",
+        verdict_reason="recorded",
+        next_knob="none",
+        version=2,
+    )
+
+
+def make_runs(root: Path) -> dict:
+    results = root / "results"
+    exp = results / "exp001"
+    for phase, rate in ((0, 3.0), (1, 5.0)):
+        (exp / "phases" / f"phase{phase}").mkdir(parents=True)
+        trial(phase, rate).write(exp / "phases" / f"phase{phase}" / "summary.json")
+    write_train(exp / "train", 40, rate=5.0, val_dice=[0.31, 0.52, 0.61, 0.655])
+    write_scores(
+        exp / "evaluation",
+        {"v1": (0.9, 0.4, 0.6), "v2": (0.7, 0.3, 0.5)},
+        {"scored_split": "test", "tuned_on": "val"},
+    )
+    (exp / "postprocess").mkdir()
+    (exp / "postprocess" / "tuned.json").write_text(
+        json.dumps({"label": "t>0.4", "score": 0.6, "volumes": ["v3"], "settings": {}})
+    )
+    (exp / "split.csv").write_text(
+        "id,scroll_id,split\nv4,1,train\nv5,1,train\nv3,2,val\nv1,3,test\nv2,3,test\n"
+    )
+    write_bench(exp, {"train": 3600, "train_trial/phase0": 1800, "infer/v1": 360, "evaluate": 720})
+    log = results / "logs" / "train" / "exp001.log"
+    log.parent.mkdir(parents=True)
+    printed = {"phase": 1, "steps": 40, "world_size": 2, "device": "cuda:0"}
+    log.write_text(
+        "phase auto: chose phase 1\ntrain: 100%|####| 40/40\r\n"
+        + json.dumps(printed, indent=1)
+        + "\n"
+    )
+    for record_id, shift in (("v1", 0), ("v2", 1)):
+        write_prediction(exp, record_id, shift)
+
+    full = results / "exp001_full"
+    write_train(full / "train", 60, rate=8.0, val_dice=[0.4, 0.7])
+    write_scores(
+        full / "evaluation",
+        {"v3": (0.95, 0.5, 0.7), "v6": (0.85, 0.45, 0.65), "v7": (0.6, 0.2, 0.3)},
+        {"scored_split": "val", "tuned_on": "val"},
+    )
+    (full / "postprocess").mkdir()
+    (full / "postprocess" / "tuned.json").write_text(
+        json.dumps({"label": "t>0.3", "volumes": ["v3", "v6", "v7"], "settings": {}})
+    )
+    write_bench(full, {"train": 7200, "infer/v1": 180})
+    write_prediction(full, "v1", 3)  # v2 has no prediction from this run
+
+    ens = results / "ens1"
+    write_scores(
+        ens / "evaluation",
+        {"v1": (0.92, 0.42, 0.62)},
+        {"scored_split": "test", "weights_tuned_on": "val"},
+    )
+    write_bench(ens, {"ensemble/v1": 30, "evaluate": 60})
+    for record_id, shift in (("v1", -1), ("v2", 2)):
+        write_prediction(ens, record_id, shift)
+    volumes = [write_volume(results, "v1", 1), write_volume(results, "v2", 2)]
+    return {"results": results, "volumes": volumes}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> tuple[Path, str, dict]:
+    root = tmp_path_factory.mktemp("compare")
+    made = make_runs(root)
+    cwd = os.getcwd()
+    os.chdir(root)  # the workflow runs `ctseg report` from its root, paths relative to it
+    try:
+        args = ["report", "--out", "results/report.html"]
+        args += [
+            a for run in ("exp001", "exp001_full", "ens1") for a in ("--run", f"results/{run}")
+        ]
+        for volume in made["volumes"]:
+            args += ["--overlay", *volume]
+        assert main([*args, "--benchmarks-dir", "results/benchmarks"]) == 0
+    finally:
+        os.chdir(cwd)
+    out = root / "results" / "report.html"
+    return out, out.read_text(), made
+
+
+def table_rows(html: str) -> list[list[str]]:
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", html, re.S)
+    return [
+        [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", r)]
+        for r in rows
+    ]
+
+
+def block(page: str, anchor: str, until: str = "<h2") -> str:
+    start = page.index(f'id="{anchor}"')
+    end = page.find(until, start + 1)
+    return page[start : end if end > 0 else len(page)]
+
+
+def comparison(page: str) -> dict[str, dict[str, str]]:
+    rows = table_rows(block(page, "comparison"))
+    header = rows[0]
+    return {row[0]: dict(zip(header, row, strict=True)) for row in rows[1:]}
+
+
+def mean_std(cell: str) -> tuple[float, float | None]:
+    parts = [float(p) for p in re.findall(r"[\d.]+", cell)]
+    return parts[0], (parts[1] if len(parts) > 1 else None)
+
+
+# --------------------------------------------------------------------------- comparison table
+def test_comparison_table_is_the_files_numbers(rendered):
+    _, page, made = rendered
+    table = comparison(page)
+    assert list(table) == ["exp001", "exp001_full", "ens1"]
+    results = made["results"]
+    for run in table:
+        scores = pd.read_csv(results / run / "evaluation" / "scores.csv")
+        assert table[run]["n volumes"] == str(len(scores))
+        for column, header in (
+            ("score", "score"),
+            ("surface_dice", "SurfaceDice"),
+            ("voi_score", "VOI score"),
+            ("topo_score", "TopoScore"),
+        ):
+            cell = table[run][f"{header} (mean ± std)"]
+            mean, std = mean_std(cell)
+            assert mean == pytest.approx(scores[column].mean(), abs=5e-5), (run, column)
+            if len(scores) > 1:
+                assert std == pytest.approx(scores[column].std(ddof=1), abs=5e-5), (run, column)
+                assert cell == f"{fmt(scores[column].mean(), 4)} ± {fmt(scores[column].std(), 4)}"
+            else:
+                assert std is None  # one volume: no spread to show
+    exp = table["exp001"]
+    steps = pd.read_csv(results / "exp001/train/steps.csv")
+    assert exp["steps"] == "40" == str(len(steps))
+    assert exp["val Dice (last epoch)"] == "0.655"
+    assert exp["samples/s (mean)"] == fmt(steps["samples_per_s"].mean())  # 5.05
+    assert exp["phase"] == "1 (auto)"  # as `ctseg train` printed it
+    # Job hours: 3600 + 1800 + 360 + 720 s. GPU-hours: train x 2 GPUs (world_size in its log)
+    # + train_trial + infer; evaluate holds no GPU.
+    assert exp["job hours"] == "1.80"
+    assert exp["GPU-hours"] == fmt((2 * 3600 + 1800 + 360) / 3600)
+    full = table["exp001_full"]
+    assert full["steps"] == "60" and full["val Dice (last epoch)"] == "0.700"
+    assert full["phase"] == "not recorded"  # no train log
+    assert full["GPU-hours"] == fmt((7200 + 180) / 3600)
+    ens = table["ens1"]
+    assert ens["steps"] == ens["phase"] == ens["val Dice (last epoch)"] == "no training"
+    assert ens["job hours"] == fmt(90 / 3600) and ens["GPU-hours"] == "0"
+
+
+def test_each_row_names_its_files(rendered):
+    _, page, _ = rendered
+    sources = block(page, "comparison")
+    items = dict(re.findall(r"<li><b>([^<]+)</b>: (.*?)</li>", sources))
+    for name in (
+        "results/exp001/evaluation/scores.csv",
+        "results/exp001/train/steps.csv",
+        "results/exp001/train/epochs.csv",
+        "results/logs/train/exp001.log",
+        "results/exp001/benchmarks/train.tsv",
+        "results/exp001/benchmarks/train_trial/phase0.tsv",
+        "results/exp001/postprocess/tuned.json",
+        "results/exp001/split.csv",
+    ):
+        assert name in items["exp001"], name
+    assert "results/ens1/benchmarks/ensemble/v1.tsv" in items["ens1"]
+    assert "exp001" not in items["ens1"].replace("results/ens1", "")
+    files = block(page, "sources")
+    assert "results/exp001_full/evaluation/summary.json" in files
+    assert "results/logs/train/exp001.log" in files
+
+
+# --------------------------------------------------------------------------- provenance
+def test_provenance_says_which_volumes_and_what_was_fitted(rendered):
+    _, page, _ = rendered
+    table = comparison(page)
+    assert table["exp001"]["scored split"] == "test"
+    assert table["exp001"]["fitted on them"] == "no"
+    assert table["exp001_full"]["scored split"] == "val"
+    assert table["exp001_full"]["fitted on them"] == "yes"
+    assert table["ens1"]["fitted on them"] == "no"
+    exp = block(page, "exp001-provenance", "<h3")
+    assert "Scored on <b>2</b> volume(s) of split <b>test</b>: v1, v2." in exp
+    assert "tuning (1 volumes in tuned.json)" in exp and "training (2 train ids" in exp
+    assert ["tuned_on", "val"] in table_rows(exp)
+    full = block(page, "exp001_full-provenance", "<h3")
+    assert "post-processing tuned on 3 of the scored volumes" in full
+    assert "tuned_on = val, the scored split" in full and "optimistic" in full
+    ens = block(page, "ens1-provenance", "<h3")
+    assert "post-processing fixed" in ens and "weights_tuned_on = val" in ens
+
+
+# --------------------------------------------------------------------------- curves, overlays
+def images(html: str) -> dict[str, str]:
+    return dict((alt, src) for src, alt in re.findall(r'<img src="([^"]+)" alt="([^"]+)">', html))
+
+
+def test_loss_curves_of_every_run_and_each_runs_own_sections(rendered):
+    _, page, _ = rendered
+    assert "loss curves of every run" in images(block(page, "comparison"))
+    ids = re.findall(r' id="([^"]+)"', page)
+    assert len(ids) == len(set(ids))  # several runs' sections, no clashing anchors
+    for run in ("exp001", "exp001_full"):
+        own = block(page, f"run-{run}")
+        assert f'id="{run}-training"' in own and f'id="{run}-evaluation"' in own
+        assert "training and validation loss curves" in images(own)
+        assert f"results/{run}/train/steps.csv" in own
+    assert "phase trial figures" in images(block(page, "run-exp001"))
+    ens = block(page, "run-ens1")
+    assert "trained nothing of its own" in ens and 'id="ens1-training"' not in ens
+    assert 'id="ens1-evaluation"' in ens and 'id="ens1-timings"' in ens
+
+
+def test_overlays_show_the_same_slice_of_every_run(rendered):
+    _, page, _ = rendered
+    overlays = block(page, "overlays")
+    assert set(images(overlays)) == {"overlay v1, every run", "overlay v2, every run"}
+    assert overlays.count("slice 5 of 10, every run") == 2
+    for run in ("exp001", "exp001_full", "ens1"):
+        assert f"results/{run}/predictions/v1.tif" in overlays
+    assert (
+        "Overlay v2: prediction of exp001_full: not found "
+        "(<code>results/exp001_full/predictions/v2.tif</code>)" in overlays
+    )
+
+
+def test_every_image_is_an_embedded_png(rendered):
+    _, page, _ = rendered
+    sources = re.findall(r"<img[^>]*\ssrc=\"([^\"]*)\"", page)
+    assert len(sources) == page.count("<img") >= 8
+    for src in sources:
+        data = base64.b64decode(src.split(",", 1)[1], validate=True)
+        pixels = mpimg.imread(io.BytesIO(data), format="png")
+        assert pixels.ndim == 3 and pixels.std() > 0.01
+
+
+# --------------------------------------------------------------------------- one run, errors
+def test_one_run_is_a_one_row_comparison(tmp_path):
+    results = make_runs(tmp_path)["results"]
+    out = tmp_path / "one.html"
+    build_runs_report(out, [results / "exp001"], root=tmp_path)
+    page = out.read_text()
+    assert list(comparison(page)) == ["exp001"]
+    assert "Runs <b>exp001</b>" in page
+    assert "Slice overlays (--overlay ID IMAGE LABEL): no input given" in page
+    assert "Shared timings" in page and "Stage timings (benchmark TSVs): no input" not in page
+
+
+def test_bad_runs_are_errors_naming_the_file(tmp_path):
+    results = make_runs(tmp_path)["results"]
+    out = tmp_path / "report.html"
+    with pytest.raises(CtsegError, match="results/nope: no such run directory"):
+        build_runs_report(out, [results / "exp001", results / "nope"])
+    (results / "exp001_full/evaluation/scores.csv").write_text("id,score\nv3,0.5\n")
+    with pytest.raises(CtsegError, match="exp001_full/evaluation/scores.csv: not an evaluation"):
+        build_runs_report(out, [results / "exp001", results / "exp001_full"])
+    (results / "ens1/evaluation/summary.json").write_text('{"provenance": ["test"]}')
+    with pytest.raises(CtsegError, match="ens1/evaluation/summary.json: 'provenance'"):
+        build_runs_report(out, [results / "ens1"])
+    assert not out.exists()
+    assert (
+        main(
+            [
+                "report",
+                "--out",
+                str(out),
+                "--run",
+                str(results / "exp001"),
+                "--overlay",
+                "v1",
+                "a.zarr",
+                "b.zarr",
+                "c.tif",
+            ]
+        )
+        == 2
+    )
+
+
+def test_the_old_single_run_options_still_work(tmp_path):
+    """`--experiment` with the run's directories: one run, the page as before."""
+    results = make_runs(tmp_path)["results"]
+    out = tmp_path / "old.html"
+    exp = results / "exp001"
+    code = main(
+        [
+            "report",
+            "--out",
+            str(out),
+            "--experiment",
+            "exp001",
+            "--phases",
+            str(exp / "phases/phase0/summary.json"),
+            "--train-dir",
+            str(exp / "train"),
+            "--evaluation-dir",
+            str(exp / "evaluation"),
+            "--overlay",
+            "v1",
+            str(tmp_path / "results/preprocessed/demo/zarr/images/v1.zarr"),
+            str(tmp_path / "results/preprocessed/demo/zarr/labels/v1.zarr"),
+            str(exp / "predictions/v1.tif"),
+        ]
+    )
+    assert code == 0
+    page = out.read_text()
+    assert "Experiment <b>exp001</b>" in page and 'id="comparison"' not in page
+    assert 'id="training"' in page and 'id="provenance"' in page
+    assert "of split <b>test</b>" in page
+
+
+def test_gpu_rules_are_the_workflows_gpu_jobs():
+    """GPU-hours count the benchmark folders of exactly the rules that request a GPU."""
+    found = set()
+    for smk in (REPO / "workflow" / "rules").glob("*.smk"):
+        for rule in re.split(r"\n(?=rule \w+:)", smk.read_text()):
+            bench = re.search(r'bench\("\{exp\}", "([^"/]+)', rule)
+            if re.search(r"^\s+gpu=", rule, re.M):
+                assert bench, f"{smk.name}: a GPU rule without a per-run benchmark"
+                found.add(bench.group(1))
+    assert found == set(GPU_RULES)
+
+
+# --------------------------------------------------------------------------- real browser
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    found = find_chromium()
+    if found is not None:
+        return found
+    message = f"chromium is not on PATH; install it (as root) with: {INSTALL_HINT}"
+    if os.environ.get("CI") or os.geteuid() == 0:  # as in test_report: `make test` installs it
+        pytest.fail(message)
+    pytest.skip(f"{message}; then run `make test`")
+
+
+def test_several_run_report_renders_in_headless_chromium(rendered, chromium, tmp_path):
+    out, page, _ = rendered
+    result = check_page(out, tmp_path / "compare_screenshot.png")
+    assert result["images_ok"] == result["images_total"] == page.count("<img")

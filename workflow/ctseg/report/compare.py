@@ -1,0 +1,223 @@
+"""The report's comparison of runs: one table row per run, and every run's loss curves in one
+plot.
+
+Each cell is read from the run's own files (named under the table, run by run):
+
+- score and its three terms: mean ± sample standard deviation (ddof 1) over the volumes of
+  ``evaluation/scores.csv``, and n, the number of volumes;
+- the scored split and whether anything was fitted on those volumes (`provenance`);
+- val Dice: the last row of ``train/epochs.csv``; steps: the rows of ``train/steps.csv`` (one
+  per optimizer step); samples/s: their mean;
+- phase: what ``ctseg train`` printed into its log (`runs.train_log_facts`);
+- job hours and GPU-hours: the run's Snakemake benchmark TSVs (`timings.run_hours`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ctseg.formatting import fmt, num
+from ctseg.io import CtsegError
+from ctseg.report.markup import Sources, esc, missing, png, read_table, table
+from ctseg.report.provenance import Provenance, read_provenance
+from ctseg.report.runs import Run, train_log_facts
+from ctseg.report.timings import GPU_RULES, RunHours, run_hours
+from ctseg.summaries import STEP_REQUIRED
+
+# scores.csv column -> header: the competition score and its three terms.
+SCORE_TERMS = {
+    "score": "score",
+    "surface_dice": "SurfaceDice",
+    "voi_score": "VOI score",
+    "topo_score": "TopoScore",
+}
+
+
+@dataclass
+class RunFacts:
+    run: Run
+    provenance: Provenance
+    scores: pd.DataFrame | None = None
+    steps: pd.DataFrame | None = None
+    epochs: pd.DataFrame | None = None
+    log: dict[str, Any] = field(default_factory=dict)
+    hours: RunHours = RunHours(None, None, 0, ())
+    files: list[str] = field(default_factory=list)
+
+
+def _read_scores(path: Path) -> pd.DataFrame:
+    scores = read_table(path, dtype={"id": str})
+    absent = [c for c in SCORE_TERMS if c not in scores.columns]
+    if absent:
+        raise CtsegError(f"{path}: not an evaluation scores.csv (no {', '.join(absent)} column)")
+    return scores
+
+
+def _read_steps(path: Path) -> pd.DataFrame:
+    steps = read_table(path)
+    needed = set(STEP_REQUIRED) - set(steps.columns)
+    if needed or steps.empty:
+        problem = f"missing columns {sorted(needed)}" if needed else "no rows"
+        raise CtsegError(f"{path}: not a training steps.csv ({problem})")
+    return steps
+
+
+def read_run(run: Run, src: Sources) -> RunFacts:
+    """Everything the comparison shows of one run; unreadable files raise, naming the file."""
+    facts = RunFacts(run, read_provenance(run, src))
+    facts.files += facts.provenance.files
+    if run.evaluation_dir is not None and (run.evaluation_dir / "scores.csv").exists():
+        facts.scores = _read_scores(run.evaluation_dir / "scores.csv")
+    if run.train_dir is not None:
+        steps_csv, epochs_csv = run.train_dir / "steps.csv", run.train_dir / "epochs.csv"
+        if steps_csv.exists():
+            facts.steps = _read_steps(steps_csv)
+            facts.files.append(src.use(steps_csv))
+        if epochs_csv.exists():
+            facts.epochs = read_table(epochs_csv)
+            facts.files.append(src.use(epochs_csv))
+    facts.log, log_path = train_log_facts(run)
+    if facts.log and log_path is not None:
+        facts.files.append(src.use(log_path))
+    gpus = int(num(facts.log.get("world_size")) or 1)
+    facts.hours = run_hours(run.benchmarks_dir, src, train_gpus=gpus)
+    facts.files += facts.hours.files
+    return facts
+
+
+def _spread(scores: pd.DataFrame | None, column: str) -> str:
+    if scores is None or scores.empty:
+        return "n/a"
+    values = scores[column].astype(float)
+    if len(values) < 2:
+        return fmt(values.mean(), 4)
+    return f"{fmt(values.mean(), 4)} ± {fmt(values.std(ddof=1), 4)}"
+
+
+def _last(frame: pd.DataFrame | None, column: str) -> Any:
+    if frame is None or frame.empty or column not in frame.columns:
+        return None
+    return frame[column].iloc[-1]
+
+
+def _phase(log: dict[str, Any]) -> str:
+    if "phase" not in log:
+        return "not recorded"
+    return f"{fmt(log['phase'])} (auto)" if log.get("phase_auto") else fmt(log["phase"])
+
+
+def _hours(seconds: float | None) -> str:
+    return fmt(None if seconds is None else seconds / 3600)
+
+
+def comparison_row(facts: RunFacts) -> list[str]:
+    verdict, _ = facts.provenance.fitted()
+    steps = facts.steps
+    n = "n/a" if facts.scores is None else str(len(facts.scores))
+    trained = facts.run.trained
+    return [
+        facts.run.name,
+        facts.provenance.scored_split,
+        n,
+        verdict,
+        *(_spread(facts.scores, column) for column in SCORE_TERMS),
+        fmt(_last(facts.epochs, "val_dice"), 3) if trained else "no training",
+        fmt(len(steps)) if steps is not None else ("n/a" if trained else "no training"),
+        _phase(facts.log) if trained else "no training",
+        fmt(steps["samples_per_s"].mean()) if steps is not None else "n/a",
+        _hours(facts.hours.job_s),
+        _hours(facts.hours.gpu_s),
+    ]
+
+
+HEADER = [
+    "run",
+    "scored split",
+    "n volumes",
+    "fitted on them",
+    *(f"{name} (mean ± std)" for name in SCORE_TERMS.values()),
+    "val Dice (last epoch)",
+    "steps",
+    "phase",
+    "samples/s (mean)",
+    "job hours",
+    "GPU-hours",
+]
+
+
+def _loss_figure(facts: Sequence[RunFacts]) -> Figure | None:
+    trained = [f for f in facts if f.steps is not None]
+    if not trained:
+        return None
+    has_val = any(f.epochs is not None and "val_loss" in f.epochs for f in trained)
+    has_dice = any(f.epochs is not None and "val_dice" in f.epochs for f in trained)
+    panels = 1 + int(has_val) + int(has_dice)
+    fig = Figure(figsize=(4.6 * panels, 3.4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, panels))
+    colours = [f"C{i % 10}" for i in range(len(facts))]
+    for colour, item in zip(colours, facts, strict=True):
+        if item.steps is None:
+            continue
+        steps = item.steps
+        window = max(1, len(steps) // 50)
+        smooth = steps["loss"].rolling(window, min_periods=1).mean()
+        axes[0].plot(steps["step"], smooth, color=colour, lw=1.3, label=item.run.name)
+        epochs = item.epochs
+        panel = 1
+        for column, shown in (("val_loss", has_val), ("val_dice", has_dice)):
+            if not shown:
+                continue
+            if epochs is not None and column in epochs and epochs[column].notna().any():
+                axes[panel].plot(
+                    epochs["step"], epochs[column], "o-", color=colour, label=item.run.name
+                )
+            panel += 1
+    axes[0].set(title="training loss (smoothed)", xlabel="optimizer step")
+    titles = [t for t, shown in (("validation loss", has_val), ("val Dice", has_dice)) if shown]
+    for ax, title in zip(axes[1:], titles, strict=True):
+        ax.set(title=title, xlabel="optimizer step")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    return fig
+
+
+def comparison_section(facts: Sequence[RunFacts]) -> str:
+    out = ['<h2 id="comparison">Runs compared</h2>']
+    if not facts:
+        return "\n".join([*out, missing("Runs (--run results/<run>)")])
+    out.append(table(HEADER, [comparison_row(f) for f in facts]))
+    gpu_rules = ", ".join(GPU_RULES)
+    out.append(
+        "<p class='note'>Score columns: mean ± sample standard deviation (n − 1) over the "
+        "n volumes of the run's <code>evaluation/scores.csv</code> (one volume: the mean "
+        "alone). <em>fitted on them</em>: whether training or tuning saw the scored volumes "
+        "(see each run's provenance). <em>steps</em>: rows of <code>train/steps.csv</code>, "
+        "one per optimizer step; samples/s: their mean. <em>phase</em>: as "
+        "<code>ctseg train</code> printed it into its log. <em>job hours</em>: the wall "
+        "seconds of every job in the run's <code>benchmarks/</code> TSVs, summed (jobs that "
+        f"ran at once each count). <em>GPU-hours</em>: the same for the jobs of rules "
+        f"{esc(gpu_rules)} (those that request a GPU), times the job's GPUs: the train job's "
+        "<code>world_size</code> from its log, one for every other job; on a machine without "
+        "a GPU these jobs ran on the CPU. An ensemble's row counts its own jobs only.</p>"
+    )
+    fig = _loss_figure(facts)
+    if fig is None:
+        out.append(missing("Loss curves (train/steps.csv of any run)"))
+    else:
+        out.append("<h3>Loss curves, every run</h3>")
+        out.append(png(fig, "loss curves of every run"))
+    items = "".join(
+        f"<li><b>{esc(f.run.name)}</b>: "
+        + (", ".join(f"<code>{esc(n)}</code>" for n in f.files) or "no files")
+        + "</li>"
+        for f in facts
+    )
+    out.append(f'<p class="source">Read from, run by run:</p><ul class="source">{items}</ul>')
+    return "\n".join(out)
