@@ -1,4 +1,5 @@
-"""Tests for ctseg.data and ctseg.augment on tiny synthetic scratch directories.
+"""Tests for the patch stream (ctseg.patches, ctseg.loader, ctseg.device_batches) and
+ctseg.augment on tiny synthetic scratch directories.
 
 Each scratch record is written here from a synthetic label: oblique sheets (tilted away from
 every slicing plane, so the medial surface is local enough for the targets' halo) plus a ball of
@@ -17,14 +18,11 @@ import pytest
 import torch
 
 from ctseg import augment as aug
-from ctseg.data import (
-    SAMPLE_KEYS,
-    DevicePrefetcher,
-    PatchDataset,
-    build_loader,
-    to_device,
-)
+from ctseg.device_batches import DevicePrefetcher, to_device
 from ctseg.io import CtsegError
+from ctseg.loader import build_loader
+from ctseg.packing import SAMPLE_KEYS
+from ctseg.patches import PatchDataset
 from ctseg.store import create_in_group, create_volume, pack_masks
 from ctseg.targets import SKELETON_HALO, targets_reference
 

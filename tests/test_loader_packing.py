@@ -21,17 +21,11 @@ import yaml
 from jsonschema import Draft202012Validator
 from torch.utils.data import default_collate
 
-import ctseg.data
-from ctseg.data import (
-    SAMPLE_KEYS,
-    DevicePrefetcher,
-    PackedBatch,
-    PackedLayout,
-    PatchDataset,
-    build_loader,
-    to_device,
-    unpack_bits,
-)
+import ctseg.slots
+from ctseg.device_batches import DevicePrefetcher, to_device
+from ctseg.loader import build_loader
+from ctseg.packing import SAMPLE_KEYS, PackedBatch, PackedLayout, unpack_bits
+from ctseg.patches import PatchDataset
 from ctseg.store import MASK_BITS, pack_masks
 from ctseg.targets import targets_reference
 
@@ -191,13 +185,13 @@ def test_uint16_and_mixed_batches(scratch):
 def spy_slots(monkeypatch) -> list[tuple[int, int, int]]:
     """Record the slot of every worker batch the main process receives."""
     slots: list[tuple[int, int, int]] = []
-    claim = ctseg.data._SlotReturns.claim
+    claim = ctseg.slots.SlotReturns.claim
 
-    def spy(self, batch):
-        slots.append(batch.slot)
-        return claim(self, batch)
+    def spy(self, rows, slot, in_slot):
+        slots.append(slot)
+        return claim(self, rows, slot, in_slot)
 
-    monkeypatch.setattr(ctseg.data._SlotReturns, "claim", spy)
+    monkeypatch.setattr(ctseg.slots.SlotReturns, "claim", spy)
     return slots
 
 
@@ -217,11 +211,11 @@ def test_workers_reuse_their_buffers_without_corrupting_held_batches(
 ):
     """Slots of dropped batches are reused; batches the caller keeps stay intact."""
     if not count_references:  # as where torch has no reference count: copies instead
-        monkeypatch.setattr(ctseg.data, "_use_count", None)
+        monkeypatch.setattr(ctseg.slots, "use_count", None)
     slots = spy_slots(monkeypatch)
     # The main process looks a slot up here when a batch arrives by the slot's name.
     mapped = LookUps()
-    monkeypatch.setattr(ctseg.data, "_MAPPED_SLOTS", mapped)
+    monkeypatch.setattr(ctseg.slots, "MAPPED_SLOTS", mapped)
     ds = dataset(scratch, length=60)
     inline = list(build_loader(ds, {**PHASE, "workers": 0}, seed=0))
     assert not slots  # no workers, no slots
@@ -301,15 +295,15 @@ def test_slot_goes_back_when_nothing_refers_to_the_batch(scratch, monkeypatch):
     """What PackedLoader does with each worker batch, step by step."""
     import queue
 
-    pool = ctseg.data._SlotPool(None)
+    pool = ctseg.slots.SlotPool(None)
     ds = dataset(scratch)
     returns = [queue.SimpleQueue(), queue.SimpleQueue()]
-    lender = ctseg.data._SlotReturns(returns)
+    lender = ctseg.slots.SlotReturns(returns)
     sent = ds.packed([0, 1], pool)
     assert sent.in_slot and not sent.by_name and sent.slot[1:] == (os.getpid(), 0)
     slot = (1, *sent.slot[1:])  # as if worker 1 had sent it
     layout, expected = sent.layout, sent.rows.clone()
-    got = lender.claim(PackedBatch(sent.rows, layout, slot, in_slot=True))
+    got = PackedBatch(lender.claim(sent.rows, slot, in_slot=True), layout)
     assert got.rows.data_ptr() == sent.rows.data_ptr()  # no copy
     del sent
     view = got["sdt"]
@@ -330,14 +324,13 @@ def test_slot_goes_back_when_nothing_refers_to_the_batch(scratch, monkeypatch):
     assert arrived.in_slot and arrived.rows.data_ptr() == rows.data_ptr()
     assert torch.equal(arrived.rows, expected)
     # Without a reference count the batch is copied and the slot goes back at once.
-    monkeypatch.setattr(ctseg.data, "_use_count", None)
+    monkeypatch.setattr(ctseg.slots, "use_count", None)
     batch = ds.packed([2])
-    copied = lender.claim(PackedBatch(batch.rows, batch.layout, (0, 11, 3), in_slot=True))
-    assert copied.rows.data_ptr() != batch.rows.data_ptr()
-    assert torch.equal(copied.rows, batch.rows)
+    copied = lender.claim(batch.rows, (0, 11, 3), in_slot=True)
+    assert copied.data_ptr() != batch.rows.data_ptr()
+    assert torch.equal(copied, batch.rows)
     assert returns[0].get_nowait() == (11, 3, True)
     # As the pin-memory thread hands it over: already a copy, so none is made, and the worker
     # must send the slot's memory again.
-    pinned = PackedBatch(batch.rows, batch.layout, (0, 11, 4), in_slot=False)
-    assert lender.claim(pinned).rows.data_ptr() == batch.rows.data_ptr()
+    assert lender.claim(batch.rows, (0, 11, 4), in_slot=False).data_ptr() == batch.rows.data_ptr()
     assert returns[0].get_nowait() == (11, 4, False)
