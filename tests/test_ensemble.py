@@ -174,9 +174,11 @@ def test_a_good_file_loads(tmp_path):
 
 
 def test_the_shipped_example_loads():
-    # Its members are the folds of the 2-fold demo experiment the workflow ships.
-    ens = load_ensemble(REPO / "config" / "ensembles" / "ens_demo.yaml", {"exp001_cv": 2})
-    assert ens.name == "ens_demo" and len(ens.members) == 2
+    # exp001 and the two folds of exp001_cv (config/experiments/ declares split.folds: 2).
+    known = {"exp001": None, "exp001_full": None, "exp001_cv": 2}
+    ens = load_ensemble(REPO / "config" / "ensembles" / "ens_demo.yaml", known)
+    assert ens.member_names == ["exp001", "exp001_cv.fold0", "exp001_cv.fold1"]
+    assert ens.weights == (2.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize(
