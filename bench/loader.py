@@ -245,7 +245,7 @@ def cpu_seconds(pid: int) -> dict[int, float]:
 
 # ---------------------------------------------------------------- child side
 def make_dataset(spec: Mapping[str, Any], run: Mapping[str, Any], length: int) -> Any:
-    from ctseg.data import PatchDataset
+    from ctseg.patches import PatchDataset
 
     data = load_yaml(EXPERIMENT)["data"]
     return PatchDataset(
@@ -278,7 +278,7 @@ class HostLayout:
 def make_loader(spec: Mapping[str, Any], run: Mapping[str, Any], phase: dict, length: int) -> Any:
     import torch
 
-    from ctseg.data import build_loader
+    from ctseg.loader import build_loader
 
     dataset = make_dataset(spec, run, length)
     if run["layout"] == "host":
