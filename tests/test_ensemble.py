@@ -308,3 +308,28 @@ def test_parallel_tuning_gives_the_serial_result(tmp_path):
     parallel = tune_weights(members, labels, tmp_path / "w2.json", workers=2, **kwargs)
     assert parallel["grid"] == serial["grid"] and parallel["weights"] == [1.0, 0.0]
     assert len(serial["grid"]) == 3
+
+
+def test_stores_written_by_infer_are_ensembled_and_checked(tmp_path):
+    """The attributes compared are the ones infer writes: the same model's probabilities
+    ensembled give them back, and a different overlap is refused."""
+    import torch
+
+    from ctseg.infer import infer_volume
+    from ctseg.model import build_model
+
+    image = tmp_path / "img.zarr"
+    volume = np.random.default_rng(1).integers(0, 256, size=(16, 16, 16), dtype=np.uint8)
+    attributes = {"p0_5": 20.0, "p99_5": 220.0}
+    create_volume(image, volume.shape, np.uint8, (8, 16, 16), attributes=attributes)[...] = volume
+    torch.manual_seed(0)
+    model = build_model({"filters": [4, 8]}).eval()
+    kw = {"window": (8, 8, 8), "batch_size": 8}
+    a, c = tmp_path / "a.zarr", tmp_path / "c.zarr"
+    infer_volume(model, image, a, overlap=0.5, **kw)
+    infer_volume(model, image, c, overlap=0.25, **kw)
+    out = tmp_path / "ens.zarr"
+    ensemble_volume([a, a], [1, 1], out)
+    assert np.array_equal(read(out), read(a))
+    with pytest.raises(CtsegError, match="overlap"):
+        ensemble_volume([a, c], [1, 1], out)
