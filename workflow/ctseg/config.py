@@ -27,6 +27,7 @@ import yaml
 from ctseg.io import CtsegError
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
+CONFIG_FILE = "config/config.yaml"
 
 
 class Frozen(dict):
@@ -105,7 +106,47 @@ def read_yaml(path: str | Path) -> Any:
     except FileNotFoundError as exc:
         raise CtsegError(f"{path}: file not found") from exc
     except yaml.YAMLError as exc:
-        raise CtsegError(f"{path}: not valid YAML: {exc}") from exc
+        raise CtsegError(
+            f"{yaml_position(path, exc)}: not valid YAML: {yaml_problem(exc)}"
+        ) from exc
+
+
+def yaml_position(path: Path, exc: yaml.YAMLError) -> str:
+    """path:line:column of a YAML error (1-based, as editors count), or the path alone."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    return f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+    text = "; ".join(p for p in parts if p) or str(exc)
+    return " ".join(text.split())
+
+
+def command_line_values(config: dict[str, Any]) -> dict[str, Any]:
+    """Snakemake reads the top-level values of `--config KEY=VALUE` as YAML but leaves the
+    values of a nested mapping as text (`--config 'infer={threshold: 0.3}'` gives '0.3', which
+    the schema then refuses). Read such nested text as a YAML scalar again, in place; a value
+    that is not a number, boolean or null stays text."""
+
+    def scalar(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: scalar(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scalar(v) for v in value]
+        if isinstance(value, str):
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                return value
+            if parsed is None or isinstance(parsed, bool | int | float):
+                return parsed if value.strip() not in ("", "~") else value
+        return value
+
+    for key, value in list(config.items()):
+        if isinstance(value, Mapping):
+            config[key] = scalar(value)
+    return config
 
 
 # ----------------------------------------------------------------------------- objects

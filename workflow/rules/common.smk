@@ -4,8 +4,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from snakemake.utils import validate
-
 from ctseg.config import (
     FOLD_RUN,
     RUN_NAME,
@@ -20,8 +18,6 @@ from ctseg.demo_data import demo_records
 from ctseg.io import CtsegError
 from ctseg.records import assign_folds, folds_by_scroll, read_records, select_records
 from ctseg.stage import expand_scratch
-
-validate(config, schema="../schemas/config.schema.yaml")
 
 ID_REGEX = "[A-Za-z0-9_.-]+"
 DATASET_DIR = Path("resources") / config["dataset"]
