@@ -3,9 +3,9 @@
 An ensemble is ``config/ensembles/<name>.yaml`` (schema: workflow/schemas/ensemble.schema.yaml)::
 
     name: ens_demo
-    members: [exp001, exp001_cv.fold1]      # experiments, or folds <exp>.fold<i> (0-based)
-    weights: [0.5, 0.5]                     # one number >= 0 per member, or `tuned`
-    tune_step: null                         # grid step for `tuned` (null: `default_step`)
+    members: [exp001, exp001_cv.fold0, exp001_cv.fold1]  # experiments, or folds <exp>.fold<i>
+    weights: [2, 1, 1]          # one number >= 0 per member (divided by their sum), or `tuned`
+    tune_step: null             # grid step for `tuned` (null: `default_step`)
 
 `load_ensemble` checks it against the runs that exist (the caller says which: a mapping of
 experiment name to its ``split.folds``, a set of names, or a callable). Every problem is a
@@ -16,9 +16,11 @@ of the members' float16 stores, in the format `ctseg.infer.infer_volume` writes 
 first member's chunks, the same attributes plus ``ensemble``), so post-processing, tuning and
 evaluation read it unchanged. It streams z-slabs: at most ``memory_budget_mb`` holds the slab's
 float32 sum, one member's float16 slab, its float32 product and the float16 result (12 bytes a
-voxel), whatever the number of members. Members must agree on the shape and on the
-sliding-window settings infer records (`WINDOW_ATTRIBUTES`): a mean of differently blended
-maps is not what either model was scored with, so that is an error naming both files.
+voxel), whatever the number of members (zarr's decoded chunks come on top: bench/ensemble.py
+measured a flat 12.7 MB peak under a 16 MB budget as the volume grew 4x). Members must agree
+on the shape and on the sliding-window settings infer records (`WINDOW_ATTRIBUTES`): a mean of
+differently blended maps is not what either model was scored with, so that is an error naming
+both files.
 
 `tune_weights` chooses the weights by the exact competition score (`ctseg.tuning.
 competition_score`, the functions of `ctseg.metrics`) of the ensemble thresholded with the
