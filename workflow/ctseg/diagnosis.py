@@ -138,7 +138,41 @@ def diagnose(summary: TrialSummary) -> Verdict:
     if summary.status != "ok":
         error = _short(summary.error or "no error recorded")
         return Verdict("failed", f"trial {summary.status}: {error}", "fix this error, rerun")
-    return _speed_verdict(summary, settings)
+    verdict = _speed_verdict(summary, settings)
+    profile = profile_text(summary)
+    if not profile:
+        return verdict
+    knob = verdict.next_knob
+    if verdict.label == "compute-bound":
+        knob += f"; the profile's: {summary.profile['next_knob']}"
+    return Verdict(verdict.label, f"{verdict.reason}; {profile}", knob)
+
+
+def efficiency_text(s: TrialSummary) -> str:
+    """How far the phase is from the device's peak: achieved TFLOP/s, MFU and the peak."""
+    mfu, tflops, peak = num(s.mfu), num(s.tflops), s.peak or {}
+    if mfu is None or tflops is None or not peak:
+        return "MFU not recorded"
+    devices = int(peak.get("devices", 1) or 1)
+    total = num(peak.get("tflops"))
+    where = "measured" if peak.get("source") == "measured" else f"table: {peak.get('detail')}"
+    times = f"{devices} x " if devices > 1 else ""
+    below = f", {1 / mfu:.1f}x below it" if mfu > 0 else ""
+    return (
+        f"{fmt(tflops)} TFLOP/s = MFU {100 * mfu:.1f}% of the {peak.get('precision')} peak "
+        f"{times}{fmt(total)} TFLOP/s ({where}){below}"
+    )
+
+
+def profile_text(s: TrialSummary) -> str:
+    """The kernel profile's largest class and its share; empty where none was recorded."""
+    profile = s.profile or {}
+    largest = profile.get("largest")
+    if not largest:
+        return ""
+    share = (profile.get("classes", {}).get(largest) or {}).get("fraction")
+    text = f"kernel profile: largest class {largest} ({pct(share)} of the profiled step)"
+    return f"{text}, its knob: {profile['next_knob']}" if profile.get("next_knob") else text
 
 
 def _speed_verdict(s: TrialSummary, settings: dict[str, Any]) -> Verdict:
@@ -200,7 +234,10 @@ def _speed_verdict(s: TrialSummary, settings: dict[str, Any]) -> Verdict:
         )
         return verdict("host-contended", rule, _contended_knobs(s, settings))
     if at_ceiling:
-        rule = f"{little}, feed efficiency ≥ {FEED_EFFICIENCY_LIMIT} beyond its band"
+        rule = (
+            f"{little}, feed efficiency ≥ {FEED_EFFICIENCY_LIMIT} beyond its band; "
+            f"{efficiency_text(s)}"
+        )
         return verdict("compute-bound", rule, _compute_knobs(s, settings))
     rule = f"{little}, feed efficiency's band spans {FEED_EFFICIENCY_LIMIT}"
     return verdict("not measurable", rule, rerun)

@@ -8,8 +8,9 @@ heavy, so the training loop can import `STEP_COLUMNS` without importing the tria
 
 from __future__ import annotations
 
+import csv
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -37,25 +38,51 @@ STEP_COLUMNS: tuple[str, ...] = (
 # Diagnostics a reader must not insist on: logs written before they were added lack them.
 STEP_OPTIONAL: tuple[str, ...] = ("grad_norm",)
 STEP_REQUIRED: tuple[str, ...] = tuple(c for c in STEP_COLUMNS if c not in STEP_OPTIONAL)
+# Achieved TFLOP/s (model FLOPs, forward and backward) and MFU (a fraction of the peak of the
+# precision in use) at the row's samples/s: ctseg.flops.Efficiency.columns. Last in the row,
+# and optional: logs written before them lack them.
+EFFICIENCY_COLUMNS: tuple[str, ...] = ("tflops", "mfu")
 _TERMS_AFTER = STEP_COLUMNS.index("loss") + 1
 
 
-def step_columns(terms: Sequence[str]) -> list[str]:
-    """A steps.csv header: the fixed columns with the loss-term columns after "loss"."""
-    return [*STEP_COLUMNS[:_TERMS_AFTER], *terms, *STEP_COLUMNS[_TERMS_AFTER:]]
+def step_columns(terms: Sequence[str], *, efficiency: bool = False) -> list[str]:
+    """A steps.csv header: the fixed columns with the loss-term columns after "loss" (and the
+    efficiency columns last, where the writer has them)."""
+    extra = EFFICIENCY_COLUMNS if efficiency else ()
+    return [*STEP_COLUMNS[:_TERMS_AFTER], *terms, *STEP_COLUMNS[_TERMS_AFTER:], *extra]
 
 
 def loss_terms(columns: Iterable[str]) -> list[str]:
     """The loss-term columns of a steps.csv header, in file order."""
-    return [c for c in columns if c not in STEP_COLUMNS]
+    return [c for c in columns if c not in STEP_COLUMNS and c not in EFFICIENCY_COLUMNS]
+
+
+def add_efficiency_columns(path: Path, columns: Callable[[float], Mapping[str, float]]) -> None:
+    """Rewrite a steps.csv with `EFFICIENCY_COLUMNS` from each row's samples/s (`columns`:
+    ctseg.flops.Efficiency.columns), atomically; a file that has them already is left as is."""
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        header = list(reader.fieldnames or [])
+        rows = list(reader)
+    if not header or set(EFFICIENCY_COLUMNS) <= set(header):
+        return
+    for row in rows:
+        speed = row.get("samples_per_s") or ""
+        values = columns(float(speed)) if speed else {}
+        row.update({k: values.get(k, "") for k in EFFICIENCY_COLUMNS})
+    with atomic_path(Path(path)) as tmp, open(tmp, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[*header, *EFFICIENCY_COLUMNS])
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 # ---------------------------------------------------------------------------------------------
 # summary.json of a phase trial
 
 # 2: the trial records its verdict, next knob, step-time spread and the machine facts it used.
+# 3: and its counted FLOPs, the peak, achieved TFLOP/s and MFU, and a kernel profile.
 # Files without "version" were written before; their verdicts are "not recorded".
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3
 
 
 @dataclass
@@ -107,6 +134,17 @@ class TrialSummary:
     verdict_reason: str | None = None
     next_knob: str | None = None
     thresholds: dict[str, float] = field(default_factory=dict)
+    # Efficiency (version 3): ctseg.flops.FlopCount.to_dict, ctseg.peaks.Peak.to_dict (with
+    # "devices": how many the samples/s ran on), achieved TFLOP/s and MFU (a fraction of the
+    # peak) of the real and the ceiling run.
+    flops: dict[str, Any] | None = None
+    peak: dict[str, Any] | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    ceiling_tflops: float | None = None
+    ceiling_mfu: float | None = None
+    # The kernel profile (ctseg.kernel_profile.summarise), or {"error": ...}.
+    profile: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     version: int | None = None
     # Keys this version does not know (a newer writer's), kept so a rewrite loses nothing.

@@ -12,6 +12,11 @@ uncertainty band, each run's step-time spread, the memory checks and the speed a
 the previous phase; then its verdict and next knob (ctseg.diagnosis) and the machine facts the
 verdict used (CPU count, device, scratch format). The report only shows them.
 
+Efficiency: the model's counted FLOPs per sample (ctseg.flops) and the peak of the precision in
+use (ctseg.peaks) turn samples/s into achieved TFLOP/s and MFU, in summary.json and as two more
+columns of both runs' steps.csv. The ceiling run goes on for a few profiled steps after its
+measured ones (ctseg.kernel_profile; left out of its figures): the time per kernel class.
+
 A trial that runs out of memory or fails is recorded, not raised, so the workflow goes on to
 the next phase. Under torchrun every rank runs this same code (both runs are collective); rank
 0 alone measures and writes.
@@ -19,6 +24,7 @@ the next phase. Under torchrun every rank runs this same code (both runs are col
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import statistics
@@ -31,9 +37,11 @@ import psutil
 import torch
 
 from ctseg.diagnosis import THRESHOLDS, diagnose, feed_efficiency_band, step_stats
+from ctseg.flops import Efficiency
 from ctseg.io import CtsegError
+from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP, profiled_steps
 from ctseg.machine import available_cpus
-from ctseg.summaries import STEP_COLUMNS, SUMMARY_VERSION, TrialSummary
+from ctseg.summaries import STEP_COLUMNS, SUMMARY_VERSION, TrialSummary, add_efficiency_columns
 from ctseg.train import Ranks, pick_device, train
 
 MATHS_KEYS = ("batch_size", "accumulate", "precision", "gpus")
@@ -53,10 +61,17 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return any(m in text.lower() for m in OOM_MESSAGES) or "killed by signal: Killed" in text
 
 
-def _measured(steps_csv: Path, warmup: int) -> list[dict[str, float]]:
+def _measured(steps_csv: Path, warmup: int, last: int | None = None) -> list[dict[str, float]]:
+    """The rows after the warm-up (up to row `last`: the profiled steps come after it)."""
     with open(steps_csv, newline="") as handle:
         rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(handle)]
+    rows = rows[:last]
     return rows[warmup:] if len(rows) > warmup else rows
+
+
+def profile_steps(trial: Mapping[str, Any]) -> int:
+    """Steps the kernel profile covers (trial.profile_steps; 0: no profile)."""
+    return int(trial.get("profile_steps", PROFILE_STEPS))
 
 
 def ceiling_steps(trial: Mapping[str, Any]) -> int:
@@ -113,16 +128,27 @@ def run_trial(
     common = dict(
         scratch=scratch, train_ids=train_ids, val_ids=[], clip_distance=clip_distance, device=device
     )
+    # The profile watches the ceiling's last steps, after its measured ones; every rank runs
+    # them (the runs are collective), rank 0 profiles.
+    profiled = profile_steps(trial)
+    extra = PROFILE_WARMUP + profiled if profiled else 0
+    watch = (
+        profiled_steps(summary.ceiling_steps, profiled, pick_device(device).type, phase)
+        if profiled and ranks.main
+        else contextlib.nullcontext({})
+    )
     try:
         real = train(exp, phase, out_dir=out_dir, max_steps=int(trial["steps"]), **common)
-        train(
-            exp,
-            phase,
-            out_dir=out_dir / "ceiling",
-            max_steps=summary.ceiling_steps,
-            no_data=True,
-            **common,
-        )
+        with watch as profile:
+            train(
+                exp,
+                phase,
+                out_dir=out_dir / "ceiling",
+                max_steps=summary.ceiling_steps + extra,
+                no_data=True,
+                **common,
+            )
+        summary.profile = dict(profile) or None
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, then the workflow goes on
         summary.status = "oom" if _is_out_of_memory(exc) else "failed"
         summary.error = f"{type(exc).__name__}: {exc}"
@@ -136,7 +162,7 @@ def run_trial(
     if not ranks.main:  # rank 0 measures from the logs it wrote, and writes the summary
         summary.status = "ok"
         return summary
-    _measure(summary, real, out_dir, trial)
+    _measure(summary, real, out_dir, exp)
     if previous is not None and previous.exists():
         before = TrialSummary.read(previous)
         if before.status == "ok" and before.median_step_s and before.samples_per_s:
@@ -149,12 +175,13 @@ def run_trial(
 
 
 def _measure(
-    summary: TrialSummary, real: Mapping[str, Any], out_dir: Path, trial: Mapping[str, Any]
+    summary: TrialSummary, real: Mapping[str, Any], out_dir: Path, exp: Mapping[str, Any]
 ) -> None:
     """The figures of both runs' measured steps, and the memory checks, into `summary`."""
+    trial = exp["trial"]
     warmup = int(trial["warmup_steps"])
     rows = _measured(out_dir / "steps.csv", warmup)
-    ceiling_rows = _measured(out_dir / "ceiling" / "steps.csv", warmup)
+    ceiling_rows = _measured(out_dir / "ceiling" / "steps.csv", warmup, summary.ceiling_steps)
     real_stats = step_stats([r["step_s"] for r in rows])
     ceiling_stats = step_stats([r["step_s"] for r in ceiling_rows])
     batch = int(summary.effective_batch or 1)
@@ -195,6 +222,34 @@ def _measure(
     summary.vram_limit_gb = vram_limit
     summary.host_ram_limit_gb = host_limit
     summary.checks = checks
+    _efficiency(summary, real, out_dir, exp)
+
+
+def _efficiency(
+    summary: TrialSummary, real: Mapping[str, Any], out_dir: Path, exp: Mapping[str, Any]
+) -> None:
+    """Achieved TFLOP/s and MFU of both runs, into `summary` and both steps.csv files. A
+    failure to count is a note, not a failed trial: the speed figures stand without it."""
+    try:
+        eff = Efficiency.for_run(exp, summary.settings, str(real["device"]))
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        summary.notes.append(f"no FLOP count or peak: {type(exc).__name__}: {exc}")
+        return
+    # samples/s are of all processes together, so the peak is every device's.
+    devices = int(real.get("world_size", 1) or 1)
+    summary.flops = eff.flops.to_dict()
+    summary.peak = {**eff.peak.to_dict(), "devices": devices}
+    summary.tflops = eff.tflops(summary.samples_per_s)
+    summary.mfu = summary.tflops / (eff.peak.tflops * devices)
+    summary.ceiling_tflops = eff.tflops(summary.ceiling_samples_per_s)
+    summary.ceiling_mfu = summary.ceiling_tflops / (eff.peak.tflops * devices)
+
+    def columns(samples_per_s: float) -> dict[str, float]:
+        achieved = eff.tflops(samples_per_s)
+        return {"tflops": achieved, "mfu": achieved / (eff.peak.tflops * devices)}
+
+    for path in (out_dir / "steps.csv", out_dir / "ceiling" / "steps.csv"):
+        add_efficiency_columns(path, columns)
 
 
 def _record_verdict(summary: TrialSummary) -> None:

@@ -1,0 +1,117 @@
+"""A phase trial's efficiency figures and kernel profile (ctseg.kernel_profile, ctseg.flops in
+ctseg.trials), from one real trial on the CPU with the tiny training setup, and the classifier
+on names as torch.profiler and cuDNN/inductor write them."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, build_scratch, torch_globals
+
+from ctseg.diagnosis import diagnose
+from ctseg.flops import count_flops
+from ctseg.kernel_profile import CLASSES, PROFILE_STEPS, classify, knob
+from ctseg.summaries import EFFICIENCY_COLUMNS, TrialSummary
+from ctseg.trials import run_trial
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrialSummary, Path]:
+    root = tmp_path_factory.mktemp("profile")
+    scratch = build_scratch(root)
+    exp = {**EXPERIMENT, "trial": {**EXPERIMENT["trial"], "steps": 4, "ceiling_steps": 4}}
+    with torch_globals():
+        summary = run_trial(
+            exp,
+            0,
+            PHASE,
+            scratch=scratch,
+            train_ids=TRAIN_IDS,
+            out_dir=root / "phase0",
+            clip_distance=CLIP,
+            device="cpu",
+        )
+    return summary, root / "phase0"
+
+
+def test_cpu_trial_profile_has_every_class_and_sums_to_its_step(trial):
+    summary, _ = trial
+    assert summary.status == "ok", summary.error
+    profile = summary.profile
+    assert "error" not in profile, profile
+    assert set(profile["classes"]) == set(CLASSES)
+    assert profile["device_type"] == "cpu" and profile["steps"] == PROFILE_STEPS
+    fractions = {k: v["fraction"] for k, v in profile["classes"].items()}
+    # On one CPU thread the classes' own times and the time outside operators fill the step.
+    assert sum(fractions.values()) == pytest.approx(1.0, abs=0.05)
+    for name in ("conv forward", "conv backward", "normalisation", "loss", "optimizer", "idle"):
+        assert fractions[name] > 0, name
+    assert profile["largest"] == max(fractions, key=fractions.get)
+    assert profile["next_knob"] == knob(profile["largest"], "cpu", PHASE)
+    # The verdict names the largest class.
+    assert f"largest class {profile['largest']}" in summary.verdict_reason
+    assert diagnose(summary).reason == summary.verdict_reason
+
+
+def test_profiled_steps_are_left_out_of_the_ceiling_figures(trial):
+    summary, out = trial
+    with open(out / "ceiling" / "steps.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    # ceiling steps, the profiler's warm-up step and the profiled steps ran ...
+    assert len(rows) == summary.ceiling_steps + 1 + PROFILE_STEPS
+    # ... and the ceiling's spread rests on its own measured steps only.
+    assert summary.step_stats["ceiling"]["n"] == summary.ceiling_steps - summary.warmup_steps
+
+
+def test_trial_records_tflops_and_mfu_in_summary_and_steps(trial):
+    summary, out = trial
+    flops = count_flops(EXPERIMENT["model"], EXPERIMENT["data"]["patch_size"])
+    assert summary.flops["train_per_sample"] == pytest.approx(flops.train)
+    assert summary.tflops == pytest.approx(flops.train * summary.samples_per_s / 1e12)
+    peak = summary.peak
+    assert peak["source"] == "measured" and peak["precision"] == "fp32" and peak["tflops"] > 0
+    assert summary.mfu == pytest.approx(summary.tflops / peak["tflops"])
+    assert summary.ceiling_mfu == pytest.approx(summary.ceiling_tflops / peak["tflops"])
+    for path in (out / "steps.csv", out / "ceiling" / "steps.csv"):
+        with open(path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            rows = list(reader)
+        assert list(reader.fieldnames)[-2:] == list(EFFICIENCY_COLUMNS)
+        for row in rows:
+            tflops = flops.train * float(row["samples_per_s"]) / 1e12
+            assert math.isclose(float(row["tflops"]), tflops, rel_tol=1e-6)
+            assert math.isclose(float(row["mfu"]), tflops / peak["tflops"], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["aten::mkldnn_convolution", "aten::_convolution", "aten::conv3d"], "conv forward"),
+        (["aten::fill_", "evaluate_function: ConvolutionBackward0"], "conv backward"),
+        # A transposed convolution's forward runs cuDNN's dgrad kernel: the operator decides.
+        (["aten::cudnn_convolution_transpose", "sm90_xmma_dgrad_implicit_gemm"], "conv forward"),
+        (["aten::native_batch_norm", "aten::instance_norm"], "normalisation"),
+        (["triton_red_fused__native_batch_norm_legit_functional_leaky_relu_3"], "normalisation"),
+        (["aten::leaky_relu"], "element-wise"),
+        (["aten::mul", "autograd::engine::evaluate_function: SigmoidBackward0"], "loss"),
+        (["aten::max_pool3d_with_indices"], "loss"),
+        (["aten::_foreach_mul_"], "optimizer"),
+        (["aten::mul", "Optimizer.step#AdamW.step"], "optimizer"),
+        (["Memcpy HtoD (Pinned -> Device)"], "copies"),
+        (["aten::copy_", "aten::_to_copy", "aten::to"], "copies"),
+        (["## Call CompiledFxGraph f7x ##", "Torch-Compiled Region: 0/0"], "compiled"),
+    ],
+)
+def test_classes_from_operator_and_kernel_names(names, expected):
+    assert classify(names) == expected
+
+
+def test_knob_follows_the_largest_class_and_the_phase():
+    assert "compile" in knob("element-wise", "cuda", {"compile": False})
+    assert "reduce-overhead" in knob("idle", "cuda", {"compile": True})
+    assert "fused_optimizer" in knob("optimizer", "cuda", {})
+    assert "bf16" in knob("conv backward", "cuda", {"precision": "fp32"})
+    assert "channels_last" in knob("conv forward", "cuda", {"precision": "bf16"})

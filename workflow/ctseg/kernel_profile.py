@@ -1,0 +1,231 @@
+"""Where a training step's time goes: torch.profiler over a few steps, summarised by kernel class.
+
+A phase trial profiles `PROFILE_STEPS` steps of its compute-ceiling run (the model on batches
+already on the device, so the loader's wait is not in it: the trial's data-wait figure has
+that), after the ceiling's measured steps and one profiler warm-up step; those extra steps are
+left out of the ceiling's figures. The steps are found without touching the training loop: a
+global optimizer-step hook advances the profiler's schedule, so each profiled step runs from the
+end of one optimizer step to the end of the next.
+
+Classes (`CLASSES`), from the operator that launched each kernel, its parents and the kernel's
+own name, first match wins: optimizer (anything under ``Optimizer.step``/``zero_grad``, the
+foreach/fused kernels, gradient clipping), convolution backward, convolution forward (transposed
+convolutions included), normalisation, loss (the operators only the loss uses: sigmoid, BCE,
+the soft skeleton's pooling; its products and sums are element-wise), copies (memcpy, memset,
+layout and dtype conversions), compiled (a CPU's inductor code, which runs as one operator),
+element-wise and activation (the rest), and idle:
+
+- on CUDA, times are device kernel times; idle is the profiled wall time in which no kernel
+  ran (launch gaps, synchronisation, Python);
+- on a CPU the classes are operators' own (self) CPU time, and idle is the step's time outside
+  any operator (Python and the loop's bookkeeping).
+
+Fractions are of the profiled wall time. The summary names the largest class and the knob it
+suggests, given the phase's settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+PROFILE_STEPS = 3
+PROFILE_WARMUP = 1  # the profiler's own warm-up step (its overhead is not representative)
+CLASSES = (
+    "conv forward",
+    "conv backward",
+    "normalisation",
+    "element-wise",
+    "loss",
+    "optimizer",
+    "copies",
+    "compiled",
+    "idle",
+)
+# Lowercase fragments of operator or kernel names (spaces and underscores removed), per class,
+# in the order they are tried.
+_OPTIMIZER = ("optimizer.", "foreach", "adam", "sgd", "multitensorapply", "clipgrad", "vectornorm")
+_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("conv backward", ("convolutionbackward", "dgrad", "wgrad")),
+    ("conv forward", ("convolution", "conv3d", "conv2d", "convtranspose", "fprop", "convolve")),
+    ("normalisation", ("batchnorm", "instancenorm", "groupnorm", "layernorm", "varmean")),
+    ("loss", ("sigmoid", "binarycrossentropy", "maxpool", "avgpool", "softplus")),
+    ("copies", ("memcpy", "memset", "copy", "contiguous", "clone", "nchwtonhwc", "nhwctonchw")),
+    ("compiled", ("compiledfunction", "compiledfxgraph", "torch-compiledregion")),
+)
+_COPY_NAMES = ("aten::to", "aten::_to_copy")
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("_", "").replace(" ", "")
+
+
+def _chain(event: Any) -> list[str]:
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
+
+
+def classify(names: Sequence[str]) -> str:
+    """The class of a kernel or operator from its names: its own first, then its parents'."""
+    keys = [_key(n) for n in names]
+    if any(f in k for k in keys for f in _OPTIMIZER):
+        return "optimizer"
+    for name, key in zip(names, keys, strict=True):
+        if name in _COPY_NAMES:
+            return "copies"
+        for label, fragments in _RULES:
+            if any(f in key for f in fragments):
+                return label
+    return "element-wise"
+
+
+def _kernel_class(kernel: str, chain: list[str]) -> str:
+    # Inductor's generated kernels are named for the operators they fuse; whatever launched
+    # them is only "the compiled graph".
+    if kernel.lower().startswith("triton"):
+        return classify([kernel])
+    return classify([*chain, kernel])
+
+
+def summarise(
+    events: Iterable[Any], device_type: str, steps: int, settings: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The profile's summary: seconds per step and fraction of the profiled wall time per class,
+    the largest class and its knob. `events`: torch.profiler's FunctionEvents."""
+    events = list(events)
+    marks = [e for e in events if e.name.startswith("ProfilerStep")]
+    if not marks:
+        raise ValueError("no profiled steps (no ProfilerStep events)")
+    start = min(e.time_range.start for e in marks)
+    end = max(e.time_range.end for e in marks)
+    wall_us = sum(e.time_range.end - e.time_range.start for e in marks)
+    totals = dict.fromkeys(CLASSES, 0.0)
+    cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
+    if device_type == "cuda":
+        for event in cpu_events:
+            if event.kernels:
+                chain = _chain(event)
+                for kernel in event.kernels:
+                    totals[_kernel_class(kernel.name, chain)] += kernel.duration
+        spans = sorted(
+            (max(e.time_range.start, start), min(e.time_range.end, end))
+            for e in events
+            if e.device_type == DeviceType.CUDA
+        )
+        busy, reach = 0.0, start
+        for lo, hi in spans:
+            lo = max(lo, reach)
+            if hi > lo:
+                busy += hi - lo
+                reach = hi
+        wall_us = end - start
+        totals["idle"] = max(0.0, wall_us - busy)
+        basis = "device kernel time; idle: no kernel running"
+    else:
+        for event in cpu_events:
+            if event.name.startswith("ProfilerStep"):
+                totals["idle"] += event.self_cpu_time_total
+            else:
+                totals[classify(_chain(event))] += event.self_cpu_time_total
+        basis = "operators' own CPU time; idle: outside any operator"
+    classes = {
+        label: {"s_per_step": us / 1e6 / steps, "fraction": us / wall_us if wall_us else None}
+        for label, us in totals.items()
+    }
+    largest = max(CLASSES, key=lambda label: totals[label])
+    return {
+        "device_type": device_type,
+        "steps": steps,
+        "step_s": wall_us / 1e6 / steps,
+        "basis": basis,
+        "classes": classes,
+        "largest": largest,
+        "next_knob": knob(largest, device_type, settings or {}),
+    }
+
+
+def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
+    """The next knob the largest class suggests, given what the phase already turns on."""
+    compiled = bool(settings.get("compile"))
+    if largest in ("conv forward", "conv backward"):
+        if (settings.get("precision") or "fp32") == "fp32":
+            return "bf16 autocast: the convolutions run on the tensor cores, many times fp32's rate"
+        if not settings.get("channels_last"):
+            return "channels_last: cuDNN's fastest 3D convolutions want channels-last inputs"
+        return (
+            "the convolutions themselves: a larger batch per kernel (if VRAM allows; changes the "
+            "maths) or a smaller network; MFU says how far they are from the peak"
+        )
+    if largest in ("normalisation", "element-wise"):
+        if not compiled:
+            return "torch.compile: fuses norms, activations and element-wise ops into few kernels"
+        return "already compiled: a cheaper norm, or fewer channels at full resolution"
+    if largest == "loss":
+        return "the loss: fewer cldice_iterations or a cheaper term set (changes the maths)"
+    if largest == "optimizer":
+        if not settings.get("fused_optimizer"):
+            return "fused_optimizer: one kernel for every parameter's update"
+        return "a larger batch amortises the optimizer step (changes the maths)"
+    if largest == "copies":
+        if not settings.get("pin_memory") or not settings.get("device_prefetch"):
+            return "pin_memory and device_prefetch, so host copies overlap compute"
+        return "channels_last end to end, so no layout conversion is copied"
+    if largest == "idle":
+        if device_type == "cuda" and settings.get("compile_mode") != "reduce-overhead":
+            return "CUDA graphs (compile_mode: reduce-overhead): the device waits on launches"
+        if not compiled:
+            return "torch.compile: less Python and fewer launches between the kernels"
+        return "a larger batch: more work per launch (changes the maths)"
+    return "the compiled kernels themselves: compare with an uncompiled phase's profile"
+
+
+@contextlib.contextmanager
+def profiled_steps(
+    skip: int, steps: int, device_type: str, settings: Mapping[str, Any] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Profile `steps` optimizer steps after `skip` steps and `PROFILE_WARMUP` more; yields a
+    dict that holds the summary (or ``error``) once the block ends. Whatever fails here is
+    recorded in the dict, never raised into the training it watches."""
+    result: dict[str, Any] = {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def ready(prof: torch.profiler.profile) -> None:
+        try:
+            result.update(summarise(prof.events(), device_type, steps, settings))
+        except Exception as exc:  # noqa: BLE001 - a profile is a diagnostic, never a failure
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    prof = torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=skip, warmup=PROFILE_WARMUP, active=steps, repeat=1),
+        on_trace_ready=ready,
+    )
+
+    def advance(*_: Any) -> None:
+        try:
+            prof.step()
+        except Exception as exc:  # noqa: BLE001 - see above
+            result.setdefault("error", f"{type(exc).__name__}: {exc}")
+
+    prof.start()
+    handle = register_optimizer_step_post_hook(advance)
+    try:
+        yield result
+    finally:
+        handle.remove()
+        try:
+            prof.stop()
+        except Exception as exc:  # noqa: BLE001 - see above
+            result.setdefault("error", f"{type(exc).__name__}: {exc}")
+        if not result:
+            result["error"] = "the run ended before the profiled steps"
