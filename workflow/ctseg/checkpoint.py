@@ -2,8 +2,11 @@
 
 A checkpoint is resumed only by the run that wrote it (`run_identity`, `resume_state`); one
 from another run is set aside, never deleted. Checkpoints are written atomically and refused
-up front when the disk cannot hold them (`save_checkpoint`). The per-step and per-epoch logs
-that a resumed run appends to live beside the checkpoint (`merge_log`, `write_csv`).
+up front when the disk cannot hold them (`save_checkpoint`). Each carries a SHA-256 of its
+bytes in a trailer after torch's zip archive (`CHECKSUM_TAG`), verified on load: a damaged
+checkpoint is set aside and the run resumes from the one before it (`resume.previous.pt`,
+kept by every save of `resume.pt`), or starts afresh. The per-step and per-epoch logs that a
+resumed run appends to live beside the checkpoint (`append_rows`, `trim_logs`).
 """
 
 from __future__ import annotations
@@ -35,8 +38,19 @@ NOT_MATHS = {
     "trial": None,
     "subset": None,
     "split": None,
-    "train": ("log_every", "val_batches"),
+    "train": ("log_every", "val_batches", "checkpoint_minutes"),
 }
+
+# The trailer after torch's zip archive: the tag, then the SHA-256 (hex) of every byte before
+# the tag. torch.load reads the archive from its end record and ignores what follows it; a
+# checkpoint rewritten by plain torch.save has no trailer and loads unverified.
+CHECKSUM_TAG = b"\nctseg-sha256:"
+TRAILER_BYTES = len(CHECKSUM_TAG) + 64
+PREVIOUS = "resume.previous.pt"  # the checkpoint before resume.pt, kept by every save
+
+
+class DamagedCheckpoint(CtsegError):
+    """A checkpoint whose bytes do not match its checksum, or that torch cannot read."""
 
 
 def run_identity(
@@ -109,9 +123,11 @@ def identity_changes(old: Any, new: Mapping[str, Any], prefix: str = "") -> list
     return changed
 
 
-def save_checkpoint(path: Path, payload: Mapping[str, Any]) -> None:
-    """Write a checkpoint atomically, refusing up front when it cannot fit.
+def save_checkpoint(path: Path, payload: Mapping[str, Any], *, keep_previous: bool = False) -> None:
+    """Write a checkpoint atomically with its checksum, refusing up front when it cannot fit.
 
+    With `keep_previous`, the checkpoint being replaced becomes ``resume.previous.pt`` once
+    the new one is complete, so a damaged newest one still leaves an intact one to resume.
     torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
     ... unexpected pos``, which never mentions space; a failed write is therefore checked
     against the free space it needed, and reported as what it is.
@@ -121,6 +137,14 @@ def save_checkpoint(path: Path, payload: Mapping[str, Any]) -> None:
     try:
         with atomic_path(path) as tmp:
             torch.save(dict(payload), tmp)
+            with open(tmp, "r+b") as handle:
+                digest = _sha256(handle, os.path.getsize(tmp))
+                handle.seek(0, os.SEEK_END)
+                handle.write(CHECKSUM_TAG + digest.encode())
+                handle.flush()
+                os.fsync(handle.fileno())
+            if keep_previous and path.exists():
+                os.replace(path, path.parent / PREVIOUS)
     except Exception as exc:
         if disk_full(exc) is None and free_bytes(path.parent) >= needed:
             raise
@@ -129,6 +153,29 @@ def save_checkpoint(path: Path, payload: Mapping[str, Any]) -> None:
             f"{free_bytes(path.parent)} free); the partial file was removed and the previous "
             "checkpoint is intact: free some space and rerun, and training resumes from it"
         ) from exc
+
+
+def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About what a resume checkpoint of this model and optimizer takes on disk: the weights
+    and the optimizer's state, or, before its first step has made that state, twice the
+    parameters (AdamW's two moments, the most either optimizer keeps)."""
+    weights = _payload_bytes(model.state_dict())
+    state = _payload_bytes(optimizer.state_dict()["state"])
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights + max(state, 2 * params)
+
+
+def _sha256(handle: Any, size: int) -> str:
+    digest = hashlib.sha256()
+    handle.seek(0)
+    left = size
+    while left > 0:
+        block = handle.read(min(left, 2**24))
+        if not block:
+            break
+        digest.update(block)
+        left -= len(block)
+    return digest.hexdigest()
 
 
 def _payload_bytes(payload: Any) -> int:
@@ -182,11 +229,32 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def verify_checksum(path: Path) -> bool | None:
+    """True if `path` matches its checksum trailer, False if not, None if it has none."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        if size < TRAILER_BYTES:
+            return None
+        handle.seek(size - TRAILER_BYTES)
+        trailer = handle.read(TRAILER_BYTES)
+        if not trailer.startswith(CHECKSUM_TAG):
+            return None
+        return _sha256(handle, size - TRAILER_BYTES) == trailer[len(CHECKSUM_TAG) :].decode(
+            "ascii", "replace"
+        )
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint's contents, once its checksum (where it has one) is verified."""
+    if verify_checksum(path) is False:
+        raise DamagedCheckpoint(
+            f"{path}: damaged checkpoint: its bytes do not match the checksum written with it; "
+            "move it aside to start this run afresh"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the same user problem
-        raise CtsegError(
+        raise DamagedCheckpoint(
             f"{path}: cannot load checkpoint: {exc}; move it aside to start this run afresh"
         ) from exc
 
@@ -196,25 +264,60 @@ def resume_state(
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The checkpoint to resume from, if it was written by this run, and what happened.
 
-    A checkpoint of another run (changed settings, data or length, or a saved step beyond this
-    run's end) is never resumed and never deleted: rank 0 moves it, and the logs beside it,
-    into ``state_dir/set-aside/<time>-<digest>/``, and this run starts fresh. Every rank reads
-    the checkpoint before anything moves, so all of them take the same decision.
+    ``resume.pt`` first, then ``resume.previous.pt``: a damaged one (checksum or unreadable)
+    is set aside into ``state_dir/set-aside/<time>-damaged/`` and the next is tried. A
+    checkpoint of another run (changed settings, data or length, or a saved step beyond this
+    run's end) is never resumed and never deleted: rank 0 moves it, the previous one and the
+    logs beside them into ``state_dir/set-aside/<time>-<digest>/``, and this run starts fresh.
+    Every rank reads the checkpoints before anything moves, so all of them take the same
+    decision. The logs are then cut back to the resumed step (`trim_logs`).
     """
+    damaged: list[tuple[Path, str]] = []
+    state, changes, found = None, [], None
+    for found in (state_dir / "resume.pt", state_dir / PREVIOUS):
+        if not found.exists():
+            continue
+        try:
+            state = load_checkpoint(found)
+        except DamagedCheckpoint as exc:
+            damaged.append((found, str(exc)))
+            continue
+        changes = identity_changes(state.get("identity"), identity)
+        if int(state.get("step", 0)) > int(identity["total_steps"]) and not changes:
+            changes = ["step beyond total_steps"]
+        break
+    else:
+        state = None
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    ranks.barrier()  # every rank has read the checkpoints before rank 0 moves any
+    info: dict[str, Any] = {}
+    if damaged:
+        aside = state_dir / "set-aside" / f"{stamp}-damaged"
+        info["damaged"] = [str(aside / p.name) for p, _ in damaged]
+        if ranks.main:
+            aside.mkdir(parents=True, exist_ok=True)
+            for path, why in damaged:
+                os.replace(path, aside / path.name)
+                print(f"{why.split(';')[0]}: set it aside in {aside}", file=sys.stderr)
+    if state is not None and not changes:
+        if ranks.main:
+            trim_logs(state_dir, int(state["step"]))
+            if damaged:
+                print(f"resuming from the intact checkpoint {found}", file=sys.stderr)
+        ranks.barrier()
+        return state, {"resume": "resumed", "from_step": int(state["step"]), **info}
+    if state is None:
+        if ranks.main:
+            trim_logs(state_dir, 0)
+            if damaged:
+                print("no intact checkpoint is left: this run starts afresh", file=sys.stderr)
+        ranks.barrier()
+        return None, {"resume": "fresh", **info}
     path = state_dir / "resume.pt"
-    if not path.exists():
-        return None, {"resume": "fresh"}
-    state = load_checkpoint(path)
-    changes = identity_changes(state.get("identity"), identity)
-    if int(state.get("step", 0)) > int(identity["total_steps"]) and not changes:
-        changes = ["step beyond total_steps"]
-    if not changes:
-        return state, {"resume": "resumed", "from_step": int(state["step"])}
-    ranks.barrier()  # every rank has read the checkpoint before rank 0 moves it
-    aside = state_dir / "set-aside" / f"{time.strftime('%Y%m%dT%H%M%S')}-{state.get('fingerprint')}"
+    aside = state_dir / "set-aside" / f"{stamp}-{state.get('fingerprint')}"
     if ranks.main:
         aside.mkdir(parents=True, exist_ok=True)
-        for name in ("resume.pt", "steps.csv", "epochs.csv"):
+        for name in ("resume.pt", PREVIOUS, "steps.csv", "epochs.csv"):
             if (state_dir / name).exists():
                 os.replace(state_dir / name, aside / name)
         print(
@@ -223,7 +326,7 @@ def resume_state(
             file=sys.stderr,
         )
     ranks.barrier()
-    return None, {"resume": "set_aside", "set_aside": str(aside), "changed": changes}
+    return None, {"resume": "set_aside", "set_aside": str(aside), "changed": changes, **info}
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -236,17 +339,61 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def merge_log(path: Path, new_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows already on disk (from before a resume or an earlier epoch) followed by new ones.
-
-    Rows on disk from the new rows' first (epoch, step) on are dropped: a run killed after an
-    epoch's logs were written but before its checkpoint was redoes those steps, and their new
-    rows replace the old ones, so no row is lost or doubled.
-    """
-    if not path.exists() or not new_rows:
-        return new_rows
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """A log's complete rows: a line cut short by a kill during an append is left out."""
+    if not path.exists():
+        return []
     with open(path, newline="") as handle:
-        old = list(csv.DictReader(handle))
-    first_new = (int(new_rows[0]["epoch"]), int(new_rows[0]["step"]))
-    kept = [r for r in old if (int(r["epoch"]), int(r["step"])) < first_new]
-    return kept + new_rows
+        rows = list(csv.DictReader(handle))
+    return [r for r in rows if None not in r.values() and None not in r and _step(r) is not None]
+
+
+def _step(row: Mapping[str, Any]) -> tuple[int, int] | None:
+    try:
+        return int(row["epoch"]), int(row["step"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Append rows to a log, flushed to the disk (a checkpoint written next must not get
+    ahead of them). A file with other columns (an older layout) is rewritten whole."""
+    if not rows:
+        return
+    columns = list(rows[0])
+    header = None
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, newline="") as handle:
+            header = next(csv.reader(handle), None)
+    if header is not None and header != columns:
+        write_csv(path, [*read_rows(path), *rows])
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        if header is None:
+            writer.writeheader()
+        writer.writerows(rows)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def trim_logs(log_dir: Path, step: int) -> None:
+    """Cut steps.csv and epochs.csv back to the rows up to `step`, the step being resumed.
+
+    Rows are appended before each checkpoint is written, so the rows up to a checkpoint's step
+    are complete on disk; rows past it (a kill after a flush of the log, or a newer checkpoint
+    that was damaged) are redone by the resumed run, whose new rows then follow: no row is
+    lost or doubled. A file that needs no cut is left untouched.
+    """
+    for name in ("steps.csv", "epochs.csv"):
+        path = log_dir / name
+        if not path.exists():
+            continue
+        with open(path, newline="") as handle:
+            total = sum(1 for _ in csv.DictReader(handle))
+        kept = [r for r in read_rows(path) if int(r["step"]) <= step]
+        if not kept:
+            path.unlink()
+        elif len(kept) != total:
+            write_csv(path, kept)

@@ -226,6 +226,7 @@ def cmd_trial(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from ctseg.distributed import ddp_phase, pick_device, process_group, torchrun_ranks
+    from ctseg.preempt import RESUMABLE_EXIT, stop_on_signals
     from ctseg.train import train
     from ctseg.trials import choose_phase
 
@@ -239,7 +240,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     phase_id, settings = _phase_settings(args.phases, phase)
     settings = ddp_phase(args.experiment, settings, torchrun_ranks().world)
     train_ids, val_ids = _split_ids(args.split)
-    with process_group(device) as ranks:
+    # SIGTERM and SIGUSR1 ask the loop to checkpoint after its current step (ctseg.preempt).
+    with stop_on_signals() as stop, process_group(device) as ranks:
         summary = train(
             args.experiment,
             settings,
@@ -250,9 +252,12 @@ def cmd_train(args: argparse.Namespace) -> None:
             state_dir=Path(args.state_dir),
             final_weights=Path(args.weights),
             device=str(device),
+            stop=stop,
         )
     if first:
         print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
+    if summary.get("stopped"):
+        raise SystemExit(RESUMABLE_EXIT)  # "stopped with a checkpoint: run me again"
 
 
 def cmd_infer(args: argparse.Namespace) -> None:

@@ -12,6 +12,15 @@ one row (`ctseg.summaries.step_columns`, read by the trials and the report), com
 - each loss term, ``grad_norm`` (unscaled, before clipping), the learning rate, GPU
   utilisation, peak VRAM and the host RSS of this process and its loader workers.
 
+Rank 0 appends the rows to ``steps.csv`` beside the checkpoint every ``train.log_every``
+steps (and prints one line of them to the log when the progress bar is on), and always
+before a checkpoint, so a checkpoint never gets ahead of its log.
+
+Checkpoints: at the end of every epoch, every ``train.checkpoint_minutes`` of training
+(mid-epoch: the stream goes on from ``sample_index``), and when a stop is requested
+(`ctseg.preempt`: SIGTERM or SIGUSR1 finish the current step, checkpoint and return with
+``stopped`` set). Free space for a checkpoint is checked before each epoch's first step.
+
 With ``no_data=True`` the feed is `ctseg.feeds.ResidentBatches`: the compute ceiling, on
 batches already on the device; the loop is the same for every feed. Several processes under
 torchrun: `ctseg.distributed`. Run identity, checkpoints, resuming: `ctseg.checkpoint`.
@@ -35,15 +44,16 @@ from tqdm import tqdm
 
 from ctseg import recipe
 from ctseg.checkpoint import (
+    append_rows,
+    checkpoint_bytes,
     data_identity,
     identity_digest,
-    merge_log,
     resume_state,
     rng_state,
     run_identity,
     save_checkpoint,
     set_rng_state,
-    write_csv,
+    trim_logs,
 )
 from ctseg.distributed import (
     Ranks,
@@ -55,10 +65,11 @@ from ctseg.distributed import (
     rank_share,
 )
 from ctseg.feeds import Fed, ResidentBatches, training_feed
-from ctseg.io import atomic_path
+from ctseg.io import atomic_path, check_free_space
 from ctseg.layout import staged_clip_distance
 from ctseg.losses import compute_losses, loss_settings
 from ctseg.model import build_model, parameter_digest, portable_state_dict
+from ctseg.preempt import StopRequest, shielded
 from ctseg.probes import GpuMonitor, host_rss_bytes
 from ctseg.summaries import step_columns
 from ctseg.validation import evaluate
@@ -100,9 +111,17 @@ class Run:
     step: int = 0
     epoch: int = 0
     sample_index: int = 0  # the next sample of the stream this run's feed takes
-    steps_log: list[dict[str, Any]] = field(default_factory=list)
-    epochs_log: list[dict[str, Any]] = field(default_factory=list)
+    steps_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
+    epoch_rows: list[dict[str, Any]] = field(default_factory=list)  # this epoch's, for its row
+    epochs_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
     peak_rss_mb: float = 0.0
+    log_every: int = 1  # steps between appends of steps.csv
+    checkpoint_s: float | None = None  # seconds between mid-epoch checkpoints; None: off
+    saved_step: int = 0  # the step of the checkpoint on disk
+    saved_at: float = 0.0  # time.monotonic() of that checkpoint (or of the start)
+    stop: StopRequest | None = None
+    stop_agreed: bool = False  # some rank was asked to stop (combined in `log_step`)
+    stopped: str | None = None  # the signal that stopped this run before its end
 
 
 def train(
@@ -120,9 +139,12 @@ def train(
     no_data: bool = False,
     device: str | None = None,
     progress: bool = True,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """Train `exp` under `phase`; returns a summary. See the module docstring for the logs, and
-    `ctseg.distributed` for what changes when torchrun starts several processes."""
+    `ctseg.distributed` for what changes when torchrun starts several processes. With a set
+    `stop` request the run checkpoints after its current step and returns early, its summary's
+    ``stopped`` naming the signal; no final weights are written then."""
     dev = pick_device(device)
     with process_group(dev) as ranks:
         data = data_identity(scratch, train_ids, val_ids)
@@ -130,25 +152,38 @@ def train(
             scratch, train_ids + val_ids, exp["scratch_format"], clip_distance
         )
         run = setup(exp, phase, ranks, dev, data, clip, max_steps, out_dir, state_dir)
+        run.stop = stop
         resumed = resume(run)
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
             run.step_model = torch.compile(run.step_model, mode=phase.get("compile_mode"))
         stop = run.sample_index + (run.total_steps - run.step) * run.effective_batch
-        batches = training_feed(
-            exp, phase, scratch, train_ids, dev, ranks, start=run.sample_index, stop=stop
-        )
-        if no_data:  # the compute ceiling: the same steps on one step's batches, kept resident
-            batches = iter(ResidentBatches(batches, run.micro_steps))
+        end = run.sample_index + (run.total_steps - run.step) * run.effective_batch
+        with shielded(stop):  # the loader workers start here
+            batches = training_feed(
+                exp, phase, scratch, train_ids, dev, ranks, start=run.sample_index, stop=end
+            )
+            if no_data:  # the compute ceiling: the same steps on one step's batches, resident
+                batches = iter(ResidentBatches(batches, run.micro_steps))
         open_logs(run)
         hide = not progress or not ranks.main
         bar = tqdm(total=run.total_steps, initial=run.step, disable=hide, unit="step", desc="train")
         run.model.train()
+        first = True
         while run.step < run.total_steps:
+            if stopping(run):
+                stop_here(run)
+                break
+            if run.resume_path is not None and (first or run.step % run.epoch_steps == 0):
+                check_checkpoint_space(run)
+            first = False
             numbers = train_step(run, batches)
-            log_step(run, numbers, bar)
+            log_step(run, numbers, None if hide else bar)
             if not run.trial and run.step % run.epoch_steps == 0:
-                end_of_epoch(run, scratch, val_ids)
+                with shielded(stop):  # validation may start loader workers of its own
+                    end_of_epoch(run, scratch, val_ids)
+            elif run.checkpoint_s is not None and not run.trial and checkpoint_due(run):
+                write_checkpoint(run)
         bar.close()
         return finish(run, final_weights, resumed)
 
@@ -184,7 +219,11 @@ def setup(
     model = build_model(exp["model"]).to(dev, memory_format=layout)
     fused = bool(phase.get("fused_optimizer"))
     optimizer = recipe.build_optimizer(model, tcfg, base_lr, fused=fused)
+    minutes = tcfg.get("checkpoint_minutes")
     return Run(
+        log_every=int(tcfg.get("log_every") or 1),
+        checkpoint_s=60.0 * float(minutes) if minutes else None,
+        saved_at=time.monotonic(),
         exp=exp,
         phase=phase,
         ranks=ranks,
@@ -216,6 +255,8 @@ def setup(
 def resume(run: Run) -> dict[str, Any]:
     """Every rank loads this run's checkpoint (rank 0 wrote it) and goes on from its state."""
     if run.resume_path is None:
+        if run.ranks.main:  # a trial's logs in out_dir are its own: start them afresh
+            trim_logs(run.log_dir, 0)
         return {"resume": "fresh"}
     state, resumed = resume_state(run.resume_path.parent, run.identity, run.ranks)
     if state is not None:
@@ -227,6 +268,9 @@ def resume(run: Run) -> dict[str, Any]:
         set_rng_state(state["rng"])
         run.step, run.epoch = int(state["step"]), int(state["epoch"])
         run.sample_index = int(state["sample_index"])  # where the interrupted run's loader was
+        run.saved_step = run.step
+        # A mid-epoch checkpoint carries the epoch's rows so far: its epochs.csv row needs them.
+        run.epoch_rows = [dict(r) for r in state.get("epoch_rows", [])]
         if run.ranks.main:
             where = f"step {run.step} (epoch {run.epoch}) from {run.resume_path}"
             print(f"resumed at {where}", file=sys.stderr)
@@ -283,8 +327,9 @@ def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
     return {**numbers, "terms": terms_sum, "step_s": step_s, "grad_norm": grad_norm, "lr": lr}
 
 
-def log_step(run: Run, numbers: dict[str, Any], bar: tqdm) -> None:
-    """One steps.csv row for the step of all ranks together (see `ctseg.distributed`)."""
+def log_step(run: Run, numbers: dict[str, Any], bar: tqdm | None) -> None:
+    """One steps.csv row for the step of all ranks together (see `ctseg.distributed`); every
+    `log_every` steps, rank 0 appends the rows so far to steps.csv and prints one line."""
     terms, cuda = numbers["terms"], run.dev.type == "cuda"
     shared = across_ranks(
         run.ranks,
@@ -297,9 +342,12 @@ def log_step(run: Run, numbers: dict[str, Any], bar: tqdm) -> None:
         largest={
             "step_s": numbers["step_s"],
             "vram_peak_mb": torch.cuda.max_memory_allocated(run.dev) / 2**20 if cuda else math.nan,
+            # Folded into this step's collective: every rank stops after the same step.
+            "stop": float(run.stop is not None and run.stop.requested),
         },
         total={"host_rss_mb": host_rss_bytes() / 2**20},
     )
+    run.stop_agreed = shared.pop("stop") > 0
     run.peak_rss_mb = max(run.peak_rss_mb, shared["host_rss_mb"])
     values = {
         **shared,
@@ -310,37 +358,77 @@ def log_step(run: Run, numbers: dict[str, Any], bar: tqdm) -> None:
         "grad_norm": numbers["grad_norm"],
         "lr": numbers["lr"],
     }
-    run.steps_log.append({column: values[column] for column in step_columns(list(terms))})
-    waited = sum(r["data_wait_s"] for r in run.steps_log)
-    wait_pct = 100 * waited / sum(r["step_s"] for r in run.steps_log)
-    bar.set_postfix(loss=f"{values['loss']:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
-    bar.update(1)
+    row = {column: values[column] for column in step_columns(list(terms))}
+    run.steps_log.append(row)
+    run.epoch_rows.append(row)
+    waited = sum(r["data_wait_s"] for r in run.epoch_rows)
+    wait_pct = 100 * waited / sum(r["step_s"] for r in run.epoch_rows)
+    if run.step % run.log_every == 0:
+        flush_logs(run)
+        if bar is not None:
+            bar.write(
+                f"step {run.step}/{run.total_steps} (epoch {run.epoch}): loss {values['loss']:.4f}"
+                f", {values['samples_per_s']:.2f} samples/s, data wait {wait_pct:.0f}%",
+                file=sys.stderr,
+            )
+    if bar is not None:
+        bar.set_postfix(loss=f"{values['loss']:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
+        bar.update(1)
 
 
-# ----------------------------------------------------------------------------- end of epoch
-def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
-    """Validation, the epoch's row, the logs and then the checkpoint."""
-    val = evaluate(run.model, run.exp, run.phase, scratch, val_ids, run.losses_cfg, run.ranks)
-    rows = [r for r in run.steps_log if r["epoch"] == run.epoch]
-    step_s = sum(r["step_s"] for r in rows)
-    run.epochs_log.append(
-        {
-            "epoch": run.epoch,
-            "step": run.step,
-            "train_loss": statistics.fmean(r["loss"] for r in rows),
-            "samples_per_s": run.effective_batch * len(rows) / step_s,
-            "data_wait_fraction": sum(r["data_wait_s"] for r in rows) / step_s,
-            **val,
-        }
-    )
-    run.epoch += 1
-    # Logs first, then the checkpoint: a run killed between the two redoes the epoch and its
-    # rows replace the ones already written (`merge_log`), so no row is lost or doubled. Rank 0
-    # writes; the others hold the same rows and weights.
+def flush_logs(run: Run) -> None:
+    """Rank 0 appends the rows not yet on disk; the other ranks hold the same rows."""
     if run.ranks.main:
-        write_csv(run.log_dir / "epochs.csv", merge_log(run.log_dir / "epochs.csv", run.epochs_log))
-        write_csv(run.log_dir / "steps.csv", merge_log(run.log_dir / "steps.csv", run.steps_log))
-    run.epochs_log, run.steps_log = [], []
+        append_rows(run.log_dir / "steps.csv", run.steps_log)
+        append_rows(run.log_dir / "epochs.csv", run.epochs_log)
+    run.steps_log, run.epochs_log = [], []
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def stopping(run: Run) -> bool:
+    """A stop was requested: by this process's signal with one process, else as the ranks
+    agreed after the last step (a rank's own flag may be set a step earlier than another's)."""
+    if run.ranks.world == 1:
+        return run.stop is not None and run.stop.requested
+    return run.stop_agreed
+
+
+def stop_here(run: Run) -> None:
+    """Checkpoint the step just finished (unless it is on disk already) and say so."""
+    signame = run.stop.name if run.stop is not None and run.stop.requested else "a signal"
+    run.stopped = signame
+    if run.resume_path is None:
+        return
+    if run.step > run.saved_step:
+        write_checkpoint(run)
+    if run.ranks.main:
+        print(
+            f"stopped by {signame} at step {run.step} (epoch {run.epoch}): checkpoint "
+            f"{run.resume_path} holds step {run.saved_step}; run again to resume",
+            file=sys.stderr,
+        )
+
+
+def checkpoint_due(run: Run) -> bool:
+    """`checkpoint_minutes` have passed since the last checkpoint (rank 0's clock decides:
+    only rank 0 writes)."""
+    return time.monotonic() - run.saved_at >= (run.checkpoint_s or math.inf)
+
+
+def check_checkpoint_space(run: Run) -> None:
+    """Before an epoch's first step (and a resumed run's first): the checkpoint at its end
+    must fit, or the epoch would be trained only to be lost."""
+    if run.ranks.main and run.resume_path is not None:
+        needed = checkpoint_bytes(run.model, run.optimizer)
+        check_free_space(
+            run.resume_path.parent, needed, f"save the checkpoint of epoch {run.epoch}"
+        )
+
+
+def write_checkpoint(run: Run) -> None:
+    """The logs first, then the checkpoint, keeping the one before it (`ctseg.checkpoint`).
+    Rank 0 writes; the others hold the same weights."""
+    flush_logs(run)
     if run.resume_path is not None and run.ranks.main:
         save_checkpoint(
             run.resume_path,
@@ -353,20 +441,45 @@ def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
                 "step": run.step,
                 "epoch": run.epoch,
                 "sample_index": run.sample_index,
+                "epoch_rows": run.epoch_rows,
                 "world_size": run.ranks.world,
                 "fingerprint": identity_digest(run.identity),
                 "identity": run.identity,
             },
+            keep_previous=True,
         )
+    run.saved_step, run.saved_at = run.step, time.monotonic()
+
+
+# ----------------------------------------------------------------------------- end of epoch
+def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
+    """Validation, the epoch's row, the logs and then the checkpoint."""
+    val = evaluate(run.model, run.exp, run.phase, scratch, val_ids, run.losses_cfg, run.ranks)
+    rows = run.epoch_rows
+    step_s = sum(r["step_s"] for r in rows)
+    run.epochs_log.append(
+        {
+            "epoch": run.epoch,
+            "step": run.step,
+            "train_loss": statistics.fmean(r["loss"] for r in rows),
+            "samples_per_s": run.effective_batch * len(rows) / step_s,
+            "data_wait_fraction": sum(r["data_wait_s"] for r in rows) / step_s,
+            **val,
+        }
+    )
+    run.epoch += 1
+    run.epoch_rows = []
+    if run.resume_path is not None:
+        write_checkpoint(run)  # the logs, then the checkpoint
+    else:
+        flush_logs(run)
 
 
 # ----------------------------------------------------------------------------- finish
 def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> dict[str, Any]:
     """The last logs and the weights (rank 0), then the run's summary (every rank)."""
-    if run.ranks.main:
-        if run.steps_log or run.trial:
-            steps_csv = run.log_dir / "steps.csv"
-            write_csv(steps_csv, merge_log(steps_csv, run.steps_log))
+    flush_logs(run)
+    if run.ranks.main and run.stopped is None:
         if run.log_dir != run.out_dir:
             for name in ("steps.csv", "epochs.csv"):
                 if (run.log_dir / name).exists():
@@ -397,4 +510,5 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
         "param_sha256": digests,
         "run_identity": identity_digest(run.identity),
         **resumed,
+        **({"stopped": run.stopped, "saved_step": run.saved_step} if run.stopped else {}),
     }

@@ -1,0 +1,78 @@
+"""Stopping a training early on request, at a step boundary, so that it can resume.
+
+SIGTERM (Snakemake stopping a job, a scheduler's preemption or time limit) and SIGUSR1 (what
+SLURM's ``--signal=USR1@<seconds>`` sends ahead of a time limit) only set a flag here
+(`stop_on_signals`). The training loop reads it after each optimizer step, writes a
+checkpoint and stops; `ctseg train` then exits with `RESUMABLE_EXIT`, which says "stopped
+on request with a checkpoint: run me again". Other commands keep turning SIGTERM into an
+immediate exit that removes their temporaries (`ctseg.cli.main`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry". Snakemake
+# counts any non-zero status as a failure, so a profile with retries resubmits the job.
+RESUMABLE_EXIT = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class StopRequest:
+    """Set by a signal handler; read by the training loop between steps."""
+
+    signum: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # A second signal while the checkpoint is being written changes nothing: the loop
+        # stops as soon as it is on disk.
+        self.signum = self.signum or signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """A `StopRequest` set by SIGTERM or SIGUSR1 inside the block; the previous handlers are
+    put back after it. Off the main thread (where Python cannot install handlers) the
+    request is never set."""
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.signal(sig, stop._handle) for sig in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def shielded(stop: StopRequest | None) -> Iterator[None]:
+    """Block the stop signals while child processes (loader workers) start in the block.
+
+    A scheduler signals every process of a job, loader workers included; torch's workers die
+    of a SIGTERM that is not their parent's, and the training would then fail mid-step
+    instead of checkpointing. Children inherit the blocked mask, so they never see the
+    signal; one that reaches this process meanwhile waits and is handled after the block.
+    """
+    if stop is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
