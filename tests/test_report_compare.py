@@ -29,6 +29,7 @@ from ctseg.cli import main
 from ctseg.formatting import fmt
 from ctseg.io import CtsegError
 from ctseg.report import build_runs_report
+from ctseg.report.provenance import Provenance
 from ctseg.report.timings import GPU_RULES
 from ctseg.store import create_volume
 from ctseg.summaries import TrialSummary, step_columns
@@ -304,7 +305,9 @@ def test_provenance_says_which_volumes_and_what_was_fitted(rendered):
     assert table["ens1"]["fitted on them"] == "no"
     exp = block(page, "exp001-provenance", "<h3")
     assert "Scored on <b>2</b> volume(s) of split <b>test</b>: v1, v2." in exp
-    assert "tuning (1 volumes in tuned.json)" in exp and "training (2 train ids" in exp
+    assert "tuning (1 volume(s) in tuned.json): none of them scored" in exp
+    assert "training (2 train ids in split.csv): none" in exp
+    assert "tuned_on = val, not the scored split" in exp
     assert ["tuned_on", "val"] in table_rows(exp)
     full = block(page, "exp001_full-provenance", "<h3")
     assert "post-processing tuned on 3 of the scored volumes" in full
@@ -361,12 +364,15 @@ def test_every_image_is_an_embedded_png(rendered):
 def test_one_run_is_a_one_row_comparison(tmp_path):
     results = make_runs(tmp_path)["results"]
     out = tmp_path / "one.html"
-    build_runs_report(out, [results / "exp001"], root=tmp_path)
+    build_runs_report(out, [results / "ens1"], root=tmp_path)
     page = out.read_text()
-    assert list(comparison(page)) == ["exp001"]
-    assert "Runs <b>exp001</b>" in page
+    assert list(comparison(page)) == ["ens1"]
+    assert comparison(page)["ens1"]["score (mean ± std)"] == fmt(
+        0.35 * 0.92 + 0.35 * 0.42 + 0.3 * 0.62, 4
+    )
+    assert "Runs <b>ens1</b>" in page and 'id="ens1-timings"' in page
     assert "Slice overlays (--overlay ID IMAGE LABEL): no input given" in page
-    assert "Shared timings" in page and "Stage timings (benchmark TSVs): no input" not in page
+    assert "Shared timings</h2>" in page
 
 
 def test_bad_runs_are_errors_naming_the_file(tmp_path):
@@ -412,10 +418,6 @@ def test_the_old_single_run_options_still_work(tmp_path):
             str(out),
             "--experiment",
             "exp001",
-            "--phases",
-            str(exp / "phases/phase0/summary.json"),
-            "--train-dir",
-            str(exp / "train"),
             "--evaluation-dir",
             str(exp / "evaluation"),
             "--overlay",
@@ -428,7 +430,7 @@ def test_the_old_single_run_options_still_work(tmp_path):
     assert code == 0
     page = out.read_text()
     assert "Experiment <b>exp001</b>" in page and 'id="comparison"' not in page
-    assert 'id="training"' in page and 'id="provenance"' in page
+    assert "Training logs: no input given" in page and 'id="provenance"' in page
     assert "of split <b>test</b>" in page
 
 
@@ -460,3 +462,15 @@ def test_several_run_report_renders_in_headless_chromium(rendered, chromium, tmp
     out, page, _ = rendered
     result = check_page(out, tmp_path / "compare_screenshot.png")
     assert result["images_ok"] == result["images_total"] == page.count("<img")
+
+
+def test_fitted_is_yes_only_on_evidence_and_no_only_when_checked():
+    scored = ["a", "b"]
+    assert Provenance(scored=scored, tuned=["b", "c"]).fitted()[0] == "yes"
+    assert Provenance(scored=scored, train_ids=["a"]).fitted()[0] == "yes"
+    assert Provenance(scored=scored, tuned=["c"], train_ids=["d"]).fitted()[0] == "no"
+    recorded = {"scored_split": "val", "weights_tuned_on": "val"}
+    assert Provenance(scored=scored, recorded=recorded).fitted()[0] == "yes"
+    # A fitted-on split with no scored split to compare it with decides nothing.
+    assert Provenance(scored=scored, recorded={"tuned_on": "val"}).fitted()[0] == "not recorded"
+    assert Provenance(scored=None, tuned=["a"]).fitted()[0] == "not recorded"

@@ -147,7 +147,7 @@ def overlay_section(overlays: Sequence[Overlay], src: Sources) -> str:
 # ----------------------------------------------------------------------------- several runs
 # (id, image zarr, label zarr or None): each run's prediction is its predictions/<id>.tif.
 Volume = tuple[str, Path, Path | None]
-PANELS_PER_ROW = 4
+PANELS_PER_ROW = 6
 
 
 def _runs_figure(
@@ -161,7 +161,7 @@ def _runs_figure(
     panels = 2 + len(preds)
     cols = min(PANELS_PER_ROW, panels)
     rows = -(-panels // cols)
-    fig = Figure(figsize=(3.4 * cols, 3.4 * rows + 0.5), layout="constrained")
+    fig = Figure(figsize=(3.0 * cols, 3.0 * rows + 0.5), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, cols)).ravel()
     low, high = _display_range(image, attrs)
     for ax in axes[:panels]:

@@ -51,21 +51,27 @@ class Provenance:
         hits, checked = [], []
         if self.scored is not None and self.tuned is not None:
             overlap = scored & set(self.tuned)
-            checked.append(self.tuned_note)
             if overlap:
                 hits.append(f"post-processing tuned on {len(overlap)} of the scored volumes")
+            else:
+                checked.append(
+                    f"{self.tuned_note}: none of them scored" if self.tuned else self.tuned_note
+                )
         if self.scored is not None and self.train_ids is not None:
             overlap = scored & set(self.train_ids)
-            checked.append(f"training ({len(self.train_ids)} train ids in split.csv)")
             if overlap:
                 hits.append(f"trained on {len(overlap)} of the scored volumes")
+            else:
+                checked.append(f"training ({len(self.train_ids)} train ids in split.csv): none")
         split = self.recorded.get("scored_split")
-        for key, value in self.recorded.items():
+        # A split something was fitted on can only be compared with a recorded scored split.
+        for key, value in self.recorded.items() if split is not None else ():
             if not key.endswith("_on"):
                 continue
-            checked.append(f"{key} = {setting(value)}")
-            if split is not None and value == split:
+            if value == split:
                 hits.append(f"{key} = {setting(value)}, the scored split")
+            else:
+                checked.append(f"{key} = {setting(value)}, not the scored split")
         if hits:
             return "yes", "; ".join(hits) + ": the score is optimistic"
         if checked:
@@ -104,7 +110,7 @@ def read_provenance(run: Run, src: Sources) -> Provenance:
             if not isinstance(volumes, list):
                 raise CtsegError(f"{tuned}: no 'volumes' list (the volumes tuning was fitted on)")
             out.tuned = [str(v) for v in volumes]
-            out.tuned_note = f"tuning ({len(volumes)} volumes in tuned.json)"
+            out.tuned_note = f"tuning ({len(volumes)} volume(s) in tuned.json)"
             out.files.append(src.use(tuned))
     if run.split_csv is not None and run.split_csv.exists():
         frame = read_table(run.split_csv, dtype={"id": str, "split": str})
@@ -132,9 +138,7 @@ def provenance_block(facts: Provenance) -> str:
             f"<b>{esc(facts.scored_split)}</b>: {_id_list(facts.scored)}.</p>"
         )
     verdict, why = facts.fitted()
-    out.append(
-        f"<p>Anything fitted on the scored volumes: <b>{esc(verdict)}</b> ({esc(why)}).</p>"
-    )
+    out.append(f"<p>Anything fitted on the scored volumes: <b>{esc(verdict)}</b> ({esc(why)}).</p>")
     if facts.recorded:
         rows = [[key, setting(value)] for key, value in facts.recorded.items()]
         out.append(table(["provenance (summary.json)", "value"], rows))
