@@ -64,6 +64,28 @@ def stats(median: float, n: int = 18) -> dict:
     }
 
 
+CLASS_SHARES = {
+    "conv forward": 0.2,
+    "conv backward": 0.35,
+    "normalisation": 0.1234,
+    "element-wise": 0.1,
+    "loss": 0.05,
+    "optimizer": 0.04,
+    "copies": 0.02,
+    "compiled": 0.0,
+    "idle": 0.1166,
+}
+PROFILE = {
+    "device_type": "cuda",
+    "steps": 3,
+    "step_s": 0.81,
+    "basis": "device kernel time; idle: no kernel running",
+    "classes": {k: {"s_per_step": 0.81 * v, "fraction": v} for k, v in CLASS_SHARES.items()},
+    "largest": "conv backward",
+    "next_knob": "phase 1's recorded profile knob",
+}
+
+
 def summary(phase: int, status: str = "ok", **overrides) -> dict:
     """A phase summary.json as trials.run_trial writes it (its verdict included)."""
     settings = {**SETTINGS, **overrides.pop("settings", {})}
@@ -169,6 +191,19 @@ PHASES = [
             "step_time_vs_previous": 0.328,
             "speedup_vs_previous": 6.0937,
         },
+        # Efficiency and kernel profile (summary version 3), as ctseg.trials records them.
+        version=3,
+        tflops=5.625,
+        mfu=0.0360577,
+        peak={
+            "tflops": 156.0,
+            "precision": "tf32",
+            "source": "table",
+            "device_name": "NVIDIA A100-SXM4-80GB",
+            "detail": "A100",
+            "devices": 1,
+        },
+        profile=PROFILE,
     ),
     summary(2, "oom", settings={"workers": 4, "batch_size": 8}, verdict="out of memory"),
     summary(
@@ -353,6 +388,24 @@ def test_phase_table_shows_the_summaries_numbers(report):
     # Settings that never vary are summarised once instead of taking columns.
     assert re.search(r"Same in every phase: [^<]*mp_context = fork", phases)
     assert "data wait 62% of step time, feed efficiency 0.41" in phases
+
+
+def test_phase_table_shows_tflops_mfu_and_the_kernel_profile(report):
+    _, page, _ = report
+    phases = section(page, "phases")
+    row = next(r for r in table_rows(phases) if r[:1] == ["1"] and len(r) > 12)
+    # TFLOP/s and MFU with the peak it is a fraction of, after the feed efficiency.
+    at = row.index("0.97 ± 0.020") + 1
+    assert row[at : at + 2] == ["5.62", "3.6% (156 tf32, A100)"]
+    # Summaries without the figures say so: phase 0 is version 2 (not recorded).
+    row0 = next(r for r in table_rows(phases) if r[:1] == ["0"] and len(r) > 12)
+    assert "not recorded" in row0
+    # The profile table: phase 1's shares per class, largest and knob, as recorded.
+    assert "Kernel profile" in phases
+    assert has_row(phases, "1", "0.810", "20%", "35%", "12%", "10%", "5%", "4%", "2%", "0%", "12%")
+    assert "phase 1&#x27;s recorded profile knob" in phases or (
+        "phase 1's recorded profile knob" in phases
+    )
 
 
 def test_training_evaluation_overlays_and_timings(report):

@@ -97,6 +97,52 @@ def _feed(summary: TrialSummary) -> str:
     return f"{fmt(feed, 2)} ± {fmt(band, 2)}"
 
 
+def _mfu(summary: TrialSummary) -> str:
+    """MFU as recorded, with the peak it is a fraction of and where that came from."""
+    peak = summary.peak or {}
+    if num(summary.mfu) is None or not peak:
+        return "n/a" if summary.version and summary.version >= 3 else NOT_RECORDED
+    devices = int(peak.get("devices", 1) or 1)
+    source = "measured" if peak.get("source") == "measured" else peak.get("detail", "table")
+    times = f"{devices}×" if devices > 1 else ""
+    return (
+        f"{100 * summary.mfu:.1f}% ({times}{fmt(peak.get('tflops'))} "
+        f"{peak.get('precision')}, {source})"
+    )
+
+
+def _profile_table(summaries: Sequence[TrialSummary]) -> str:
+    """Each trial's kernel profile: the share of the profiled step per class, as recorded."""
+    profiled = [s for s in summaries if s.profile]
+    if not profiled:
+        return ""
+    classes: list[str] = []
+    for s in profiled:
+        classes += [c for c in (s.profile.get("classes") or {}) if c not in classes]
+    header = ["phase", "profiled step s", *classes, "largest", "its knob"]
+    rows = []
+    for s in profiled:
+        profile = s.profile
+        if "error" in profile:
+            rows.append([fmt(s.phase), f"no profile: {profile['error']}"])
+            continue
+        shares = profile.get("classes") or {}
+        rows.append(
+            [fmt(s.phase), fmt(profile.get("step_s"))]
+            + [pct((shares.get(c) or {}).get("fraction")) for c in classes]
+            + [profile.get("largest", NOT_RECORDED), profile.get("next_knob", NOT_RECORDED)]
+        )
+    basis = "; ".join(
+        sorted({str(s.profile.get("basis")) for s in profiled if s.profile.get("basis")})
+    )
+    return (
+        "<h3>Kernel profile</h3><p class='note'>torch.profiler over the last steps of each "
+        "trial's compute-ceiling run (no loader wait in them: the data wait column has that), "
+        f"by kernel class, as the trial recorded it (<code>profile</code>). Shares of the "
+        f"profiled wall time; basis: {esc(basis)}.</p>" + table(header, rows)
+    )
+
+
 def _phase_rows(
     summaries: Sequence[TrialSummary], shown: Sequence[str]
 ) -> tuple[list[str], list[list[str]]]:
@@ -105,6 +151,7 @@ def _phase_rows(
         ["phase"]
         + [SETTING_LABELS.get(k, k) for k in shown]
         + ["status", "median step s", "samples/s", "data wait", "h2d", "feed eff. ± band"]
+        + ["TFLOP/s", "MFU (peak TFLOP/s)"]
         + ["GPU util %", "peak VRAM GB (limit)", "peak RSS GB (limit)"]
         + [f"× phase {base.phase}", "× previous", "maths: batch×accum."]
         + ["CPU cores", "device", "verdict"]
@@ -126,6 +173,8 @@ def _phase_rows(
                 pct(summary.data_wait_fraction),
                 pct(summary.h2d_fraction),
                 _feed(summary),
+                fmt(summary.tflops),
+                _mfu(summary),
                 fmt(summary.gpu_util_mean),
                 f"{fmt(summary.peak_vram_gb)} ({fmt(summary.vram_limit_gb)})",
                 f"{fmt(summary.peak_host_rss_gb)} ({fmt(summary.host_ram_limit_gb)})",
@@ -292,10 +341,14 @@ def phase_section(paths: Sequence[Path], src: Sources) -> str:
         "<p class='note'>× previous is the summary's <code>checks.speedup_vs_previous</code> "
         "(against the last phase before it whose trial was ok). <em>maths</em> is what a phase "
         "changes besides speed: batch × gradient accumulation and precision. CPU cores and "
-        "device are those of the machine that ran the trial.</p>"
+        "device are those of the machine that ran the trial. TFLOP/s: the model's counted "
+        "FLOPs per sample (forward and backward) × samples/s; MFU: that over the peak of the "
+        "precision in use (a vendor table's dense figure, or a matmul probe's, "
+        "<em>measured</em>).</p>"
     )
     out.append(_verdict_list(summaries))
     out.append(_precision_table(summaries))
+    out.append(_profile_table(summaries))
     thresholds = next((s.thresholds for s in summaries if s.thresholds), {})
     out.append(png(_phase_figure(summaries, thresholds), "phase trial figures"))
     steps, step_files = [], []
