@@ -159,7 +159,7 @@ def train(
             run.step_model = torch.compile(run.step_model, mode=phase.get("compile_mode"))
         stop = run.sample_index + (run.total_steps - run.step) * run.effective_batch
         end = run.sample_index + (run.total_steps - run.step) * run.effective_batch
-        with shielded(stop):  # the loader workers start here
+        with shielded(stop):  # the loader workers start here (or at the first batch)
             batches = training_feed(
                 exp, phase, scratch, train_ids, dev, ranks, start=run.sample_index, stop=end
             )
@@ -176,8 +176,10 @@ def train(
                 break
             if run.resume_path is not None and (first or run.step % run.epoch_steps == 0):
                 check_checkpoint_space(run)
+            # A loader may start its workers at the first batch rather than at iter().
+            with shielded(stop) if first else contextlib.nullcontext():
+                numbers = train_step(run, batches)
             first = False
-            numbers = train_step(run, batches)
             log_step(run, numbers, None if hide else bar)
             if not run.trial and run.step % run.epoch_steps == 0:
                 with shielded(stop):  # validation may start loader workers of its own
