@@ -1,4 +1,5 @@
-"""UNet3D: shapes on odd patch sizes, deep supervision, checkpointing, channels_last, config."""
+"""UNet3D: shapes on odd patch sizes, deep supervision, checkpointing, channels_last, config; the
+residual encoder (blocks per stage, one-conv decoder) and the model summary."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from ctseg.io import CtsegError
-from ctseg.model import BLOCKS, NORMS, UNet3D, build_model, count_parameters
+from ctseg.model import (
+    BLOCKS,
+    NORMS,
+    UNet3D,
+    build_model,
+    count_parameters,
+    model_summary,
+    parameter_digest,
+    saved_activation_bytes,
+    stage_parameters,
+)
 
 SMALL = (4, 8, 16, 32)
 
@@ -214,3 +225,190 @@ def test_build_model_from_a_mapping():
 def test_bad_config_is_a_ctseg_error(cfg):
     with pytest.raises(CtsegError):
         build_model(cfg)
+
+
+# ----------------------------------------------------------------------------- residual encoder
+def test_the_default_network_is_bit_identical_to_the_one_before_the_residual_encoder():
+    """Existing weights must load and existing seeds must give the same start: parameter names,
+    shapes and initial values (digests taken from the code before blocks_per_stage existed)."""
+    before = {
+        "c02c452574ed35a4c0255859c765b368ff3086c8f20e51d68acf36535a8693b3": {
+            "filters": [4, 8, 16],
+            "deep_supervision": True,
+        },
+        "23f42cb3f95ce135be6798ec6df901c0f71d70fa8a45246cc0ff344a3f35a791": {
+            "filters": [4, 8, 16],
+            "block": "residual",
+            "norm": "batch",
+            "deep_supervision": True,
+        },
+        "8921992be19c954428b1a0a9061f9495ba0e9d6d47deffb5967feef508751c5c": {},
+    }
+    for digest, cfg in before.items():
+        for explicit in ({}, {"blocks_per_stage": [1] * len(cfg.get("filters", [0] * 5))}):
+            torch.manual_seed(0)
+            model = build_model({**cfg, **explicit, **({"decoder_convs": 2} if explicit else {})})
+            assert parameter_digest(model) == digest, (cfg, explicit)
+    names = list(build_model({"filters": [2, 4], "block": "residual"}).state_dict())
+    assert names[:9] == [
+        "encoders.0.block.conv1.weight",
+        "encoders.0.block.norm1.weight",
+        "encoders.0.block.norm1.bias",
+        "encoders.0.block.conv2.weight",
+        "encoders.0.block.norm2.weight",
+        "encoders.0.block.norm2.bias",
+        "encoders.0.block.shortcut.0.weight",
+        "encoders.0.block.shortcut.1.weight",
+        "encoders.0.block.shortcut.1.bias",
+    ]
+    assert len(names) == 31 and names[-2:] == ["heads.0.weight", "heads.0.bias"]
+
+
+RESENC = {
+    "filters": [4, 8, 16],
+    "block": "residual",
+    "blocks_per_stage": [1, 2, 3],
+    "decoder_convs": 1,
+    "deep_supervision": True,
+}
+
+
+def test_blocks_per_stage_stacks_identity_residual_blocks_after_the_downsampling_one():
+    model = build_model(RESENC)
+    assert [1 + len(e.extra) for e in model.encoders] == [1, 2, 3]
+    for i, encoder in enumerate(model.encoders):
+        assert encoder.block.conv1.stride == ((2,) * 3 if i else (1,) * 3)
+        for block in encoder.extra:  # same width and resolution: the identity shortcut
+            assert isinstance(block.shortcut, torch.nn.Identity)
+            assert (
+                block.conv1.stride == (1, 1, 1)
+                and block.conv1.in_channels == block.conv1.out_channels
+            )
+    x = seeded_input((2, 1, 6, 10, 14))  # odd sizes: padded and cropped back
+    outs = model(x)
+    assert [tuple(o.shape[2:]) for o in outs] == [(6, 10, 14), (3, 5, 7)]
+    sum(o.mean() for o in outs).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_decoder_convs_1_is_one_conv_norm_act_per_level():
+    plain = build_model({**RESENC, "decoder_convs": 2})
+    single = build_model(RESENC)
+    for decoder in single.decoders:
+        assert [type(m).__name__ for m in decoder.block.children()] == [
+            "Conv3d",
+            "InstanceNorm3d",
+            "LeakyReLU",
+        ]
+    # The second conv (and norm), and the residual shortcut's 1x1x1 projection and norm, go.
+    removed = sum(
+        count_parameters(d.block.conv2)
+        + count_parameters(d.block.norm2)
+        + count_parameters(d.block.shortcut)
+        for d in plain.decoders
+    )
+    assert count_parameters(plain) - count_parameters(single) == removed > 0
+
+
+def test_parameter_count_of_a_residual_encoder_by_hand():
+    # filters (2, 4), blocks (2, 2), no norm (convs keep their bias), decoder_convs 1, in 1, out 1:
+    #   enc0: block 1->2 (27*2+2, 27*4+2, shortcut 2+2), extra 2->2 (27*4+2 twice)
+    #   enc1: block 2->4 (27*8+4, 27*16+4, shortcut 8+4), extra 4->4 (27*16+4 twice)
+    #   dec0: up 4->2 (4*2*8+2), one conv 4->2 (27*8+2); head 2->1 (2+1)
+    enc0 = 56 + 110 + 4 + 2 * 110
+    enc1 = 220 + 436 + 12 + 2 * 436
+    dec0 = 66 + 218
+    model = UNet3D(
+        filters=(2, 4), norm="none", block="residual", blocks_per_stage=(2, 2), decoder_convs=1
+    )
+    assert count_parameters(model) == enc0 + enc1 + dec0 + 3
+    assert stage_parameters(model) == [
+        ("encoder 0", enc0),
+        ("encoder 1", enc1),
+        ("decoder 0", dec0),
+        ("heads", 3),
+    ]
+
+
+def test_checkpointing_a_deep_stage_gives_the_same_gradients():
+    torch.manual_seed(3)
+    plain = build_model(RESENC)
+    ckpt = build_model({**RESENC, "checkpointing": True})
+    ckpt.load_state_dict(plain.state_dict())
+    x = seeded_input((1, 1, 8, 8, 8))
+    for model in (plain, ckpt):
+        sum((o * o).sum() for o in model.train()(x)).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"filters": [4, 8], "blocks_per_stage": [1]},
+        {"filters": [4, 8], "blocks_per_stage": [1, 0]},
+        {"filters": [4, 8], "blocks_per_stage": [1, 2.0]},
+        {"filters": [4, 8], "blocks_per_stage": "1,2"},
+        {"filters": [4, 8], "blocks_per_stage": [True, 1]},
+        {"decoder_convs": 3},
+        {"decoder_convs": True},
+        {"decoder_convs": 1.0},
+    ],
+    ids=str,
+)
+def test_bad_residual_encoder_config_is_a_ctseg_error(cfg):
+    with pytest.raises(CtsegError, match="blocks_per_stage|decoder_convs"):
+        build_model(cfg)
+
+
+# ----------------------------------------------------------------------------- summary
+def _saved_on_cpu(cfg, shape) -> int:
+    """What autograd saves, measured on real CPU tensors by their storage."""
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(seeded_input(shape))
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("cfg", [{"filters": [4, 8, 16]}, RESENC], ids=["basic", "resenc"])
+def test_saved_activation_bytes_on_meta_equal_what_a_real_forward_saves(cfg):
+    counted = saved_activation_bytes(cfg, (12, 16, 16), batch=2, dtype=torch.float32)
+    assert counted == _saved_on_cpu(cfg, (2, 1, 12, 16, 16))
+    # Activations scale with the batch; bf16 halves them (up to the norms' fp32 statistics).
+    assert saved_activation_bytes(cfg, (12, 16, 16), batch=1, dtype=torch.float32) * 2 == counted
+    half = saved_activation_bytes(cfg, (12, 16, 16), batch=2)
+    assert 0.5 * counted <= half < 0.52 * counted
+    # Checkpointing keeps only the stage boundaries.
+    ckpt = saved_activation_bytes({**cfg, "checkpointing": True}, (12, 16, 16), batch=2)
+    assert ckpt < half / 3
+
+
+def test_model_summary_lists_every_level_and_the_total():
+    text = model_summary(RESENC, (12, 20, 20), batch=2)
+    model = build_model(RESENC)
+    rows = dict(line.rsplit(maxsplit=1) for line in text.splitlines()[2:8])
+    assert [name.strip() for name in rows] == [
+        "encoder 0",
+        "encoder 1",
+        "encoder 2",
+        "decoder 0",
+        "decoder 1",
+        "heads",
+    ]
+    assert sum(int(v.replace(",", "")) for v in rows.values()) == count_parameters(model)
+    assert f"total {count_parameters(model):>,}".split() == text.splitlines()[8].split()
+    assert "computed at 12x20x20" in text and "blocks per stage [1, 2, 3]" in text
+    assert "bf16: activations saved for backward" in text and "fp32:" in text
+    assert "FLOPs" in text.splitlines()[-1]
+    with pytest.raises(CtsegError, match="batch"):
+        model_summary(RESENC, (8, 8, 8), batch=0)

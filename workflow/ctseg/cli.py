@@ -351,6 +351,25 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=1))
 
 
+def cmd_model_summary(args: argparse.Namespace) -> None:
+    from ctseg.model import model_summary
+
+    exp = _experiment(args.experiment)
+    patch = args.patch or exp["data"]["patch_size"]  # type: ignore[index]
+    print(model_summary(exp["model"], patch, batch=args.batch))  # type: ignore[index]
+
+
+def _model_summary_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "model-summary",
+        help="an experiment's model: parameters per level, activation memory, FLOPs",
+    )
+    p.add_argument("experiment", help="config/experiments/<name>.yaml")
+    p.add_argument("--patch", type=_shape, default=None, help="Z,Y,X; default: the experiment's")
+    p.add_argument("--batch", type=int, default=1, help="patches per step (the phase's batch)")
+    p.set_defaults(func=cmd_model_summary)
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from ctseg.report import build_report, build_runs_report
 
@@ -718,6 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
         _score_parser,
         _evaluate_parser,
         _report_parser,
+        _model_summary_parser,
         _ensemble_parser,
         _tune_ensemble_parser,
     ):

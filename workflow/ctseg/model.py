@@ -1,14 +1,28 @@
-"""A plain 3D U-Net for sheet segmentation, with deep supervision and gradient checkpointing.
+"""A 3D U-Net for sheet segmentation, with deep supervision and gradient checkpointing.
 
-Layout (depth = len(filters)): level 0 works at full resolution, level i at 1/2**i. Each level
-has one block of two 3x3x3 convolutions; the decoder upsamples with a transposed convolution and
-concatenates the encoder's output of the same level (the skip).
+Layout (depth = len(filters)): level 0 works at full resolution, level i at 1/2**i. By default
+each level has one block of two 3x3x3 convolutions; the decoder upsamples with a transposed
+convolution and concatenates the encoder's output of the same level (the skip).
+
+Residual-encoder option (nnU-Net's ResEnc U-Net, Isensee et al. 2024, "nnU-Net Revisited"):
+``blocks_per_stage`` gives encoder level i that many blocks: the first one downsamples (a stride-2
+first conv with ``downsample: conv``) and changes the width, the others keep both, so with
+``block: residual`` they are ResNet basic blocks with an identity shortcut. nnU-Net's ResEnc M/L
+use (1, 3, 4, 6, 6, 6) blocks, widths min(32 * 2**i, 320) and one conv-norm-act per decoder
+level, which ``decoder_convs: 1`` gives. Two differences, both kept for the existing weights'
+sake: there is no separate stem conv (level 0's first block reads the image itself), and a
+stride-2 block's shortcut is a strided 1x1x1 conv rather than ResNet-D's average pool + 1x1x1.
+Left out (``blocks_per_stage: null``, ``decoder_convs: 2``) the network is exactly the one
+before these options: same parameter names, same initial weights for the same seed.
 
 Any input shape is accepted: ``forward`` pads the input at the far end of each spatial axis to a
 multiple of 2**(depth-1) and crops every output back. exp001_full's 72x136x136 patches need this
 with 5 levels (72 is not a multiple of 16). Because padding is only at the far end, output voxel j
 of the 1/2**k head covers input voxels [j*2**k, (j+1)*2**k), and its shape is ceil(size / 2**k):
 exactly what `ctseg.losses` expects when it pools the targets for deep supervision.
+
+`model_summary` prints a configuration's parameters per level and its activation memory (what
+autograd saves for backward, counted on the meta device, so without computing anything).
 """
 
 from __future__ import annotations
@@ -40,7 +54,10 @@ CONFIG_KEYS = (
     "out_channels",
     "downsample",
     "activation",
+    "blocks_per_stage",
+    "decoder_convs",
 )
+DECODER_CONVS = (1, 2)
 GROUP_NORM_GROUPS = 8
 
 
@@ -102,26 +119,61 @@ class ConvBlock(nn.Module):
         return self.act2(y)
 
 
-class Encoder(nn.Module):
-    """Downsampling (a stride-2 first conv, or a 2x max-pool) followed by a block."""
+class ConvNormAct(nn.Module):
+    """One conv-norm-act: the decoder block of nnU-Net's ResEnc U-Nets (``decoder_convs: 1``)."""
 
-    def __init__(self, in_ch: int, out_ch: int, *, downsample: str | None, **block_kw: str) -> None:
+    def __init__(self, in_ch: int, out_ch: int, *, norm: str, activation: str) -> None:
+        super().__init__()
+        self.conv1 = conv3(in_ch, out_ch, 1, norm)
+        self.norm1 = make_norm(norm, out_ch)
+        self.act1 = make_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act1(self.norm1(self.conv1(x)))
+
+
+class Encoder(nn.Module):
+    """Downsampling (a stride-2 first conv, or a 2x max-pool) followed by a block, then
+    ``n_blocks - 1`` more blocks at the same width and resolution (``extra``; empty by default,
+    so the default network's parameter names are those it always had)."""
+
+    def __init__(
+        self,
+        in_ch: int,
+        out_ch: int,
+        *,
+        downsample: str | None,
+        n_blocks: int = 1,
+        **block_kw: str,
+    ) -> None:
         super().__init__()
         self.pool = nn.MaxPool3d(2) if downsample == "maxpool" else nn.Identity()
         stride = 2 if downsample == "conv" else 1
         self.block = ConvBlock(in_ch, out_ch, stride=stride, **block_kw)
+        self.extra = nn.ModuleList(
+            ConvBlock(out_ch, out_ch, stride=1, **block_kw) for _ in range(n_blocks - 1)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(self.pool(x))
+        x = self.block(self.pool(x))
+        for block in self.extra:
+            x = block(x)
+        return x
 
 
 class Decoder(nn.Module):
-    """Transposed-conv upsampling, concatenation with the skip, then a block."""
+    """Transposed-conv upsampling, concatenation with the skip, then a block (two convs, or
+    one conv-norm-act with ``convs=1``)."""
 
-    def __init__(self, in_ch: int, out_ch: int, **block_kw: str) -> None:
+    def __init__(self, in_ch: int, out_ch: int, *, convs: int = 2, **block_kw: str) -> None:
         super().__init__()
         self.up = nn.ConvTranspose3d(in_ch, out_ch, 2, stride=2)
-        self.block = ConvBlock(2 * out_ch, out_ch, stride=1, **block_kw)
+        if convs == 1:
+            self.block: nn.Module = ConvNormAct(
+                2 * out_ch, out_ch, norm=block_kw["norm"], activation=block_kw["activation"]
+            )
+        else:
+            self.block = ConvBlock(2 * out_ch, out_ch, stride=1, **block_kw)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         return self.block(torch.cat([self.up(x), skip], dim=1))
@@ -167,6 +219,8 @@ class UNet3D(nn.Module):
         checkpointing: bool = False,
         downsample: str = "conv",
         activation: str = "leakyrelu",
+        blocks_per_stage: Sequence[int] | None = None,
+        decoder_convs: int = 2,
     ) -> None:
         super().__init__()
         filters = tuple(filters)
@@ -189,8 +243,16 @@ class UNet3D(nn.Module):
             "activation": _choice("activation", activation, ACTIVATIONS),
         }
         _choice("downsample", downsample, DOWNSAMPLES)
+        blocks = _blocks_per_stage(blocks_per_stage, len(filters))
+        if (
+            isinstance(decoder_convs, bool)
+            or not isinstance(decoder_convs, int)
+            or decoder_convs not in DECODER_CONVS
+        ):
+            raise CtsegError(f"decoder_convs={decoder_convs!r}: expected one of {DECODER_CONVS}")
 
         self.filters = filters
+        self.blocks_per_stage = blocks
         self.depth = len(filters)
         self.deep_supervision = deep_supervision
         self.checkpointing = checkpointing
@@ -199,13 +261,15 @@ class UNet3D(nn.Module):
                 in_channels if i == 0 else filters[i - 1],
                 filters[i],
                 downsample=None if i == 0 else downsample,
+                n_blocks=blocks[i],
                 **block_kw,
             )
             for i in range(self.depth)
         )
         # decoders[i] produces level i from level i+1 (the bottleneck is level depth-1).
         self.decoders = nn.ModuleList(
-            Decoder(filters[i + 1], filters[i], **block_kw) for i in range(self.depth - 1)
+            Decoder(filters[i + 1], filters[i], convs=decoder_convs, **block_kw)
+            for i in range(self.depth - 1)
         )
         n_heads = self.depth - 1 if self.deep_supervision else 1
         self.heads = nn.ModuleList(nn.Conv3d(filters[i], out_channels, 1) for i in range(n_heads))
@@ -262,6 +326,23 @@ class UNet3D(nn.Module):
         return _crop(self.heads[0](levels[0]), size, 1)
 
 
+def _blocks_per_stage(value: Sequence[int] | None, depth: int) -> tuple[int, ...]:
+    """One block per level when absent; else one positive count per level of ``filters``."""
+    if value is None:
+        return (1,) * depth
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise CtsegError(f"blocks_per_stage={value!r}: expected a list of integers or null")
+    counts = tuple(value)
+    if len(counts) != depth or any(
+        isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts
+    ):
+        raise CtsegError(
+            f"blocks_per_stage={list(counts)!r}: expected {depth} positive integers, one per "
+            "entry of filters"
+        )
+    return counts
+
+
 def _pad_arg(pad: Sequence[int]) -> list[int]:
     """F.pad's argument for padding (z, y, x) at the far end: (x0, x1, y0, y1, z0, z1)."""
     return [0, pad[2], 0, pad[1], 0, pad[0]]
@@ -290,6 +371,106 @@ def build_model(cfg: Mapping[str, object]) -> UNet3D:
             raise CtsegError(f"model config: filters={filters!r}: expected a list of integers")
         kwargs["filters"] = tuple(filters)
     return UNet3D(**kwargs)
+
+
+# ----------------------------------------------------------------------------- summary
+def stage_parameters(model: UNet3D) -> list[tuple[str, int]]:
+    """Trainable parameters per part: each encoder level, each decoder level (its upsampling
+    included), the output heads. They sum to `count_parameters`."""
+    rows = [(f"encoder {i}", count_parameters(m)) for i, m in enumerate(model.encoders)]
+    rows += [(f"decoder {i}", count_parameters(m)) for i, m in enumerate(model.decoders)]
+    rows.append(("heads", count_parameters(model.heads)))
+    return rows
+
+
+def saved_activation_bytes(
+    model_cfg: Mapping[str, object],
+    patch: Sequence[int],
+    *,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """Bytes that autograd keeps for backward in one training forward of the model, at `batch`
+    patches with every activation in `dtype` (eager mode, no checkpointing's savings counted
+    unless the config has it on).
+
+    Counted, not guessed: the model is built on the meta device (shapes only, no memory, no
+    compute) and every tensor that autograd saves is recorded through saved_tensors_hooks, once
+    per tensor, leaving out the parameters. bf16 here stands for phase 6's autocast, where the
+    convolutions, norms and activations run in bf16. What it leaves out: the loss terms (one
+    channel at full resolution each, small beside the 32-channel level-0 maps), the transient
+    memory of the backward pass, cuDNN workspaces and the allocator's slack, and what
+    torch.compile saves by fusing norm + activation (it keeps fewer tensors, so compiled runs
+    need less).
+    """
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    model = model.to(dtype).train()
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # holds each tensor so that no id is reused during the count
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in params:
+            keep.append(t)
+            saved[id(t)] = t.numel() * t.element_size()
+        return t
+
+    x = torch.empty((batch, model.encoders[0].block.conv1.in_channels, *patch), device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x.to(dtype))
+    return sum(saved.values())
+
+
+# Measured peak VRAM over `saved_activation_bytes` + 16 bytes a parameter, for exp001_full on an
+# H200 (BENCHMARKS.md, bench/train.py): 1.19 (fp32, batch 1), 1.26 (fp32, batch 4), 1.10 (bf16,
+# batch 4, compiled). The rest is the loss terms, backward's transients, workspaces and slack.
+PEAK_FACTOR = 1.25
+# fp32 weights, their gradients and AdamW's two moments.
+BYTES_PER_PARAMETER = 16
+
+
+def model_summary(model_cfg: Mapping[str, object], patch: Sequence[int], batch: int = 1) -> str:
+    """A text table of the configuration's parameters per level and in total; the activation
+    memory autograd keeps per training step at `batch` patches of shape `patch`
+    (`saved_activation_bytes`, bf16 and fp32) and the peak it suggests (`PEAK_FACTOR`); the
+    counted FLOPs (`ctseg.flops`)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise CtsegError(f"batch={batch!r}: expected a positive integer")
+    model = build_model(model_cfg)
+    total = count_parameters(model)
+    patch = tuple(int(s) for s in patch)
+    padded = tuple(-(-s // model.size_multiple) * model.size_multiple for s in patch)
+    lines = [
+        f"model: filters {list(model.filters)}, blocks per stage {list(model.blocks_per_stage)}, "
+        f"patch {'x'.join(map(str, patch))} (computed at {'x'.join(map(str, padded))}), "
+        f"batch {batch}",
+        f"{'part':<12}{'parameters':>14}",
+    ]
+    lines += [f"{name:<12}{count:>14,}" for name, count in stage_parameters(model)]
+    lines.append(f"{'total':<12}{total:>14,}")
+    for dtype, label in [(torch.bfloat16, "bf16"), (torch.float32, "fp32")]:
+        saved = saved_activation_bytes(model_cfg, patch, batch=batch, dtype=dtype)
+        peak = PEAK_FACTOR * (saved + BYTES_PER_PARAMETER * total)
+        lines.append(
+            f"{label}: activations saved for backward {saved / 2**30:.2f} GiB, estimated peak "
+            f"{peak / 2**30:.1f} GiB ({PEAK_FACTOR} x (activations + "
+            f"{BYTES_PER_PARAMETER} B a parameter))"
+        )
+    lines.append(_flops_line(model_cfg, patch, batch))
+    return "\n".join(lines)
+
+
+def _flops_line(model_cfg: Mapping[str, object], patch: Sequence[int], batch: int) -> str:
+    try:
+        from ctseg.flops import count_flops  # counted by forward hooks on the meta device
+    except ImportError:  # ctseg.flops is written alongside this module
+        return "FLOPs: not counted (ctseg.flops is not available)"
+    counted = count_flops(model_cfg, patch)
+    return (
+        f"FLOPs per sample: forward {counted.forward / 1e9:,.1f} G, forward + backward "
+        f"{counted.train / 1e9:,.1f} G (batch {batch}: {batch * counted.train / 1e9:,.1f} G a step)"
+    )
 
 
 def portable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
