@@ -163,7 +163,8 @@ def make_runs(root: Path) -> dict:
     write_scores(
         full / "evaluation",
         {"v3": (0.95, 0.5, 0.7), "v6": (0.85, 0.45, 0.65), "v7": (0.6, 0.2, 0.3)},
-        {"scored_split": "val", "tuned_on": "val"},
+        # The keys the workflow's evaluate rule records (provenance_args in common.smk).
+        {"run": "exp001_full", "kind": "trained", "scored_on": "val", "fitted_on_scored": "yes"},
     )
     (full / "postprocess").mkdir()
     (full / "postprocess" / "tuned.json").write_text(
@@ -311,7 +312,8 @@ def test_provenance_says_which_volumes_and_what_was_fitted(rendered):
     assert ["tuned_on", "val"] in table_rows(exp)
     full = block(page, "exp001_full-provenance", "<h3")
     assert "post-processing tuned on 3 of the scored volumes" in full
-    assert "tuned_on = val, the scored split" in full and "optimistic" in full
+    assert "fitted_on_scored = yes, as the workflow recorded it" in full
+    assert "optimistic" in full
     ens = block(page, "ens1-provenance", "<h3")
     assert "post-processing fixed" in ens and "weights_tuned_on = val" in ens
 
@@ -474,3 +476,12 @@ def test_fitted_is_yes_only_on_evidence_and_no_only_when_checked():
     # A fitted-on split with no scored split to compare it with decides nothing.
     assert Provenance(scored=scored, recorded={"tuned_on": "val"}).fitted()[0] == "not recorded"
     assert Provenance(scored=None, tuned=["a"]).fitted()[0] == "not recorded"
+    # The scored split's own key is no fitting; the workflow's recorded answer counts.
+    recorded = {"scored_on": "demo_test_volumes", "fitted_on_scored": "no"}
+    assert Provenance(scored=scored, recorded=recorded).fitted()[0] == "no"
+    assert Provenance(scored=scored, recorded=recorded).scored_split == "demo_test_volumes"
+    recorded = {"scored_on": "val", "fitted_on_scored": "yes"}
+    assert Provenance(scored=scored, recorded=recorded).fitted()[0] == "yes"
+    # A fact beats a recorded "no": tuning saw a scored volume.
+    recorded = {"scored_on": "val", "fitted_on_scored": "no"}
+    assert Provenance(scored=scored, recorded=recorded, tuned=["a"]).fitted()[0] == "yes"

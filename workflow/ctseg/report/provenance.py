@@ -5,15 +5,17 @@ Facts, each from a file the page names:
 
 - the scored volumes: the ids of ``evaluation/scores.csv``;
 - what the run recorded: the ``provenance`` mapping of ``evaluation/summary.json`` (written by
-  ``ctseg evaluate --provenance KEY=VALUE``), shown as it is. ``scored_split`` names the split
-  scored; a key ending in ``_on`` (``tuned_on``, ``trained_on``, ``weights_tuned_on``) names
-  the split something was fitted on;
+  ``ctseg evaluate --provenance KEY=VALUE``), shown as it is. ``scored_on`` (or
+  ``scored_split``) names the split scored; ``fitted_on_scored`` (yes/no) is the workflow's own
+  answer; any other key ending in ``_on`` (``tuned_on``, ``trained_on``, ``weights_tuned_on``)
+  names the split something was fitted on;
 - post-processing: the ``volumes`` that ``postprocess/tuned.json`` was tuned on (no
   ``postprocess/`` at all: the fixed settings, nothing tuned);
 - training: the ``train`` ids of the run's ``split.csv``.
 
 The verdict "fitted on the scored volumes" is *yes* when any of these overlaps the scored
-volumes (or a ``*_on`` split equals ``scored_split``), *no* when every fact at hand is disjoint
+volumes, when ``fitted_on_scored`` says yes or when a ``*_on`` split is the scored split; *no*
+when every fact at hand is disjoint or says no
 and says which facts those were, and *not recorded* when there is none.
 """
 
@@ -29,6 +31,9 @@ from ctseg.report.markup import Sources, esc, missing, read_json, read_table, se
 from ctseg.report.runs import Run
 
 SHOWN_IDS = 30
+# Keys of the provenance mapping that name the scored split, and the recorded answer.
+SCORED_KEYS = ("scored_on", "scored_split")
+FITTED_KEY = "fitted_on_scored"
 
 
 @dataclass
@@ -41,8 +46,12 @@ class Provenance:
     files: list[str] = field(default_factory=list)
 
     @property
+    def split(self) -> Any:
+        return next((self.recorded[k] for k in SCORED_KEYS if k in self.recorded), None)
+
+    @property
     def scored_split(self) -> str:
-        value = self.recorded.get("scored_split")
+        value = self.split
         return "not recorded" if value is None else setting(value)
 
     def fitted(self) -> tuple[str, str]:
@@ -63,10 +72,14 @@ class Provenance:
                 hits.append(f"trained on {len(overlap)} of the scored volumes")
             else:
                 checked.append(f"training ({len(self.train_ids)} train ids in split.csv): none")
-        split = self.recorded.get("scored_split")
+        answer = self.recorded.get(FITTED_KEY)
+        if answer is not None:
+            said = f"{FITTED_KEY} = {setting(answer)}, as the workflow recorded it"
+            (hits if str(answer).lower() in ("yes", "true") else checked).append(said)
+        split = self.split
         # A split something was fitted on can only be compared with a recorded scored split.
         for key, value in self.recorded.items() if split is not None else ():
-            if not key.endswith("_on"):
+            if not key.endswith("_on") or key in SCORED_KEYS:
                 continue
             if value == split:
                 hits.append(f"{key} = {setting(value)}, the scored split")
