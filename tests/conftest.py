@@ -24,6 +24,7 @@ SLOW_MODULES = {
     "test_ddp",
     "test_slurm",
     "test_bench_smoke",
+    "test_workflow_runs",
 }
 
 

@@ -17,12 +17,14 @@ rule tune_ensemble:
         exp=COMBINED_RUN,
     conda:
         "../../environment.yml"
+    # Volumes are scored in parallel, one process per thread, as in evaluate.
+    threads: 8
     params:
         members=lambda wildcards: ensemble_member_args(wildcards.exp),
         step=lambda wildcards: ensemble(wildcards.exp).tune_step,
     shell:
         "ctseg tune-ensemble {params.members} --labels {input.labels:q} "
-        "--step {params.step} --out {output.weights:q} > {log:q} 2>&1"
+        "--step {params.step} --out {output.weights:q} --workers {threads} > {log:q} 2>&1"
 
 
 rule ensemble:

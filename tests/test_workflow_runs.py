@@ -1,0 +1,215 @@
+"""Many runs in one workflow: experiments named by their paths, folds, cross-validations and
+ensembles, planned by real `snakemake` dry runs and built by one real run on tiny data."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+import zarr
+from conftest import TINY_CONFIG, copy_workflow, run_snakemake
+
+
+def planned(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def shell_commands(text: str, command: str) -> list[list[str]]:
+    """The printed shell commands (`-p`) that start with `ctseg <command>`."""
+    found = []
+    for line in text.splitlines():
+        line = line.strip().removeprefix("Shell command:").strip()
+        if line.startswith(f"ctseg {command} ") or f" -m ctseg.cli {command} " in line:
+            found.append(shlex.split(line.split(" > ")[0]))
+    return found
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture
+def demo_workflow(tmp_path: Path) -> Path:
+    return copy_workflow(tmp_path, None)
+
+
+def test_an_experiment_is_built_from_its_path_alone(demo_workflow: Path) -> None:
+    # The default config names exp001; asking for exp001_full's weights plans exp001_full.
+    text = planned(run_snakemake(demo_workflow, "-n", "-p", "results/exp001_full/last.pt"))
+    assert "rule train_model:" in text and "results/exp001_full/last.pt" in text
+    [train] = shell_commands(text, "train")
+    assert option(train, "--experiment") == "config/experiments/exp001_full.yaml"
+    assert "--fold" not in train
+    assert "results/exp001/" not in text  # nothing of the default experiment
+    # Preprocessing is per dataset: shared by every experiment, under results/preprocessed/.
+    assert "results/preprocessed/demo/targets/" in text
+
+
+def test_a_fold_is_planned_from_its_name(demo_workflow: Path) -> None:
+    text = planned(run_snakemake(demo_workflow, "-n", "-p", "results/exp001_cv.fold1/last.pt"))
+    [train] = shell_commands(text, "train")
+    assert option(train, "--experiment") == "config/experiments/exp001_cv.yaml"
+    assert option(train, "--fold") == "1"
+    assert option(train, "--split") == "results/exp001_cv.fold1/split.csv"
+    # Folds train from their experiment's staged copy.
+    assert option(train, "--scratch") == "results/scratch/exp001_cv"
+    splits = {s[3]: s for s in shell_commands(text, "split")}  # ctseg split DATASET OUT ...
+    assert option(splits["results/exp001_cv.fold1/split.csv"], "--fold") == "1"
+    # The experiment's own split (what its staged copy holds) has no fold.
+    assert "--fold" not in splits["results/exp001_cv/split.csv"]
+    assert "results/exp001_cv.fold0/" not in text
+    bad = run_snakemake(demo_workflow, "-n", "results/exp001_cv.fold2/last.pt", check=False)
+    assert bad.returncode != 0
+    assert "exp001_cv.yaml: fold 2 is out of range" in planned(bad)
+
+
+def test_an_ensemble_target_plans_its_members(demo_workflow: Path) -> None:
+    target = "results/ens_demo/evaluation/summary.json"
+    text = planned(run_snakemake(demo_workflow, "-n", "-p", target))
+    spec = yaml.safe_load((demo_workflow / "config/ensembles/ens_demo.yaml").read_text())
+    trains = shell_commands(text, "train")
+    planned_runs = {
+        (Path(option(t, "--experiment")).stem, t[t.index("--fold") + 1] if "--fold" in t else None)
+        for t in trains
+    }
+    expected = set()
+    for member in spec["members"]:
+        name, _, fold = member.partition(".fold")
+        expected.add((name, fold or None))
+    assert planned_runs == expected
+    assert "rule ensemble:" in text and "rule evaluate:" in text
+    # The cross-validation of exp001_cv: both folds, combined.
+    cv = planned(
+        run_snakemake(demo_workflow, "-n", "-p", "results/exp001_cv.cv/evaluation/summary.json")
+    )
+    folds = sorted(option(t, "--fold") for t in shell_commands(cv, "train"))
+    assert folds == ["0", "1"]
+
+
+def test_bad_ensemble_and_run_names_are_one_line_errors(demo_workflow: Path) -> None:
+    ensembles = demo_workflow / "config/ensembles"
+    (ensembles / "neg.yaml").write_text(
+        yaml.safe_dump({"name": "neg", "members": ["exp001", "exp001_full"], "weights": [1, -1]})
+    )
+    bad = run_snakemake(demo_workflow, "-n", "results/neg/evaluation/summary.json", check=False)
+    assert bad.returncode != 0
+    assert re.search(r"config/ensembles/neg.yaml: .*weight", planned(bad))
+    (ensembles / "neg.yaml").unlink()
+    (ensembles / "ghost.yaml").write_text(
+        yaml.safe_dump({"name": "ghost", "members": ["exp001", "nope"], "weights": [1, 1]})
+    )
+    bad = run_snakemake(demo_workflow, "-n", "results/ghost/evaluation/summary.json", check=False)
+    assert bad.returncode != 0
+    assert re.search(r"config/ensembles/ghost.yaml: .*nope", planned(bad))
+    (ensembles / "ghost.yaml").unlink()
+    bad = run_snakemake(demo_workflow, "-n", "--config", "experiment=nothing_here", check=False)
+    assert bad.returncode != 0 and "run 'nothing_here': not an experiment" in planned(bad)
+    bad = run_snakemake(demo_workflow, "-n", "--config", "experiment=exp001.cv", check=False)
+    assert "declares no split.folds" in planned(bad)
+
+
+def test_a_scratch_path_with_a_space_reaches_every_command_whole(tmp_path: Path) -> None:
+    work = copy_workflow(tmp_path, TINY_CONFIG)
+    text = planned(
+        run_snakemake(
+            work, "-n", "-p", "results/tiny/last.pt", "--config", "scratch=my scratch/dir"
+        )
+    )
+    [train] = shell_commands(text, "train")
+    assert option(train, "--scratch") == "my scratch/dir/tiny"
+    [stage] = shell_commands(text, "stage")
+    assert stage[4] == "my scratch/dir/tiny"  # ctseg stage SOURCE SPLIT DEST
+
+
+# ----------------------------------------------------------------------------- a real run
+def write_experiment(work: Path, data: dict) -> None:
+    (work / "config/experiments" / f"{data['name']}.yaml").write_text(yaml.safe_dump(data))
+
+
+def run_rows(html: str) -> dict[str, str]:
+    """The comparison table's row of each run, as text."""
+    table = html[html.index("comparison") :]
+    return {
+        m.group(1): m.group(0)
+        for m in re.finditer(r"<tr[^>]*>\s*<t[dh][^>]*>([^<]+)</t[dh]>.*?</tr>", table, re.S)
+    }
+
+
+def test_two_experiments_a_cross_validation_and_an_ensemble_in_one_run(tmp_path: Path) -> None:
+    work = copy_workflow(tmp_path, {**TINY_CONFIG, "phase": 0})
+    # tiny (conftest) trains with trials of phases 0 and 1; tiny_b changes only the seed and
+    # the learning rate; tiny_cv cross-validates tiny in 2 folds.
+    write_experiment(work, {"name": "tiny_b", "extends": "tiny", "train": {"lr": 0.004, "seed": 1}})
+    write_experiment(work, {"name": "tiny_cv", "extends": "tiny", "split": {"folds": 2}})
+    (work / "config/ensembles/ens_t.yaml").write_text(
+        yaml.safe_dump({"name": "ens_t", "members": ["tiny", "tiny_b"], "weights": "tuned"})
+    )
+    runs = ["tiny", "tiny_b", "tiny_cv.cv", "ens_t"]
+    config = ["--config", f"experiment=[{', '.join(runs)}]"]
+    run_snakemake(work, "--cores", "2", *config)
+    results = work / "results"
+
+    # Every run was evaluated, each saying where its score comes from.
+    summaries = {r: json.loads((results / r / "evaluation/summary.json").read_text()) for r in runs}
+    for run, summary in summaries.items():
+        assert summary["provenance"]["run"] == run
+        assert summary["provenance"]["scored_on"] == "demo_test_volumes"
+        assert summary["provenance"]["fitted_on_scored"] == "no"
+
+    # The folds held out different records, together every non-test record: each is predicted
+    # by a model that never trained on it, and the cross-validation was tuned on those.
+    val = [
+        set(
+            pd.read_csv(results / f"tiny_cv.fold{i}/split.csv", dtype={"id": str}).query(
+                "split == 'val'"
+            )["id"]
+        )
+        for i in range(2)
+    ]
+    train_ids = set(pd.read_csv(work / "resources/demo/train.csv", dtype={"id": str})["id"])
+    assert val[0] & val[1] == set() and val[0] | val[1] == train_ids
+    tune_log = (results / "logs/tune_postprocess/tiny_cv.cv.log").read_text()
+    assert (results / "tiny_cv.cv/postprocess/tuned.json").exists() and tune_log
+
+    # The ensemble's weights were tuned on the members' common val split, and its test
+    # probabilities are the weighted mean of theirs.
+    weights = json.loads((results / "ens_t/ensemble/weights.json").read_text())
+    test_id = pd.read_csv(work / "resources/demo/test.csv", dtype={"id": str})["id"][0]
+    members = [
+        zarr.open_array(str(results / m / "probabilities" / f"{test_id}.zarr"))[:]
+        for m in ("tiny", "tiny_b")
+    ]
+    w = np.array(weights["weights"], dtype=np.float64)
+    expected = (
+        w[0] * members[0].astype(np.float64) + w[1] * members[1].astype(np.float64)
+    ) / w.sum()
+    got = zarr.open_array(str(results / "ens_t/probabilities" / f"{test_id}.zarr"))[:]
+    np.testing.assert_allclose(got.astype(np.float64), expected, atol=1e-3)
+
+    # One report compares them all.
+    html = (results / "report.html").read_text()
+    rows = run_rows(html)
+    for run in runs:
+        assert run in rows, f"{run} has no row in the comparison table"
+        score = summaries[run]["mean_score"]
+        assert f"{score:.3f}" in rows[run]
+
+    # An edit to one experiment reruns that experiment's jobs (and what is built from them),
+    # never another experiment's.
+    exp_b = work / "config/experiments/tiny_b.yaml"
+    data = yaml.safe_load(exp_b.read_text())
+    data["train"]["lr"] = 0.003
+    exp_b.write_text(yaml.safe_dump(data))
+    again = planned(run_snakemake(work, "-n", *config))
+    outputs = re.findall(r"output: (.+)", again)
+    touched = {
+        p.split("/")[1] for line in outputs for p in line.split(", ") if p.startswith("results/")
+    }
+    assert "tiny_b" in touched
+    assert touched <= {"tiny_b", "ens_t", "report.html"}, touched
