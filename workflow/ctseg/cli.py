@@ -347,8 +347,17 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         Path(args.out),
         workers=args.workers,
         topo_method=args.topo_method,
+        provenance=dict(args.provenance or []),
     )
     print(json.dumps(summary, indent=1))
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    """KEY=VALUE of `evaluate --provenance`."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. scored_split=test")
+    return key, value
 
 
 def cmd_model_summary(args: argparse.Namespace) -> None:
@@ -612,12 +621,24 @@ def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--predictions", nargs="+", required=True)
     p.add_argument("--labels", nargs="+", required=True, help="in the same order")
     p.add_argument("--out", required=True, help="evaluation directory")
-    p.add_argument("--workers", type=int, default=1, help="volumes scored in parallel")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="cores: a process per volume up to this many, the rest as threads in each",
+    )
     p.add_argument(
         "--topo-method",
         choices=["betti_matching", "betti_counts"],
         default="betti_matching",
         help="exact Betti matching, or the faster upper bound min(p_k, g_k)",
+    )
+    p.add_argument(
+        "--provenance",
+        type=_key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        help="recorded verbatim under provenance in summary.json (repeatable)",
     )
     p.set_defaults(func=cmd_evaluate)
 

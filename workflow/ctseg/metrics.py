@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -253,6 +253,13 @@ class LabelTiles:
         return cls(tuple(gt.shape), tiles, tuple(counts))
 
 
+def _digest(mask: np.ndarray) -> bytes:
+    """A 32-byte digest of a bool mask's voxels (bit-packed first: 8 times fewer bytes)."""
+    import hashlib
+
+    return hashlib.blake2b(np.packbits(mask).tobytes(), digest_size=32).digest()
+
+
 def _map_threads(fn: Any, items: Any, threads: int) -> list:
     """fn over items, in order; in `threads` threads when more than one (the Betti matching
     kernels and cc3d release the GIL, so tiles run side by side)."""
@@ -294,20 +301,30 @@ def topo_counts(
     label_tiles: LabelTiles | None = None,
     threads: int = 1,
     every_dim: bool = False,
+    tile_cache: dict | None = None,
 ) -> tuple[np.ndarray, str]:
     """(m_k, p_k, g_k) summed over the 8 octant tiles, and the method used. `label_tiles`: the
     label's side when already computed; `threads`: tiles scored side by side; `every_dim`: run
-    the matching in every dimension (the previous path; the counts are the same)."""
+    the matching in every dimension (the previous path; the counts are the same);
+    `tile_cache`: a dict kept by a caller that scores many predictions against one label
+    (tuning): a tile whose prediction is bit for bit one already counted is not counted again
+    (post-processing candidates often differ in a few tiles only)."""
     if method not in TOPO_METHODS:
         raise ValueError(f"unknown topo_method {method!r}; expected one of {TOPO_METHODS}")
     if label_tiles is None or label_tiles.shape != tuple(gt.shape):
         label_tiles = LabelTiles.of(gt, threads)
     jobs = list(zip(label_tiles.tiles, label_tiles.counts, strict=True))
-    rows = _map_threads(
-        lambda job: _count_tile(pred[job[0]], gt[job[0]], method, job[1], every_dim),
-        jobs,
-        threads,
-    )
+
+    def count(job: tuple[tuple[slice, slice, slice], tuple[int, int, int]]) -> np.ndarray:
+        tile, g = job
+        if tile_cache is None:
+            return _count_tile(pred[tile], gt[tile], method, g, every_dim)
+        key = (method, tuple((t.start, t.stop) for t in tile), _digest(pred[tile]))
+        if key not in tile_cache:
+            tile_cache[key] = _count_tile(pred[tile], gt[tile], method, g, every_dim)
+        return tile_cache[key]
+
+    rows = _map_threads(count, jobs, threads)
     return np.sum(rows, axis=0, dtype=np.int64), method
 
 
@@ -420,15 +437,22 @@ def competition_terms(
     voi_alpha: float = 0.3,
     topo_method: TopoMethod = "betti_matching",
     threads: int = 1,
+    tile_cache: dict | None = None,
 ) -> dict[str, Any]:
     """The competition score of a prepared prediction against a label's side, with its terms
-    and their parts (no Dice or clDice: those are diagnostics)."""
+    and their parts (no Dice or clDice: those are diagnostics). `tile_cache`: see
+    topo_counts."""
     sd = label.surface.surface_dice(pred_bin, tolerance, threads=threads)
     split, merge = voi(pred_bin, label.gt, label.components)
     voi_total = split + merge
     voi_s = voi_score_from_total(voi_total, voi_alpha)
     counts, used = topo_counts(
-        pred_bin, label.gt, topo_method, label_tiles=label.tiles, threads=threads
+        pred_bin,
+        label.gt,
+        topo_method,
+        label_tiles=label.tiles,
+        threads=threads,
+        tile_cache=tile_cache,
     )
     topo, f1 = topo_score_from_counts(counts)
     result: dict[str, Any] = {
@@ -527,15 +551,60 @@ def read_volume(path: Path) -> np.ndarray:
     return volume
 
 
+def _distinct_values(volume: np.ndarray) -> np.ndarray:
+    if volume.dtype == np.uint8:  # the usual case: a histogram, far cheaper than sorting
+        return np.flatnonzero(np.bincount(volume.ravel(), minlength=256))
+    return np.unique(volume)
+
+
+def _shown(values: np.ndarray, limit: int = 6) -> str:
+    shown = ", ".join(f"{v:g}" for v in values[:limit].tolist())
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+
+
+LABEL_VALUES = (0, 1, IGNORE_LABEL)
+
+
+def read_label(path: Path) -> np.ndarray:
+    """A label TIFF whose values are 0 (background), 1 (surface) and 2 (unlabelled) only: any
+    other value would silently count as surface, so it is a one-line error naming the file."""
+    volume = read_volume(Path(path))
+    values = _distinct_values(volume)
+    bad = values[~np.isin(values, LABEL_VALUES)]
+    if bad.size:
+        raise CtsegError(
+            f"{path}: label values outside 0/1/2: {_shown(bad)} (0 background, 1 surface, "
+            "2 unlabelled); fix or re-export the label (ctseg convert --kind label refuses it too)"
+        )
+    return volume
+
+
+def read_prediction(path: Path) -> np.ndarray:
+    """A predicted mask TIFF: 0/1 (what ctseg postprocess writes) or 0/255. Anything else
+    (probabilities, other labels) would count as surface wherever it is not 0, so it is a
+    one-line error naming the file."""
+    volume = read_volume(Path(path))
+    values = _distinct_values(volume)
+    binary = np.isin(values, (0, 1)).all() or np.isin(values, (0, 255)).all()
+    if not binary:
+        bad = values[~np.isin(values, (0, 1, 255))] if values.size else values
+        raise CtsegError(
+            f"{path}: prediction values {_shown(bad if bad.size else values)} are not a binary "
+            "mask (0/1, or 0/255); write masks with ctseg postprocess, or threshold them first"
+        )
+    return volume
+
+
 def score_files(pred_tif: Path, gt_tif: Path, **kwargs: Any) -> dict[str, Any]:
     """`ctseg score PRED.tif GT.tif`: score_volume on two multi-page TIFFs.
 
-    Raises CtsegError (the CLI's one-line error) naming both files on unreadable input or
-    mismatched shapes. Keyword arguments go to score_volume.
+    Raises CtsegError (the CLI's one-line error) naming the file on unreadable input, values
+    that are not a mask (prediction) or not 0/1/2 (label), or mismatched shapes. Keyword
+    arguments go to score_volume.
     """
     pred_tif, gt_tif = Path(pred_tif), Path(gt_tif)
-    pred = read_volume(pred_tif)
-    gt = read_volume(gt_tif)
+    pred = read_prediction(pred_tif)
+    gt = read_label(gt_tif)
     if pred.shape != gt.shape:
         raise CtsegError(
             f"shape mismatch: prediction {pred_tif} has shape {pred.shape}, "
@@ -555,10 +624,26 @@ SUMMARY_COLUMNS = (
 )
 
 
-def _score_pair(pair: tuple[Path, Path, str]) -> dict[str, Any]:
+# Peak memory of one scoring process on a 320^3 pair (measured, bench/metrics.py): the volumes,
+# the label's side, one tile's Betti matching per thread and the skeletons of clDice.
+WORKER_MEMORY_GB = 2.0
+
+
+def _score_pair(pair: tuple[Path, Path, str, int]) -> dict[str, Any]:
     """One evaluate row (a module-level function so that a process pool can pickle it)."""
-    pred, label, topo_method = pair
-    return {"id": Path(pred).stem, **score_files(Path(pred), Path(label), topo_method=topo_method)}
+    pred, label, topo_method, threads = pair
+    return {
+        "id": Path(pred).stem,
+        **score_files(Path(pred), Path(label), topo_method=topo_method, threads=threads),
+    }
+
+
+def plan_workers(cores: int, volumes: int) -> tuple[int, int]:
+    """(processes, threads per process) for `cores` cores and `volumes` volumes: a process per
+    volume while there are volumes, and the cores left over as threads inside each (tiles and
+    the distance kernels use them), so every core given is used either way."""
+    processes = max(1, min(cores, volumes))
+    return processes, max(1, cores // processes)
 
 
 def evaluate_pairs(
@@ -568,13 +653,16 @@ def evaluate_pairs(
     *,
     workers: int = 1,
     topo_method: TopoMethod = "betti_matching",
+    provenance: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Score each prediction against its label; write scores.csv (one row per volume) and
-    summary.json (the means, the number of volumes and the topology method used).
+    summary.json (the means, the number of volumes, the topology method used, and
+    `provenance`: key/value pairs the caller records verbatim, e.g. which split was scored).
 
-    With workers > 1 the volumes are scored in a pool of that many processes (at most one per
-    volume); every volume is scored by the same deterministic code either way, and rows keep
-    the input order, so the outputs are identical to a serial run.
+    `workers` is the number of cores to use: one process per volume up to that many, and the
+    cores left over as threads inside each (`plan_workers`); a process needs about
+    WORKER_MEMORY_GB at 320^3. Every volume is scored by the same deterministic code either
+    way, and rows keep the input order, so the outputs are identical to a serial run.
     """
     import json
     from concurrent.futures import ProcessPoolExecutor
@@ -593,8 +681,12 @@ def evaluate_pairs(
         raise CtsegError(f"workers must be at least 1, got {workers}")
     if topo_method not in TOPO_METHODS:
         raise CtsegError(f"unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}")
-    jobs = [(Path(p), Path(g), topo_method) for p, g in zip(predictions, labels, strict=True)]
-    workers = min(workers, len(jobs))
+    processes, threads = plan_workers(workers, len(predictions))
+    jobs = [
+        (Path(p), Path(g), topo_method, threads)
+        for p, g in zip(predictions, labels, strict=True)
+    ]
+    workers = processes
     if workers == 1:
         rows = [_score_pair(job) for job in tqdm(jobs, desc="evaluate")]
     else:
@@ -608,6 +700,8 @@ def evaluate_pairs(
         "topo_method": methods[0] if len(methods) == 1 else methods,
         **{f"mean_{name}": float(table[name].mean()) for name in SUMMARY_COLUMNS},
     }
+    if provenance:
+        summary["provenance"] = {str(k): str(v) for k, v in provenance.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(out_dir / "scores.csv") as tmp:
         table.to_csv(tmp, index=False)

@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass
 
 import edt
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -86,6 +87,12 @@ def _codes_kernel(mask: np.ndarray, bits: np.ndarray) -> np.ndarray:
                                 code |= bits[a, b, c]
                 codes[i, j, k] = code
     return codes
+
+
+def _use_threads(threads: int) -> None:
+    """Numba's parallel kernels here use at most `threads` threads (a setting of the calling
+    thread), so that a scoring process keeps to the cores it was given."""
+    numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
 
 
 def neighbour_codes(mask: np.ndarray) -> np.ndarray:
@@ -184,6 +191,7 @@ class LabelSurface:
             return 1.0
         if pred_any != self.any:
             return 0.0
+        _use_threads(threads)
         codes = neighbour_codes(pred[self.box])
         border = _border(codes)
         near_g, total_g = _areas(

@@ -27,16 +27,29 @@ At most ``max_candidates`` candidates (20 by default) are scored on each volume;
 already scored in an earlier stage is not scored again. A candidate replaces the best only when
 it scores strictly higher, so ties keep the simpler settings found first.
 
-Volumes are scored in a pool of ``workers`` spawned processes, like `ctseg evaluate`; each
-worker keeps the last volumes it read, so a volume's probabilities and label are read once per
-worker rather than once per candidate. The score is the same function either way (rows are in
-candidate order), so a parallel search gives the same result as a serial one.
+Each stage's candidates of one volume are scored together, by one process: the label's side of
+the score (`ctseg.metrics.LabelSide`: its ignore mask, surfel borders, components and tiles'
+feature counts) is computed once per volume and reused by every candidate, as are the tiles
+and whole masks that a candidate shares bit for bit with one already scored; the diagnostics
+Dice and clDice are not computed. ``workers`` is the number of cores: a process per volume up to
+that many (spawned, like `ctseg evaluate`), the cores left over as threads inside each
+(`ctseg.metrics.plan_workers`; a process needs about `metrics.WORKER_MEMORY_GB` at 320^3). The
+score is the same function either way, so a parallel search gives the same result as a serial
+one.
+
+A val split with no labelled foreground, or less than ``MIN_FOREGROUND_VOXELS`` surface voxels
+in all, is not searched: the score of near-empty labels is decided by the empty cases of its
+terms (a prediction of nothing scores SurfaceDice 0 or 1), so a search there fits noise (on
+such a split it once chose threshold 0.1 with hole filling: 99.5% foreground). tuned.json then
+keeps the default settings and says why (``tuned: false``, ``reason``), and so do the log and
+the report.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -53,15 +66,11 @@ from ctseg.io import CtsegError, atomic_path, check_id
 from ctseg.masks import PostprocessSettings, binary_mask, settings_from_mapping
 from ctseg.metrics import (
     TOPO_METHODS,
+    LabelSide,
     TopoMethod,
-    combined_score,
-    prepare_masks,
-    read_volume,
-    surface_dice,
-    topo_counts,
-    topo_score_from_counts,
-    voi,
-    voi_score_from_total,
+    competition_terms,
+    plan_workers,
+    read_label,
 )
 
 DEFAULT_SETTINGS = PostprocessSettings()
@@ -69,6 +78,9 @@ TUNED_JSON = "tuned.json"
 CANDIDATES_CSV = "candidates.csv"
 STAGES = ("threshold", "refine", "hysteresis", "min_component", "fill_holes")
 SCORE_TERMS = ("score", "surface_dice", "voi_score", "topo_score")
+# Fewer labelled surface voxels than this over the whole val split (a 2-voxel sheet of about
+# 22 x 22 voxels) and the search is not run: see the module docstring.
+MIN_FOREGROUND_VOXELS = 1000
 
 
 @dataclass(frozen=True)
@@ -146,23 +158,30 @@ def competition_score(
     pred: np.ndarray, gt: np.ndarray, topo_method: TopoMethod = "betti_matching"
 ) -> dict[str, float]:
     """The competition score of one volume and its three terms, as `ctseg.metrics.score_volume`
-    computes them (its functions, in its order), without the diagnostics Dice and clDice that
-    the search does not need (clDice's skeletons cost more than the score's other terms)."""
-    pred_bin, gt_bin = prepare_masks(pred, gt)
-    sd = surface_dice(pred_bin, gt_bin)
-    split, merge = voi(pred_bin, gt_bin)
-    voi_s = voi_score_from_total(split + merge)
-    counts, _ = topo_counts(pred_bin, gt_bin, topo_method)
-    topo, _ = topo_score_from_counts(counts)
-    return {
-        "score": combined_score(topo, sd, voi_s),
-        "surface_dice": sd,
-        "voi_score": voi_s,
-        "topo_score": topo,
-    }
+    computes them (its functions), without the diagnostics Dice and clDice that the search does
+    not need (clDice's skeletons cost more than the score's other terms)."""
+    label = LabelSide.of(np.asarray(gt))
+    return _terms(label.prepare(pred), label, topo_method)
 
 
-@functools.lru_cache(maxsize=2)
+def _terms(
+    pred_bin: np.ndarray,
+    label: LabelSide,
+    topo_method: str,
+    threads: int = 1,
+    tile_cache: dict | None = None,
+) -> dict[str, float]:
+    result = competition_terms(
+        pred_bin,
+        label,
+        topo_method=topo_method,  # type: ignore[arg-type]
+        threads=threads,
+        tile_cache=tile_cache,
+    )
+    return {term: result[term] for term in SCORE_TERMS}
+
+
+@functools.lru_cache(maxsize=1)
 def _probabilities(path: str) -> np.ndarray:
     from ctseg.store import open_volume
 
@@ -175,23 +194,53 @@ def _probabilities(path: str) -> np.ndarray:
     return np.asarray(arr[...])
 
 
-@functools.lru_cache(maxsize=2)
-def _label(path: str) -> np.ndarray:
-    # The same reader (and messages) as evaluate's; cached, since every candidate rescores it.
-    return read_volume(Path(path))
+@dataclass
+class _LabelState:
+    """A val volume's label side and what its candidates share (caches keyed by mask digest)."""
+
+    side: LabelSide
+    tiles: dict = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)
 
 
-def _score_job(job: tuple[str, str, dict[str, Any], str]) -> dict[str, float]:
-    """One (volume, candidate) score; module-level so that a process pool can pickle it."""
-    probs_path, label_path, settings, topo_method = job
-    probs, label = _probabilities(probs_path), _label(label_path)
-    if probs.shape != label.shape:
+@functools.lru_cache(maxsize=1)
+def _label_state(path: str, threads: int) -> _LabelState:
+    # The same reader (and checks) as evaluate's; kept while this volume's candidates are scored.
+    return _LabelState(LabelSide.of(read_label(Path(path)), threads))
+
+
+def _score_volume_job(
+    job: tuple[str, str, list[dict[str, Any]], str, int],
+) -> list[dict[str, float]]:
+    """One volume's scores for a list of candidates; module-level so a process pool can pickle
+    it. A candidate whose mask (after the ignore step) equals one already scored on this
+    volume gets that score without scoring it again."""
+    from ctseg.metrics import _digest
+
+    probs_path, label_path, settings_list, topo_method, threads = job
+    probs = _probabilities(probs_path)
+    state = _label_state(label_path, threads)
+    if probs.shape != state.side.gt.shape:
         raise CtsegError(
             f"shape mismatch: probabilities {probs_path} have shape {probs.shape}, "
-            f"label {label_path} has shape {label.shape}"
+            f"label {label_path} has shape {state.side.gt.shape}"
         )
-    mask, _ = binary_mask(probs, PostprocessSettings(**settings))
-    return competition_score(mask, label, topo_method)  # type: ignore[arg-type]
+    results = []
+    for settings in settings_list:
+        mask, _ = binary_mask(probs, PostprocessSettings(**settings))
+        pred_bin = state.side.prepare(mask)
+        key = (topo_method, _digest(pred_bin))
+        if key not in state.masks:
+            state.masks[key] = _terms(pred_bin, state.side, topo_method, threads, state.tiles)
+        results.append(dict(state.masks[key]))
+    return results
+
+
+def _pool_init(threads: int) -> None:
+    """A scoring process keeps to its share of the cores (numba's pool would take them all)."""
+    import numba
+
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
 
 
 class _Scorer:
@@ -202,24 +251,34 @@ class _Scorer:
     ) -> None:
         self.volumes = list(volumes)
         self.topo_method = topo_method
+        processes, self.threads = plan_workers(workers, len(self.volumes))
         self.pool = (
-            ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
+            ProcessPoolExecutor(
+                processes,
+                mp_context=get_context("spawn"),
+                initializer=_pool_init,
+                initargs=(self.threads,),
+            )
+            if processes > 1
+            else None
         )
         self.bar = tqdm(total=total * len(self.volumes), desc="tune-postprocess", unit="score")
 
     def score(self, candidates: Sequence[Candidate]) -> None:
-        # Volume-major order: a worker that takes consecutive jobs reuses its cached volume.
+        if not candidates:
+            return
+        settings = [c.settings.as_dict() for c in candidates]
         jobs = [
-            (str(v.probabilities), str(v.label), c.settings.as_dict(), self.topo_method)
+            (str(v.probabilities), str(v.label), settings, self.topo_method, self.threads)
             for v in self.volumes
-            for c in candidates
         ]
-        mapped = self.pool.map(_score_job, jobs) if self.pool else map(_score_job, jobs)
-        for (v, c), result in zip(
-            ((v, c) for v in self.volumes for c in candidates), mapped, strict=True
-        ):
-            c.scores[v.id] = result
-            self.bar.update(1)
+        mapped = (
+            self.pool.map(_score_volume_job, jobs) if self.pool else map(_score_volume_job, jobs)
+        )
+        for v, results in zip(self.volumes, mapped, strict=True):
+            for c, result in zip(candidates, results, strict=True):
+                c.scores[v.id] = result
+            self.bar.update(len(candidates))
 
     def close(self) -> None:
         self.bar.close()
@@ -301,7 +360,7 @@ def search(
         scorer.close()
         # The in-process path caches volumes by path: a later search must read them afresh.
         _probabilities.cache_clear()
-        _label.cache_clear()
+        _label_state.cache_clear()
     return best, list(scored.values())
 
 
@@ -332,10 +391,36 @@ def tune_postprocess(
     if duplicates:
         raise CtsegError(f"volumes with the same id {duplicates}: their scores would collide")
     t0 = time.perf_counter()
+    foreground = labelled_foreground(volumes)
+    reason = untunable_reason(foreground)
+    if reason is not None:
+        print(f"tune-postprocess: not tuned, default settings kept: {reason}", file=sys.stderr)
+        summary = {
+            "tuned": False,
+            "reason": reason,
+            "settings": DEFAULT_SETTINGS.as_dict(),
+            "label": DEFAULT_SETTINGS.label(),
+            "score": None,
+            "terms": {},
+            "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": None},
+            "gain_over_default": None,
+            "topo_method": topo_method,
+            "volumes": ids,
+            "foreground_voxels": foreground,
+            "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
+            "candidates": 0,
+            "search": {"method": "not run: " + reason, **space.as_dict()},
+            "candidates_csv": CANDIDATES_CSV,
+            "seconds": time.perf_counter() - t0,
+        }
+        _write_outputs(Path(out_dir), summary, pd.DataFrame(columns=_CANDIDATE_COLUMNS))
+        return summary
     best, candidates = search(volumes, space, workers=workers, topo_method=topo_method)
     seconds = time.perf_counter() - t0
     default = next(c for c in candidates if c.settings == DEFAULT_SETTINGS)
     summary = {
+        "tuned": True,
+        "reason": None,
         "settings": best.settings.as_dict(),
         "label": best.settings.label(),
         "score": best.mean(),
@@ -344,13 +429,23 @@ def tune_postprocess(
         "gain_over_default": best.mean() - default.mean(),
         "topo_method": topo_method,
         "volumes": ids,
+        "foreground_voxels": foreground,
+        "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
         "candidates": len(candidates),
         "search": {"method": "coordinate search: " + ", ".join(STAGES), **space.as_dict()},
         "candidates_csv": CANDIDATES_CSV,
         "seconds": seconds,
     }
+    _write_outputs(Path(out_dir), summary, candidates_table(candidates, best))
+    return summary
+
+
+_CANDIDATE_COLUMNS = ["candidate", "stage", *PostprocessSettings().as_dict(), "label"]
+_CANDIDATE_COLUMNS += [*SCORE_TERMS, "chosen"]
+
+
+def _write_outputs(out_dir: Path, summary: dict[str, Any], table: pd.DataFrame) -> None:
     text = json.dumps(summary, indent=1)
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Both written to temporaries first, then renamed one after the other: a failure on the
     # way leaves the previous pair as it was, never a new table beside an old choice.
@@ -358,9 +453,26 @@ def tune_postprocess(
         atomic_path(out_dir / CANDIDATES_CSV) as csv_tmp,
         atomic_path(out_dir / TUNED_JSON) as json_tmp,
     ):
-        candidates_table(candidates, best).to_csv(csv_tmp, index=False)
+        table.to_csv(csv_tmp, index=False)
         json_tmp.write_text(text)
-    return summary
+
+
+def labelled_foreground(volumes: Sequence[Volume]) -> dict[str, int]:
+    """Surface voxels (label 1) of each volume's label, read with evaluate's checks."""
+    return {v.id: int(np.count_nonzero(read_label(v.label) == 1)) for v in volumes}
+
+
+def untunable_reason(foreground: dict[str, int]) -> str | None:
+    """Why a search on volumes with these foreground counts would fit noise, or None."""
+    total = sum(foreground.values())
+    if total == 0:
+        return f"no labelled foreground (label 1) in the {len(foreground)} val volume(s)"
+    if total < MIN_FOREGROUND_VOXELS:
+        return (
+            f"only {total} labelled foreground voxels (label 1) in the {len(foreground)} val "
+            f"volume(s), fewer than the {MIN_FOREGROUND_VOXELS} needed to tune on"
+        )
+    return None
 
 
 def volumes_from_paths(probabilities: Sequence[Path], labels: Sequence[Path]) -> list[Volume]:

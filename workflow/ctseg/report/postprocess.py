@@ -55,6 +55,17 @@ def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
 
 def _choice_block(tuned: Mapping[str, Any]) -> str:
     settings = tuned.get("settings") or {}
+    if tuned.get("tuned") is False:
+        # The search was not run (ctseg.tuning: no or too little labelled foreground in val).
+        setting_rows = [
+            [key, "none" if value is None else fmt(value)] for key, value in settings.items()
+        ]
+        return (
+            f"<p class='note'><b>Not tuned:</b> {esc(tuned.get('reason', 'n/a'))}. The masks of "
+            f"every predicted volume use the default settings "
+            f"(<b>{esc(tuned.get('label', 'n/a'))}</b>).</p>"
+            + table(["setting", "used"], setting_rows)
+        )
     search = tuned.get("search") or {}
     volumes = tuned.get("volumes") or []
     rows = [
