@@ -617,6 +617,12 @@ def main() -> None:
     )
     parser.add_argument("--monai-shape", default=None, help="MONAI comparison volume Z,Y,X")
     parser.add_argument(
+        "--monai-window",
+        default=None,
+        help="MONAI comparison window Z,Y,X (both must place their windows alike: "
+        "(size - window) a multiple of window / 2 on every axis)",
+    )
+    parser.add_argument(
         "--pointwise",
         action="store_true",
         help="MONAI comparison with a 1x1x1 conv: times the machinery around the forward",
@@ -640,6 +646,8 @@ def main() -> None:
     monai_window, monai_shape = MONAI_QUICK_GEOMETRY if args.quick else MONAI_GEOMETRY
     if args.monai_shape:
         monai_shape = tuple(int(v) for v in args.monai_shape.split(","))
+    if args.monai_window:
+        monai_window = tuple(int(v) for v in args.monai_window.split(","))
     if args.skip_monai and args.monai_only:
         raise SystemExit("bench/infer.py: --skip-monai and --monai-only exclude each other")
     if not args.skip_monai and not monai_installed():
