@@ -259,14 +259,14 @@ def test_comparison_table_is_the_files_numbers(rendered):
     assert exp["steps"] == "40" == str(len(steps))
     assert exp["val Dice (last epoch)"] == "0.655"
     assert exp["samples/s (mean)"] == fmt(steps["samples_per_s"].mean())  # 5.05
-    assert exp["phase"] == "1 (auto)"  # as `ctseg train` printed it
+    assert exp["phase"] == "1 (auto)" and exp["train device"] == "cuda:0"  # as printed
     # Job hours: 3600 + 1800 + 360 + 720 s. GPU-hours: train x 2 GPUs (world_size in its log)
     # + train_trial + infer; evaluate holds no GPU.
     assert exp["job hours"] == "1.80"
     assert exp["GPU-hours"] == fmt((2 * 3600 + 1800 + 360) / 3600)
     full = table["exp001_full"]
     assert full["steps"] == "60" and full["val Dice (last epoch)"] == "0.700"
-    assert full["phase"] == "not recorded"  # no train log
+    assert full["phase"] == full["train device"] == "not recorded"  # no train log
     assert full["GPU-hours"] == fmt((7200 + 180) / 3600)
     ens = table["ens1"]
     assert ens["steps"] == ens["phase"] == ens["val Dice (last epoch)"] == "no training"

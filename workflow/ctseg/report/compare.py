@@ -8,7 +8,7 @@ Each cell is read from the run's own files (named under the table, run by run):
 - the scored split and whether anything was fitted on those volumes (`provenance`);
 - val Dice: the last row of ``train/epochs.csv``; steps: the rows of ``train/steps.csv`` (one
   per optimizer step); samples/s: their mean;
-- phase: what ``ctseg train`` printed into its log (`runs.train_log_facts`);
+- phase and device: what ``ctseg train`` printed into its log (`runs.train_log_facts`);
 - job hours and GPU-hours: the run's Snakemake benchmark TSVs (`timings.run_hours`).
 """
 
@@ -131,6 +131,7 @@ def comparison_row(facts: RunFacts) -> list[str]:
         fmt(_last(facts.epochs, "val_dice"), 3) if trained else "no training",
         fmt(len(steps)) if steps is not None else ("n/a" if trained else "no training"),
         _phase(facts.log) if trained else "no training",
+        str(facts.log.get("device", "not recorded")) if trained else "no training",
         fmt(steps["samples_per_s"].mean()) if steps is not None else "n/a",
         _hours(facts.hours.job_s),
         _hours(facts.hours.gpu_s),
@@ -146,6 +147,7 @@ HEADER = [
     "val Dice (last epoch)",
     "steps",
     "phase",
+    "train device",
     "samples/s (mean)",
     "job hours",
     "GPU-hours",
@@ -199,10 +201,11 @@ def comparison_section(facts: Sequence[RunFacts]) -> str:
         "n volumes of the run's <code>evaluation/scores.csv</code> (one volume: the mean "
         "alone). <em>fitted on them</em>: whether training or tuning saw the scored volumes "
         "(see each run's provenance). <em>steps</em>: rows of <code>train/steps.csv</code>, "
-        "one per optimizer step; samples/s: their mean. <em>phase</em>: as "
-        "<code>ctseg train</code> printed it into its log. <em>job hours</em>: the wall "
-        "seconds of every job in the run's <code>benchmarks/</code> TSVs, summed (jobs that "
-        f"ran at once each count). <em>GPU-hours</em>: the same for the jobs of rules "
+        "one per optimizer step; samples/s: their mean. <em>phase</em>, <em>train "
+        "device</em>: as <code>ctseg train</code> printed them into its log. "
+        "<em>job hours</em>: the wall seconds of every job in the run's "
+        "<code>benchmarks/</code> TSVs, summed (jobs that ran at once each count)."
+        f" <em>GPU-hours</em>: the same for the jobs of rules "
         f"{esc(gpu_rules)} (those that request a GPU), times the job's GPUs: the train job's "
         "<code>world_size</code> from its log, one for every other job; on a machine without "
         "a GPU these jobs ran on the CPU. An ensemble's row counts its own jobs only.</p>"
