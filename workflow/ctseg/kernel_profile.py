@@ -187,6 +187,19 @@ def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
     return "the compiled kernels themselves: compare with an uncompiled phase's profile"
 
 
+def prepare(device_type: str) -> None:
+    """Start the profiler's CUDA tracing (CUPTI, Kineto) once, empty, before any CUDA graph is
+    captured: profiling graphs captured before the first profiler start raised or hung
+    (pytorch/pytorch#75504; this empty profile is the workaround given there). A trial calls it
+    before its first run; a failure here only means no profile."""
+    if device_type != "cuda":
+        return
+    with contextlib.suppress(Exception):
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities):
+            pass
+
+
 @contextlib.contextmanager
 def profiled_steps(
     skip: int, steps: int, device_type: str, settings: Mapping[str, Any] | None = None
@@ -217,7 +230,12 @@ def profiled_steps(
         except Exception as exc:  # noqa: BLE001 - see above
             result.setdefault("error", f"{type(exc).__name__}: {exc}")
 
-    prof.start()
+    try:
+        prof.start()
+    except Exception as exc:  # noqa: BLE001 - see above: the run goes on unprofiled
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        yield result
+        return
     handle = register_optimizer_step_post_hook(advance)
     try:
         yield result

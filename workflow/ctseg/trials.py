@@ -39,7 +39,7 @@ import torch
 from ctseg.diagnosis import THRESHOLDS, diagnose, feed_efficiency_band, step_stats
 from ctseg.flops import Efficiency
 from ctseg.io import CtsegError
-from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP, profiled_steps
+from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP, prepare, profiled_steps
 from ctseg.machine import available_cpus
 from ctseg.summaries import STEP_COLUMNS, SUMMARY_VERSION, TrialSummary, add_efficiency_columns
 from ctseg.train import Ranks, pick_device, train
@@ -132,11 +132,14 @@ def run_trial(
     # them (the runs are collective), rank 0 profiles.
     profiled = profile_steps(trial)
     extra = PROFILE_WARMUP + profiled if profiled else 0
+    device_type = pick_device(device).type
     watch = (
-        profiled_steps(summary.ceiling_steps, profiled, pick_device(device).type, phase)
+        profiled_steps(summary.ceiling_steps, profiled, device_type, phase)
         if profiled and ranks.main
         else contextlib.nullcontext({})
     )
+    if profiled and ranks.main:
+        prepare(device_type)
     try:
         real = train(exp, phase, out_dir=out_dir, max_steps=int(trial["steps"]), **common)
         with watch as profile:
