@@ -15,6 +15,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+import gpu_check  # noqa: E402
 import pipeline  # noqa: E402
 import quality  # noqa: E402
 
@@ -109,3 +110,62 @@ def test_gpu_check_cpu_smoke_runs_the_pipeline_end_to_end(tmp_path: Path) -> Non
     assert (tmp_path / "work/results/report.html").stat().st_size > 0
     for step in ("demo_data", "convert_image", "targets", "split", "stage", "train_trial"):
         assert step in record["step_seconds"]
+    # The trial's efficiency and kernel profile reach the record and the RESULT lines.
+    phase0 = record["phases"]["0"]
+    assert phase0["mfu"] > 0 and phase0["tflops"] > 0 and phase0["peak"]["source"] == "measured"
+    assert phase0["profile"]["largest"] in phase0["profile"]["fractions"]
+    lines = proc.stdout.splitlines()
+    for prefix in (
+        "RESULT gpu_check_phase phase=0 status=ok ",
+        "RESULT gpu_check_path path=pinned_unpack status=not_run ",
+        "RESULT gpu_check_phase7_vs_6 status=not_run ",
+        "RESULT gpu_check_infer status=skipped ",
+        "RESULT gpu_check_path path=ema status=",
+        "RESULT gpu_check_path path=fine_tune status=",
+    ):
+        assert any(line.startswith(prefix) for line in lines), prefix
+
+
+def _phase(status: str, sps: float | None, device: str = "cuda:0", pinned: bool = True) -> dict:
+    maths = {"batch_size": 4, "accumulate": 1, "precision": "bf16", "gpus": 1}
+    return {
+        "status": status,
+        "device": device,
+        "samples_per_s": sps,
+        "maths": maths,
+        "pinned_unpack": pinned,
+        "h2d_fraction": 0.01,
+        "mfu": None if sps is None else sps / 400,
+    }
+
+
+def test_gpu_only_path_lines_judge_the_trials_that_ran_them():
+    record = {
+        "phases": {5: _phase("ok", 24.0), 6: _phase("ok", 45.0), 7: _phase("ok", 56.0)},
+        "infer_compare": {"status": "ok", "ratio": 1.31},
+        "optional_paths": {"ema": {"status": "skipped", "reason": "none yet"}},
+    }
+    lines = gpu_check.path_lines(record)
+    assert lines[0].startswith("RESULT gpu_check_path path=pinned_unpack status=ok phases=5,6,7 ")
+    assert "RESULT gpu_check_phase7_vs_6 status=ok ratio=1.24 same_maths=yes" in lines
+    assert any(
+        line.startswith("RESULT gpu_check_infer status=ok ctseg_vs_monai=1.31 ") for line in lines
+    )
+    assert lines[-1] == 'RESULT gpu_check_path path=ema status=skipped reason="none yet"'
+    # A failed trial of a phase with the pinned path fails that path's line; on a CPU the path
+    # is the CPU one, which is not the GPU path this line is about.
+    record["phases"][6] = _phase("failed", None)
+    assert "path=pinned_unpack status=failed" in gpu_check.path_lines(record)[0]
+    record["phases"] = {5: _phase("ok", 2.0, device="cpu")}
+    assert "path=pinned_unpack status=cpu_path" in gpu_check.path_lines(record)[0]
+    assert "RESULT gpu_check_phase7_vs_6 status=not_run" in gpu_check.path_lines(record)[1]
+
+
+def test_trial_steps_by_phase():
+    exp = pipeline.load_experiment("exp001")
+    plain = gpu_check.trial_experiment(exp, {"compile": False}, None)["trial"]
+    compiled = gpu_check.trial_experiment(exp, {"compile": True}, None)["trial"]
+    assert plain["steps"] == gpu_check.TRIAL_STEPS < compiled["steps"]
+    assert compiled["warmup_steps"] == compiled["steps"] // 4
+    assert gpu_check.trial_experiment(exp, {"compile": True}, 7)["trial"]["steps"] == 7
+    assert exp["trial"]["steps"] != 7  # the experiment itself is left as it was
