@@ -203,6 +203,34 @@ def test_compute_bound_with_and_without_vram_headroom():
     assert "VRAM headroom 1.6x (peak 50.0 of 80.0 GB) ≤ 2x" in v.next_knob
 
 
+def test_compute_bound_says_how_far_from_the_peak_and_names_the_profile():
+    on = {"precision": "bf16", "channels_last": True, "compile": True}
+    peak = {"tflops": 989.4, "precision": "bf16", "source": "table", "detail": "H200 SXM"}
+    profile = {
+        "classes": {"conv backward": {"fraction": 0.41}, "idle": {"fraction": 0.1}},
+        "largest": "conv backward",
+        "next_knob": "the convolutions themselves",
+    }
+    s = measured(
+        wait=0.0, feed=0.99, band=0.01, settings=on, tflops=105.7, mfu=0.1068, peak=peak,
+        profile=profile,
+    )  # fmt: skip
+    v = diagnose(s)
+    assert v.label == "compute-bound"
+    assert (
+        "106 TFLOP/s = MFU 10.7% of the bf16 peak 989 TFLOP/s (table: H200 SXM), 9.4x below it"
+        in v.reason
+    )
+    assert v.reason.endswith(
+        "kernel profile: largest class conv backward (41% of the profiled step), its knob: "
+        "the convolutions themselves"
+    )
+    assert v.next_knob.endswith("; the profile's: the convolutions themselves")
+    # Without the figures (an older summary) the verdict says so rather than guessing.
+    old = diagnose(measured(wait=0.0, feed=0.99, band=0.01, settings=on))
+    assert "MFU not recorded" in old.reason and "kernel profile" not in old.reason
+
+
 def test_h2d_bound_and_host_contended():
     v = diagnose(measured(wait=0.08, h2d=0.22, feed=0.7, band=0.05))
     assert v.label == "h2d-bound"
