@@ -374,7 +374,7 @@ def test_one_run_is_a_one_row_comparison(tmp_path):
     )
     assert "Runs <b>ens1</b>" in page and 'id="ens1-timings"' in page
     assert "Slice overlays (--overlay ID IMAGE LABEL): no input given" in page
-    assert "Shared timings</h2>" in page
+    assert "Shared timings (jobs of no run: preprocessing)</h2>" in page
 
 
 def test_bad_runs_are_errors_naming_the_file(tmp_path):

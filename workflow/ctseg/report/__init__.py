@@ -152,7 +152,7 @@ def build_runs_report(
         comparison_section(facts),
         runs_overlay_section(overlays, [(r.name, r.predictions_dir) for r in loaded], src),
         *(_run_sections(run, src) for run in loaded),
-        timing_section(benchmarks_dir, src).replace("Stage timings</h2>", "Shared timings</h2>"),
+        timing_section(benchmarks_dir, src, "Shared timings (jobs of no run: preprocessing)"),
         sources_section(src),
     ]
     _write(out_html, page(title, "", sections, runs=names))

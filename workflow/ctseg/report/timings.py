@@ -46,8 +46,8 @@ def _timing_figure(totals: pd.Series) -> Figure:
     return fig
 
 
-def timing_section(benchmarks_dir: Path | None, src: Sources) -> str:
-    out = ['<h2 id="timings">Stage timings</h2>']
+def timing_section(benchmarks_dir: Path | None, src: Sources, title: str = "Stage timings") -> str:
+    out = [f'<h2 id="timings">{esc(title)}</h2>']
     if benchmarks_dir is None:
         return "\n".join([*out, missing("Stage timings")])
     benchmarks_dir = Path(benchmarks_dir)
