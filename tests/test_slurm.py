@@ -3,7 +3,8 @@
 Nothing inside Snakemake is mocked: `snakemake --workflow-profile workflow/profiles/slurm` runs
 as a user would run it on a login node, with fake SLURM commands (tests/fake_slurm/) first on
 PATH. The fake `sbatch` records its arguments and never runs the job; the fake `sacct` then
-reports every job as FAILED, so the run ends at the plugin's first status check.
+reports every job as FAILED, so the run ends at the plugin's first status check, or, for
+`train`, after the resubmissions the profile allows it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
 PROFILE = "workflow/profiles/slurm"
 EXPERIMENT = "exp001"
 TRAIN_PHASE = 3  # 4 loader workers: threads and memory differ from the trial's phase
+TRAIN_RETRIES = 1  # the profile's preemptible-retries (10), lowered for speed: each costs a minute
 
 
 def sbatch_options(argv: list[str]) -> dict[str, str | bool]:
@@ -74,6 +76,8 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
     profile = yaml.safe_load((REPO / PROFILE / "config.yaml").read_text())
     # Else the jobs would run here, for real.
     assert profile["executor"] == "slurm"
+    # Training, and nothing else, is resubmitted until it finishes, a stated number of times.
+    assert profile["preemptible-rules"] == ["train_model"] and profile["preemptible-retries"] >= 5
     defaults = profile["default-resources"]
     per_rule = profile["set-resources"]
     phases = yaml.safe_load((workdir / "config" / "phases.yaml").read_text())["phases"]
@@ -99,11 +103,16 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
             "--workflow-profile",
             PROFILE,
             # Test speed only: the first status query 2 s after submission (40 s by default),
-            # and no resubmission of the jobs the fake reports as FAILED.
+            # no resubmission of the other jobs the fake reports as FAILED, and fewer of train.
             "--slurm-init-seconds-before-status-checks",
             "2",
             "--retries",
             "0",
+            "--preemptible-retries",
+            str(TRAIN_RETRIES),
+            # The fake fails every job: without this, the other jobs' failures would end the
+            # run before train's resubmissions are used up.
+            "--keep-going",
             *targets,
         ],
         cwd=workdir,
@@ -126,19 +135,25 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
     status_queries = [c for c in calls if c["cmd"] in ("sacct", "squeue") and "--name" in c["argv"]]
     assert status_queries, "the plugin never asked for the jobs' state"
     submitted = {}
+    submissions: dict[str, int] = {}
     for call in calls:
         if call["cmd"] == "sbatch":
             options = sbatch_options(call["argv"])
             submitted[options["--comment"]] = (options, call["script"])
-    train_key = "rule_train"
-    trial_key = f"rule_train_trial_wildcards_{trial_phase}"
+            submissions[options["--comment"]] = submissions.get(options["--comment"], 0) + 1
+    # The job of rule train_model (`train` only collects the trained runs).
+    train_key = f"rule_train_model_wildcards_{EXPERIMENT}"
+    trial_key = f"rule_train_trial_wildcards_{EXPERIMENT}_{trial_phase}"
     convert_key = f"rule_convert_image_wildcards_{test_id}"
     # Exactly the three target jobs: what ran locally is not resubmitted.
     assert set(submitted) == {train_key, trial_key, convert_key}, output
+    # A failed train job (here every attempt; on a cluster one that stopped itself ahead of
+    # its time limit) is resubmitted TRAIN_RETRIES times; the others, under --retries 0, never.
+    assert submissions == {train_key: 1 + TRAIN_RETRIES, trial_key: 1, convert_key: 1}, output
 
     account = str(defaults["slurm_account"])
     for key, rule, phase in (
-        (train_key, "train", TRAIN_PHASE),
+        (train_key, "train_model", TRAIN_PHASE),
         (trial_key, "train_trial", trial_phase),
     ):
         options, script = submitted[key]
@@ -155,6 +170,12 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
         # The job script runs this very job, through the jobstep executor on the node.
         assert f"--target-jobs '{rule}:" in script, script
         assert "--executor slurm-jobstep" in script, script
+    # Only training asks for the early signal: SIGTERM ahead of its time limit, as the profile
+    # says (the job then checkpoints and stops; see docs/cluster.md).
+    signal_option = per_rule["train_model"]["slurm_extra"].split("=", 1)
+    assert signal_option[0] == "--signal" and signal_option[1].startswith("TERM@")
+    assert submitted[train_key][0]["--signal"] == signal_option[1]
+    assert "--signal" not in submitted[trial_key][0] and "--signal" not in submitted[convert_key][0]
 
     options, script = submitted[convert_key]
     assert not {"--gpus", "--gres", "--gpus-per-task", "--gpus-per-node"} & set(options), options
