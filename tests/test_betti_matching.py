@@ -172,3 +172,19 @@ def test_topo_counts_methods_differ_only_in_m():
     assert (used, used_bound) == ("betti_matching", "betti_counts")
     assert (exact[:, 1:] == bound[:, 1:]).all()
     assert (exact[:, 0] <= bound[:, 0]).all() and (exact[:, 0] < bound[:, 0]).any()
+
+
+def test_skipped_dimensions_leave_the_others_unchanged():
+    """A dimension with nothing to match on one side can be skipped (m_k <= min(p_k, g_k) = 0)
+    without changing the other dimensions' counts: dimension 1 still gets its clearing."""
+    for seed in (9, 11, 13, 14):
+        pred, gt = _reference_case(seed)
+        full = REFERENCE[seed]
+        for dims in ((True, True, False), (False, True, False), (True, False, False)):
+            expected = tuple(m if keep else 0 for m, keep in zip(full, dims, strict=True))
+            assert matched_counts(pred, gt, dims) == expected, (seed, dims)
+    # topo_counts skips only dimensions where p_k or g_k is 0: the same counts as every one.
+    for pred, gt in _random_pairs():
+        exact, _ = topo_counts(pred, gt, every_dim=True)
+        fast, _ = topo_counts(pred, gt, threads=2)
+        np.testing.assert_array_equal(fast, exact)

@@ -404,3 +404,112 @@ def test_parallel_evaluation_equals_serial(tmp_path):
     assert csv.decode().splitlines()[1].startswith("vol0,")  # input order is kept
     with pytest.raises(CtsegError, match="workers"):
         evaluate_pairs(predictions, labels, tmp_path / "bad", workers=0)
+
+
+# --- the fast path against the previous one -----------------------------------------------------
+
+
+def _noisy_pair(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs with features in every dimension: the feature-rich volume shifted and speckled, or
+    dense random masks (many loops and cavities), part of each label ignored."""
+    rng = np.random.default_rng(seed)
+    if seed == 0:
+        gt = _feature_rich_volume().astype(np.uint8)
+        pred = np.roll(gt, 1, axis=2) ^ (rng.random(gt.shape) < 0.01)
+    else:
+        gt = (rng.random((22, 24, 26)) < 0.6).astype(np.uint8)
+        pred = gt ^ (rng.random(gt.shape) < 0.1)
+    gt[:, :, -5:] = np.where(gt[:, :, -5:] == 1, 1, 2)
+    return pred.astype(np.uint8), gt
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fast_score_equals_the_reference_path(seed):
+    """Every value of the score equals the previous implementation's (surface-distance and the
+    Betti matching run in every dimension of every tile, one tile at a time)."""
+    pred, gt = _noisy_pair(seed)
+    fast = score_volume(pred, gt, threads=2)
+    reference = score_volume(pred, gt, implementation="reference")
+    assert fast.keys() == reference.keys()
+    for key, value in reference.items():
+        if isinstance(value, float) and math.isnan(value):
+            assert math.isnan(fast[key]), key
+        elif isinstance(value, float):
+            assert fast[key] == pytest.approx(value, abs=1e-12), key
+        else:
+            assert fast[key] == value, key
+    assert 0 < fast["score"] < 1 and fast["topo_m0"] > 0 and fast["topo_m1"] > 0
+
+
+def test_label_side_and_tile_cache_give_the_same_counts():
+    pred, gt = _noisy_pair(2)
+    p, g = metrics.prepare_masks(pred, gt)
+    expected, _ = topo_counts(p, g, every_dim=True)
+    side = metrics.LabelSide.of(gt)
+    cache: dict = {}
+    for _ in range(2):  # the second time every tile comes from the cache
+        counts, _ = topo_counts(p, g, label_tiles=side.tiles, threads=2, tile_cache=cache)
+        np.testing.assert_array_equal(counts, expected)
+    assert len(cache) == 8
+
+
+# --- raw TIFFs: values that are not a label or a mask ---------------------------------------------
+
+
+def test_label_with_a_value_3_is_an_error_naming_the_file(tmp_path):
+    gt = _sheet()
+    bad = gt.copy()
+    bad[0, 0, :3] = [3, 7, 3]
+    tifffile.imwrite(tmp_path / "gt.tif", bad)
+    tifffile.imwrite(tmp_path / "pred.tif", gt)
+    with pytest.raises(CtsegError, match=r"gt\.tif: label values outside 0/1/2: \[3, 7\]") as e:
+        score_files(tmp_path / "pred.tif", tmp_path / "gt.tif")
+    assert "\n" not in str(e.value)
+    with pytest.raises(CtsegError, match=r"gt\.tif.*\[3, 7\]"):
+        evaluate_pairs([tmp_path / "pred.tif"], [tmp_path / "gt.tif"], tmp_path / "eval")
+    assert not (tmp_path / "eval" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "values, ok", [((0, 1), True), ((0, 255), True), ((0, 2), False), ((0, 1, 255), False)]
+)
+def test_prediction_values_other_than_a_mask_are_an_error(tmp_path, values, ok):
+    gt = _sheet()
+    pred = np.where(gt == 1, values[1], values[0]).astype(np.uint8)
+    if len(values) > 2:
+        pred[0, 0, 0] = values[2]
+    tifffile.imwrite(tmp_path / "gt.tif", gt)
+    tifffile.imwrite(tmp_path / "pred.tif", pred)
+    if ok:  # 0/255 is the same mask as 0/1
+        assert score_files(tmp_path / "pred.tif", tmp_path / "gt.tif")["score"] == 1.0
+    else:
+        with pytest.raises(CtsegError, match=r"pred\.tif: prediction values .* not a binary"):
+            score_files(tmp_path / "pred.tif", tmp_path / "gt.tif")
+
+
+def test_probabilities_as_a_prediction_are_an_error(tmp_path):
+    gt = _sheet()
+    tifffile.imwrite(tmp_path / "gt.tif", gt)
+    tifffile.imwrite(tmp_path / "probs.tif", gt.astype(np.float32) * 0.3)
+    with pytest.raises(CtsegError, match=r"probs\.tif: prediction values \[0\.3\]"):
+        score_files(tmp_path / "probs.tif", tmp_path / "gt.tif")
+
+
+def test_evaluate_records_provenance(tmp_path, capsys):
+    from ctseg import cli
+
+    gt = _sheet()
+    tifffile.imwrite(tmp_path / "gt.tif", gt)
+    tifffile.imwrite(tmp_path / "vol.tif", gt)
+    argv = ["evaluate", "--predictions", str(tmp_path / "vol.tif"), "--labels"]
+    argv += [str(tmp_path / "gt.tif"), "--out", str(tmp_path / "eval")]
+    argv += ["--provenance", "scored_split=test", "--provenance", "tuned_on=val=a"]
+    assert cli.main(argv) == 0
+    import json
+
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["provenance"] == {"scored_split": "test", "tuned_on": "val=a"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # argparse's usage error
+        cli.main([*argv[:-1], "nonsense"])
+    assert "KEY=VALUE" in capsys.readouterr().err

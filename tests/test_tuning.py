@@ -272,3 +272,66 @@ def test_workflow_tunes_on_val_and_applies_it_to_test_volumes(tmp_path: Path):
         "candidates.csv",
         "tuned.json",
     ]
+
+
+# ----------------------------------------------------------------------------- no foreground
+@pytest.mark.parametrize("foreground", [0, 40])
+def test_val_split_without_enough_foreground_keeps_the_defaults(tmp_path: Path, foreground):
+    """Issue 19: with no (or too little) labelled surface the search would fit noise; it is not
+    run, and tuned.json, the log and the report say why."""
+    from ctseg.report import postprocess as report_postprocess
+    from ctseg.report.markup import Sources
+
+    volumes = []
+    for name, seed in (("a", 0), ("b", 1)):
+        volume = surface_case(tmp_path, name, seed)
+        label = tifffile.imread(volume.label)
+        label[label == 1] = 0
+        if name == "a":
+            label[10, 10, 10 : 10 + foreground] = 1
+        tifffile.imwrite(volume.label, label)
+        volumes.append(volume)
+    summary = tuning.tune_postprocess(volumes, tmp_path / "out")
+    assert summary["tuned"] is False and summary["candidates"] == 0
+    assert summary["settings"] == tuning.DEFAULT_SETTINGS.as_dict()
+    assert str(tuning.MIN_FOREGROUND_VOXELS) in summary["reason"] or foreground == 0
+    assert ("no labelled foreground" in summary["reason"]) == (foreground == 0)
+    on_disk = json.loads((tmp_path / "out" / "tuned.json").read_text())
+    assert on_disk["reason"] == summary["reason"]
+    assert tuning.load_tuned(tmp_path / "out" / "tuned.json") == tuning.DEFAULT_SETTINGS
+    assert pd.read_csv(tmp_path / "out" / "candidates.csv").empty
+
+    page = report_postprocess.postprocess_section(tmp_path / "out", Sources(tmp_path))
+    assert "Not tuned" in page and html.escape(summary["reason"]) in page
+
+
+def test_cli_logs_why_it_did_not_tune(tmp_path: Path, capsys):
+    volume = surface_case(tmp_path, "a", 0)
+    label = tifffile.imread(volume.label)
+    tifffile.imwrite(volume.label, np.where(label == 1, 0, label))
+    argv = ["tune-postprocess", "--probabilities", str(volume.probabilities)]
+    assert cli.main([*argv, "--labels", str(volume.label), "--out", str(tmp_path / "o")]) == 0
+    assert "not tuned, default settings kept: no labelled foreground" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- same choice
+def test_search_chooses_as_the_previous_scorer(tmp_path: Path):
+    """Tuning reuses the label's side and shares tiles and masks between candidates; every
+    candidate still scores exactly what the previous path (score_volume's reference
+    implementation, a fresh score per candidate) gives, so the same candidate is chosen."""
+    volumes = [surface_case(tmp_path, "a", 4), surface_case(tmp_path, "b", 5)]
+    space = tuning.SearchSpace(thresholds=(0.3, 0.4, 0.5), hysteresis_offsets=(0.1,))
+    best, candidates = tuning.search(volumes, space)
+    reference = {}
+    for c in candidates:
+        scores = []
+        for volume in volumes:
+            probs = zarr.open_array(str(volume.probabilities), mode="r")[:]
+            mask, _ = binary_mask(probs, c.settings)
+            label = tifffile.imread(volume.label)
+            ref = score_volume(mask, label, implementation="reference")
+            assert c.scores[volume.id]["score"] == pytest.approx(ref["score"], abs=1e-12)
+            scores.append(ref["score"])
+        reference[c.settings] = float(np.mean(scores))
+    assert best.settings.label() == "t>0.3 min 16"
+    assert reference[best.settings] == max(reference.values())
