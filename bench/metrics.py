@@ -1,24 +1,32 @@
-"""Evaluation speed: exact TopoScore (Betti matching) at 128^3 and 320^3, and `evaluate`'s
-speedup from scoring volumes in parallel.
+"""Scoring speed: the competition score of one volume, and the post-processing search, at 128^3
+and 320^3, against the previous implementation measured in the same run.
 
 The data are the demo generator's volumes: its label, and as the prediction a thresholded,
-smoothed copy of its noisy image (fragments, speckle and holes, like a weak model's output).
+smoothed copy of its noisy image (fragments, speckle and holes, like a weak model's output);
+the search tunes on that smoothed image scaled to [0, 1] as probabilities.
 
-1. TopoScore: `topo_counts` with the exact method and with the count bound (the baseline,
-   min(p_k, g_k)) on one pair per size, in this process after a warm-up that compiles numba's
-   kernels (they are cached on disk after the first run anyway).
-2. evaluate: `evaluate_pairs` on the same TIFF pairs with 1 worker and with --workers (default:
-   every core), in the same run; the outputs must be identical.
+Per size:
+1. `score_volume` (every core given, `--threads`) and its SurfaceDice alone, after a warm-up
+   that loads numba's kernels;
+2. the previous implementation, `score_volume(implementation="reference")`: SurfaceDice
+   through surface-distance (scipy's EDT) and the Betti matching of every dimension of every
+   tile, one after another; and surface-distance's SurfaceDice alone;
+3. the agreement of every term with that oracle (largest absolute difference, and whether the
+   Betti counts are identical);
+4. `tune_s_per_volume`: the default 20-candidate search (`ctseg.tuning.SearchSpace()`) on the
+   one volume, and its ratio to one score.
 
-Run: python bench/metrics.py [--sizes 128 320] [--volumes 4] [--eval-size 192] [--workers N]
+Run: python bench/metrics.py [--sizes 128 320] [--threads N] [--no-tune]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -28,101 +36,116 @@ import tifffile
 from scipy import ndimage
 
 from ctseg.demo_data import synthesize_volume
-from ctseg.metrics import evaluate_pairs, prepare_masks, topo_counts, topo_score_from_counts
+from ctseg.machine import available_cpus
+from ctseg.metrics import prepare_masks, score_volume, surface_dice, surface_dice_reference
+from ctseg.store import create_volume
+from ctseg.tuning import SearchSpace, Volume, search
+
+TERMS = ("score", "surface_dice", "voi_score", "topo_score", "dice", "cldice")
+COUNTS = tuple(f"topo_{c}{k}" for k in range(3) for c in "mpg")
 
 
-def make_pair(size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(prediction uint8 0/1, label uint8 0/1/2) of shape size^3."""
+def make_pair(size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prediction uint8 0/1, label uint8 0/1/2, probabilities float32) of shape size^3."""
     volume = synthesize_volume((size, size, size), np.random.default_rng(seed))
     smooth = ndimage.gaussian_filter(volume.image.astype(np.float32), 1.0)
-    return (smooth > 125).astype(np.uint8), volume.label
+    probs = np.clip((smooth - 60.0) / 130.0, 0.0, 1.0)  # 125 (the mask's cut) maps to 0.5
+    return (smooth > 125).astype(np.uint8), volume.label, probs
 
 
-def time_topo(size: int) -> dict:
-    pred, label = make_pair(size, seed=size)
-    pred_bin, gt_bin = prepare_masks(pred, label)
-    row: dict = {"size": size}
-    for method in ("betti_counts", "betti_matching"):
-        start = time.perf_counter()
-        counts, _ = topo_counts(pred_bin, gt_bin, method)
-        row[f"{method}_s"] = time.perf_counter() - start
-        row[f"{method}_topo"] = topo_score_from_counts(counts)[0]
-        row[f"{method}_m"] = counts[:, 0].tolist()
-    row["p"], row["g"] = counts[:, 1].tolist(), counts[:, 2].tolist()
-    return row
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
 
 
-def time_evaluate(workdir: Path, volumes: int, size: int, workers: int) -> dict:
-    predictions, labels = [], []
-    for i in range(volumes):
-        pred, label = make_pair(size, seed=1000 + i)
-        predictions.append(workdir / f"vol{i}.tif")
-        labels.append(workdir / f"label{i}.tif")
-        tifffile.imwrite(predictions[-1], pred)
-        tifffile.imwrite(labels[-1], label)
-    seconds, outputs = {}, {}
-    for n in (1, workers):
-        out = workdir / f"eval_{n}"
-        start = time.perf_counter()
-        evaluate_pairs(predictions, labels, out, workers=n)
-        seconds[n] = time.perf_counter() - start
-        outputs[n] = (out / "scores.csv").read_bytes(), (out / "summary.json").read_bytes()
-    return {
-        "serial_s": seconds[1],
-        "parallel_s": seconds[workers],
-        "speedup": seconds[1] / seconds[workers],
-        "identical": outputs[1] == outputs[workers],
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def bench_size(size: int, threads: int, tune: bool, workdir: Path) -> dict:
+    pred, label, probs = make_pair(size, seed=size)
+    p, g = prepare_masks(pred, label)
+    row: dict = {}
+    fast, row["score_s"] = timed(score_volume, pred, label, threads=threads)
+    row["rss_fast_gb"] = peak_rss_gb()
+    _, row["sd_s"] = timed(surface_dice, p, g, threads=threads)
+    if tune:
+        store = workdir / f"v{size}.zarr"
+        create_volume(store, probs.shape, np.float16, (64, 64, 64))[...] = probs.astype(np.float16)
+        tifffile.imwrite(workdir / f"v{size}.tif", label)
+        (best, candidates), row["tune_s"] = timed(
+            search,
+            [Volume(f"v{size}", store, workdir / f"v{size}.tif")],
+            SearchSpace(),
+            workers=threads,
+        )
+        row["tune_candidates"] = len(candidates)
+        row["tune_choice"] = best.settings.label()
+    _, row["sd_reference_s"] = timed(surface_dice_reference, p, g)
+    reference, row["reference_s"] = timed(score_volume, pred, label, implementation="reference")
+    row["agreement"] = {
+        term: abs(fast[term] - reference[term])
+        if not (math.isnan(fast[term]) and math.isnan(reference[term]))
+        else 0.0
+        for term in TERMS
     }
+    row["counts_identical"] = all(fast[c] == reference[c] for c in COUNTS)
+    row["counts"] = {c: fast[c] for c in COUNTS}
+    row["values"] = {term: fast[term] for term in TERMS}
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 320])
-    parser.add_argument("--volumes", type=int, default=4, help="volumes for the evaluate part")
-    parser.add_argument("--eval-size", type=int, default=192)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=available_cpus(), help="cores to use")
+    parser.add_argument("--no-tune", action="store_true", help="skip the search")
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print("load average at start: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
-
-    # Warm-up: load (or on a first run compile) the numba kernels outside the timings.
-    warm_pred, warm_gt = make_pair(16, seed=0)
-    topo_counts(*prepare_masks(warm_pred, warm_gt), "betti_matching")
-
-    result: dict = {}
-    print("TopoScore per volume (8 octant tiles), exact Betti matching vs the count bound:")
-    for size in args.sizes:
-        row = time_topo(size)
-        print(
-            f"  {size}^3: exact {row['betti_matching_s']:.2f} s,"
-            f" bound {row['betti_counts_s']:.2f} s"
-            f" (x{row['betti_matching_s'] / row['betti_counts_s']:.1f});"
-            f" TopoScore exact {row['betti_matching_topo']:.4f}, bound "
-            f"{row['betti_counts_topo']:.4f}; m exact {row['betti_matching_m']}, "
-            f"bound {row['betti_counts_m']}, p {row['p']}, g {row['g']}",
-            flush=True,
-        )
-        result[f"topo_exact_s_{size}"] = round(row["betti_matching_s"], 2)
-        result[f"topo_bound_s_{size}"] = round(row["betti_counts_s"], 2)
-        result[f"topo_overstated_{size}"] = round(
-            row["betti_counts_topo"] - row["betti_matching_topo"], 4
-        )
-
-    with tempfile.TemporaryDirectory(prefix="bench_metrics_") as tmp:
-        ev = time_evaluate(Path(tmp), args.volumes, args.eval_size, args.workers)
     print(
-        f"evaluate, {args.volumes} volumes of {args.eval_size}^3: 1 worker {ev['serial_s']:.1f} s,"
-        f" {args.workers} workers {ev['parallel_s']:.1f} s, speedup x{ev['speedup']:.2f},"
-        f" outputs identical: {ev['identical']}"
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{args.threads} used"
     )
-    if not ev["identical"]:
-        raise SystemExit("parallel evaluation differs from the serial one")
-    result.update(
-        evaluate_workers=args.workers,
-        evaluate_serial_s=round(ev["serial_s"], 1),
-        evaluate_parallel_s=round(ev["parallel_s"], 1),
-        evaluate_speedup=round(ev["speedup"], 2),
-    )
+    print("load average at start: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()), flush=True)
+
+    warm_pred, warm_label, _ = make_pair(24, seed=0)  # numba's kernels, loaded from its cache
+    score_volume(warm_pred, warm_label, threads=args.threads)
+
+    result: dict = {"threads": args.threads}
+    with tempfile.TemporaryDirectory(prefix="bench_metrics_") as tmp:
+        for size in args.sizes:
+            row = bench_size(size, args.threads, not args.no_tune, Path(tmp))
+            worst = max(row["agreement"].values())
+            print(
+                f"{size}^3: score {row['score_s']:.2f} s (previous {row['reference_s']:.1f} s, "
+                f"x{row['reference_s'] / row['score_s']:.1f}); SurfaceDice {row['sd_s']:.2f} s "
+                f"(surface-distance {row['sd_reference_s']:.1f} s, "
+                f"x{row['sd_reference_s'] / row['sd_s']:.1f}); peak RSS {row['rss_fast_gb']:.2f} "
+                f"GB; largest difference from the oracle {worst:.1e} "
+                f"({json.dumps(row['agreement'])}), Betti counts identical: "
+                f"{row['counts_identical']}; values {json.dumps(row['values'])}; "
+                f"counts {json.dumps(row['counts'])}",
+                flush=True,
+            )
+            result[f"score_s_{size}"] = round(row["score_s"], 2)
+            result[f"reference_score_s_{size}"] = round(row["reference_s"], 1)
+            result[f"score_speedup_{size}"] = round(row["reference_s"] / row["score_s"], 1)
+            result[f"sd_s_{size}"] = round(row["sd_s"], 2)
+            result[f"sd_speedup_{size}"] = round(row["sd_reference_s"] / row["sd_s"], 1)
+            result[f"max_term_diff_{size}"] = float(f"{worst:.1e}")
+            result[f"counts_identical_{size}"] = row["counts_identical"]
+            if "tune_s" in row:
+                print(
+                    f"{size}^3: default search {row['tune_s']:.1f} s per volume, "
+                    f"{row['tune_candidates']} candidates, x{row['tune_s'] / row['score_s']:.1f} "
+                    f"one score; chose {row['tune_choice']}",
+                    flush=True,
+                )
+                result[f"tune_s_per_volume_{size}"] = round(row["tune_s"], 1)
+                result[f"tune_over_score_{size}"] = round(row["tune_s"] / row["score_s"], 1)
+            if row["agreement"]["score"] > 1e-12 or not row["counts_identical"]:
+                raise SystemExit(f"{size}^3: the fast score differs from the reference")
+    result["peak_rss_gb"] = round(peak_rss_gb(), 2)
     print("load average at end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(json.dumps(result))
     print("RESULT metrics " + " ".join(f"{k}={v}" for k, v in result.items()))
