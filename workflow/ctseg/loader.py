@@ -100,8 +100,11 @@ class PackedLoader(DataLoader):
         try:
             for batch in batches:
                 if returns is not None and isinstance(batch, PackedBatch) and batch.slot:
-                    rows = returns.claim(batch.rows, batch.slot, batch.in_slot)
-                    batch = PackedBatch(rows, batch.layout)
+                    # No local name for the rows: one would keep this batch's slot busy
+                    # through the next claim, and every worker would need one slot more.
+                    batch = PackedBatch(
+                        returns.claim(batch.rows, batch.slot, batch.in_slot), batch.layout
+                    )
                 yield batch
         finally:
             if not self.persistent_workers and self.slot_returns is returns:
