@@ -485,3 +485,21 @@ def test_fitted_is_yes_only_on_evidence_and_no_only_when_checked():
     # A fact beats a recorded "no": tuning saw a scored volume.
     recorded = {"scored_on": "val", "fitted_on_scored": "no"}
     assert Provenance(scored=scored, recorded=recorded, tuned=["a"]).fitted()[0] == "yes"
+
+
+def test_the_loss_plot_has_each_trained_runs_curves(tmp_path):
+    """One line per trained run in each panel, its points the run's own steps.csv/epochs.csv."""
+    from ctseg.report.compare import _loss_figure, read_run
+    from ctseg.report.markup import Sources
+    from ctseg.report.runs import run_from_dir
+
+    results = make_runs(tmp_path)["results"]
+    src = Sources(tmp_path)
+    facts = [read_run(run_from_dir(results / r), src) for r in ("exp001", "exp001_full", "ens1")]
+    train, val, dice = _loss_figure(facts).axes
+    assert [line.get_label() for line in train.get_lines()] == ["exp001", "exp001_full"]
+    steps = pd.read_csv(results / "exp001_full/train/steps.csv")
+    assert list(train.get_lines()[1].get_xdata()) == list(steps["step"])
+    epochs = pd.read_csv(results / "exp001/train/epochs.csv")
+    assert list(dice.get_lines()[0].get_ydata()) == list(epochs["val_dice"])
+    assert [line.get_label() for line in val.get_lines()] == ["exp001", "exp001_full"]

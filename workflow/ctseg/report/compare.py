@@ -154,6 +154,9 @@ HEADER = [
 ]
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def _loss_figure(facts: Sequence[RunFacts]) -> Figure | None:
     trained = [f for f in facts if f.steps is not None]
     if not trained:
@@ -163,14 +166,16 @@ def _loss_figure(facts: Sequence[RunFacts]) -> Figure | None:
     panels = 1 + int(has_val) + int(has_dice)
     fig = Figure(figsize=(4.6 * panels, 3.4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, panels))
-    colours = [f"C{i % 10}" for i in range(len(facts))]
-    for colour, item in zip(colours, facts, strict=True):
+    # Colour and line style per run: runs that share their first steps (an experiment and one
+    # extending it, same seed) draw the same curve, and a dashed one stays visible on top.
+    styles = [(f"C{i % 10}", LINE_STYLES[i % len(LINE_STYLES)]) for i in range(len(facts))]
+    for (colour, style), item in zip(styles, facts, strict=True):
         if item.steps is None:
             continue
         steps = item.steps
         window = max(1, len(steps) // 50)
         smooth = steps["loss"].rolling(window, min_periods=1).mean()
-        axes[0].plot(steps["step"], smooth, color=colour, lw=1.3, label=item.run.name)
+        axes[0].plot(steps["step"], smooth, color=colour, ls=style, lw=1.3, label=item.run.name)
         epochs = item.epochs
         panel = 1
         for column, shown in (("val_loss", has_val), ("val_dice", has_dice)):
@@ -178,7 +183,12 @@ def _loss_figure(facts: Sequence[RunFacts]) -> Figure | None:
                 continue
             if epochs is not None and column in epochs and epochs[column].notna().any():
                 axes[panel].plot(
-                    epochs["step"], epochs[column], "o-", color=colour, label=item.run.name
+                    epochs["step"],
+                    epochs[column],
+                    marker="o",
+                    color=colour,
+                    ls=style,
+                    label=item.run.name,
                 )
             panel += 1
     axes[0].set(title="training loss (smoothed)", xlabel="optimizer step")
