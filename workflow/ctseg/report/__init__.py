@@ -113,7 +113,8 @@ def _run_sections(run: Run, src: Sources) -> str:
         parts.append(
             f"<p class='note'>No <code>phases/</code> or <code>train/</code> in "
             f"<code>{esc(src.rel(run.directory))}</code>: this run trained nothing of its own "
-            "(an ensemble of other runs), so it has no phase trials or loss curves.</p>"
+            "(an ensemble of other runs, or a cross-validation's out-of-fold collection of its "
+            "folds' predictions), so it has no phase trials or loss curves.</p>"
         )
     parts += [
         evaluation_section(run.evaluation_dir, src),
