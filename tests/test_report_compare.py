@@ -503,3 +503,17 @@ def test_the_loss_plot_has_each_trained_runs_curves(tmp_path):
     epochs = pd.read_csv(results / "exp001/train/epochs.csv")
     assert list(dice.get_lines()[0].get_ydata()) == list(epochs["val_dice"])
     assert [line.get_label() for line in val.get_lines()] == ["exp001", "exp001_full"]
+
+
+def test_a_run_without_results_says_what_is_missing(tmp_path):
+    (tmp_path / "results" / "bare").mkdir(parents=True)
+    out = tmp_path / "bare.html"
+    build_runs_report(out, [tmp_path / "results" / "bare"], root=tmp_path)
+    page = out.read_text()
+    row = comparison(page)["bare"]
+    assert row["n volumes"] == row["score (mean ± std)"] == row["job hours"] == "n/a"
+    assert row["fitted on them"] == "not recorded"
+    assert "Scored volumes: not found (<code>results/bare/evaluation/scores.csv</code>)" in page
+    assert "Evaluation means: not found (<code>results/bare/evaluation/summary.json" in page
+    assert "Loss curves (train/steps.csv of any run): no input given" in page
+    assert "<img" not in page

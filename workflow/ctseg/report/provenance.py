@@ -44,6 +44,7 @@ class Provenance:
     tuned_note: str = ""
     train_ids: list[str] | None = None
     files: list[str] = field(default_factory=list)
+    scores_path: str | None = None  # where scores.csv was looked for (None: no evaluation dir)
 
     @property
     def split(self) -> Any:
@@ -104,6 +105,7 @@ def read_provenance(run: Run, src: Sources) -> Provenance:
     out = Provenance()
     if run.evaluation_dir is not None:
         scores = run.evaluation_dir / "scores.csv"
+        out.scores_path = src.rel(scores)
         if scores.exists():
             out.scored = _ids(scores)
             out.files.append(src.use(scores))
@@ -144,7 +146,8 @@ def provenance_block(facts: Provenance) -> str:
     """A run's provenance: the scored volumes, the recorded mapping and the verdict."""
     out = ['<h2 id="provenance">Where the score comes from</h2>']
     if facts.scored is None:
-        out.append(missing("Scored volumes (evaluation/scores.csv)"))
+        where = [facts.scores_path] if facts.scores_path else []
+        out.append(missing("Scored volumes", where))
     else:
         out.append(
             f"<p>Scored on <b>{len(facts.scored)}</b> volume(s) of split "
