@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader
-from torch.utils.data._utils import fetch
 
 from ctseg.io import CtsegError
 
@@ -38,6 +37,10 @@ USE_COUNT = "torch._C._storage_Use_Count"
 
 
 def _fetcher_calls_getitems() -> bool:
+    try:  # a private module too: its absence is a missing API, not an import error here
+        from torch.utils.data._utils import fetch
+    except ImportError:
+        return False
     fetcher = getattr(fetch, "_MapDatasetFetcher", None)
     code = getattr(getattr(fetcher, "fetch", None), "__code__", None)
     return code is not None and "__getitems__" in code.co_names + code.co_consts
