@@ -4,6 +4,7 @@ residual encoder (blocks per stage, one-conv decoder) and the model summary."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -412,3 +413,17 @@ def test_model_summary_lists_every_level_and_the_total():
     assert "FLOPs" in text.splitlines()[-1]
     with pytest.raises(CtsegError, match="batch"):
         model_summary(RESENC, (8, 8, 8), batch=0)
+
+
+def test_ctseg_model_summary_prints_an_experiments_model(capsys, tmp_path):
+    from ctseg import cli
+
+    shipped = str(Path(__file__).resolve().parents[1] / "config/experiments/exp001.yaml")
+    assert cli.main(["model-summary", shipped, "--batch", "2", "--patch", "16,24,24"]) == 0
+    out = capsys.readouterr().out
+    assert "patch 16x24x24 (computed at 16x24x24), batch 2" in out
+    assert out.count("encoder ") == out.count("decoder ") + 1 and "total" in out
+    missing = tmp_path / "nope.yaml"
+    assert cli.main(["model-summary", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nope.yaml" in err and "\n" not in err
