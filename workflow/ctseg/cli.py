@@ -240,20 +240,22 @@ def cmd_train(args: argparse.Namespace) -> None:
     phase_id, settings = _phase_settings(args.phases, phase)
     settings = ddp_phase(args.experiment, settings, torchrun_ranks().world)
     train_ids, val_ids = _split_ids(args.split)
-    # SIGTERM and SIGUSR1 ask the loop to checkpoint after its current step (ctseg.preempt).
-    with stop_on_signals() as stop, process_group(device) as ranks:
-        summary = train(
-            args.experiment,
-            settings,
-            scratch=_scratch(args, ranks),
-            train_ids=train_ids,
-            val_ids=val_ids,
-            out_dir=Path(args.out),
-            state_dir=Path(args.state_dir),
-            final_weights=Path(args.weights),
-            device=str(device),
-            stop=stop,
-        )
+    with process_group(device) as ranks:
+        scratch = _scratch(args, ranks)  # staging still stops at once on SIGTERM
+        # From here SIGTERM and SIGUSR1 ask the loop to checkpoint after its current step.
+        with stop_on_signals() as stop:
+            summary = train(
+                args.experiment,
+                settings,
+                scratch=scratch,
+                train_ids=train_ids,
+                val_ids=val_ids,
+                out_dir=Path(args.out),
+                state_dir=Path(args.state_dir),
+                final_weights=Path(args.weights),
+                device=str(device),
+                stop=stop,
+            )
     if first:
         print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
     if summary.get("stopped"):

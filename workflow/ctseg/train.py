@@ -76,7 +76,7 @@ from ctseg.validation import evaluate
 
 # isort: split
 # Re-exported: the CLI, the trials and the tests import these from ctseg.train.
-from ctseg.checkpoint import identity_changes, load_checkpoint  # noqa: F401
+from ctseg.checkpoint import identity_changes, load_checkpoint, write_csv  # noqa: F401
 from ctseg.distributed import configured_gpus, ddp_phase, torchrun_ranks  # noqa: F401
 from ctseg.recipe import lr_at, scaled_lr  # noqa: F401
 
@@ -157,7 +157,6 @@ def train(
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
             run.step_model = torch.compile(run.step_model, mode=phase.get("compile_mode"))
-        stop = run.sample_index + (run.total_steps - run.step) * run.effective_batch
         end = run.sample_index + (run.total_steps - run.step) * run.effective_batch
         with shielded(stop):  # the loader workers start here (or at the first batch)
             batches = training_feed(
