@@ -592,7 +592,9 @@ def _tune_postprocess_parser(sub: argparse._SubParsersAction) -> None:
         help="16 64 256 1024: sizes tried beside keeping every component; none: off",
     )
     p.add_argument("--no-fill-holes", action="store_true", help="do not try hole filling")
-    p.add_argument("--workers", type=int, default=1, help="scoring processes")
+    p.add_argument(
+        "--workers", type=int, default=1, help="cores: a process per volume, the rest as threads"
+    )
     p.add_argument(
         "--topo-method", choices=["betti_matching", "betti_counts"], default="betti_matching"
     )

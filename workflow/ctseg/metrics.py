@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import cc3d
 import numpy as np
-from skimage.measure import euler_number
+from numba import njit
 from skimage.metrics import variation_of_information
 from skimage.morphology import skeletonize
 
@@ -188,6 +188,38 @@ def _enclosed_background_count(mask: np.ndarray) -> int:
     return int(n - np.count_nonzero(touching))
 
 
+@njit(cache=True, nogil=True)
+def _euler_kernel(m: np.ndarray) -> int:
+    nz, ny, nx = m.shape
+    chi = 0
+    for z in range(nz):
+        for y in range(ny):
+            for x in range(nx):
+                if not m[z, y, x]:
+                    continue
+                # The cells whose lowest corner is this voxel, with every corner foreground.
+                chi += 1
+                bz, by, bx = (
+                    z + 1 < nz and m[z + 1, y, x],
+                    y + 1 < ny and m[z, y + 1, x],
+                    (x + 1 < nx and m[z, y, x + 1]),
+                )
+                chi -= int(bz) + int(by) + int(bx)
+                syx = by and bx and m[z, y + 1, x + 1]
+                szx = bz and bx and m[z + 1, y, x + 1]
+                szy = bz and by and m[z + 1, y + 1, x]
+                chi += int(syx) + int(szx) + int(szy)
+                if syx and szx and szy and m[z + 1, y + 1, x + 1]:
+                    chi -= 1
+    return chi
+
+
+def euler_characteristic(mask: np.ndarray) -> int:
+    """Euler characteristic V - E + F - C of the cubical complex of a mask's voxels with
+    6-connected foreground (skimage's `euler_number(mask, connectivity=1)`, in one pass)."""
+    return int(_euler_kernel(np.ascontiguousarray(mask, dtype=np.bool_)))
+
+
 def betti_numbers(mask: np.ndarray) -> tuple[int, int, int]:
     """(b0, b1, b2) of a binary mask: 6-connected foreground, 26-connected background.
 
@@ -201,7 +233,7 @@ def betti_numbers(mask: np.ndarray) -> tuple[int, int, int]:
         return 0, 0, 0
     _, b0 = cc3d.connected_components(mask, connectivity=6, return_N=True)
     b2 = _enclosed_background_count(mask)
-    chi = int(euler_number(mask, connectivity=1))
+    chi = euler_characteristic(mask)
     return int(b0), int(b0 + b2 - chi), int(b2)
 
 
@@ -683,8 +715,7 @@ def evaluate_pairs(
         raise CtsegError(f"unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}")
     processes, threads = plan_workers(workers, len(predictions))
     jobs = [
-        (Path(p), Path(g), topo_method, threads)
-        for p, g in zip(predictions, labels, strict=True)
+        (Path(p), Path(g), topo_method, threads) for p, g in zip(predictions, labels, strict=True)
     ]
     workers = processes
     if workers == 1:
