@@ -13,7 +13,7 @@ from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, build_scratch, to
 
 from ctseg.diagnosis import diagnose
 from ctseg.flops import count_flops
-from ctseg.kernel_profile import CLASSES, PROFILE_STEPS, classify, knob
+from ctseg.kernel_profile import CLASSES, PROFILE_STEPS, _kernel_class, classify, knob
 from ctseg.summaries import EFFICIENCY_COLUMNS, TrialSummary
 from ctseg.trials import run_trial
 
@@ -107,6 +107,24 @@ def test_trial_records_tflops_and_mfu_in_summary_and_steps(trial):
 )
 def test_classes_from_operator_and_kernel_names(names, expected):
     assert classify(names) == expected
+
+
+@pytest.mark.parametrize(
+    ("kernel", "chain", "expected"),
+    [
+        # Launched by an operator: the operator decides.
+        ("sm90_xmma_dgrad_implicit_gemm", ["aten::cudnn_convolution_transpose"], "conv forward"),
+        ("void at::native::vectorized_elementwise_kernel", ["aten::leaky_relu"], "element-wise"),
+        # Replayed from a CUDA graph (reduce-overhead): only the compiled region is above it.
+        ("sm90_xmma_wgrad_implicit_gemm", ["CompiledFunctionBackward"], "conv backward"),
+        ("sm90_xmma_fprop_implicit_gemm", ["## Call CompiledFxGraph f ##"], "conv forward"),
+        ("triton_per_fused_native_group_norm_2", ["CompiledFunction"], "normalisation"),
+        ("Memcpy DtoD (Device -> Device)", ["CompiledFunction"], "copies"),
+        ("multi_tensor_apply_kernel", ["Optimizer.step#AdamW.step"], "optimizer"),
+    ],
+)
+def test_device_kernels_are_classed_by_operator_or_own_name(kernel, chain, expected):
+    assert _kernel_class(kernel, chain) == expected
 
 
 def test_knob_follows_the_largest_class_and_the_phase():

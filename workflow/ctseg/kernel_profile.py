@@ -73,26 +73,31 @@ def _chain(event: Any) -> list[str]:
     return names
 
 
-def classify(names: Sequence[str]) -> str:
-    """The class of a kernel or operator from its names: its own first, then its parents'."""
+def classify(names: Sequence[str], *, compiled: bool = True) -> str:
+    """The class of a kernel or operator from its names: its own first, then its parents'
+    (`compiled` False: a compiled region is no class of its own)."""
     keys = [_key(n) for n in names]
     if any(f in k for k in keys for f in _OPTIMIZER):
         return "optimizer"
+    rules = _RULES if compiled else tuple(r for r in _RULES if r[0] != "compiled")
     for name, key in zip(names, keys, strict=True):
         if name in _COPY_NAMES:
             return "copies"
-        for label, fragments in _RULES:
+        for label, fragments in rules:
             if any(f in key for f in fragments):
                 return label
     return "element-wise"
 
 
 def _kernel_class(kernel: str, chain: list[str]) -> str:
-    # Inductor's generated kernels are named for the operators they fuse; whatever launched
-    # them is only "the compiled graph".
+    """A device kernel's class. Inductor's kernels are named for the operators they fuse, and a
+    kernel replayed from a CUDA graph has only the compiled region above it: for those the
+    kernel's own name decides (cuDNN's fprop/dgrad/wgrad, memcpy, ...); otherwise the operator
+    that launched it (a transposed convolution's forward runs a dgrad kernel)."""
     if kernel.lower().startswith("triton"):
         return classify([kernel])
-    return classify([*chain, kernel])
+    by_operator = classify(chain, compiled=False)
+    return by_operator if by_operator != "element-wise" else classify([kernel], compiled=False)
 
 
 def summarise(
