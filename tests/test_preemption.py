@@ -8,7 +8,9 @@ a scheduler does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -36,7 +38,7 @@ import ctseg.io
 import ctseg.train
 from ctseg.checkpoint import PREVIOUS, load_checkpoint, run_identity, verify_checksum
 from ctseg.io import CtsegError
-from ctseg.preempt import RESUMABLE_EXIT, stop_on_signals
+from ctseg.preempt import RESUMABLE_EXIT, shielded, stop_on_signals
 from ctseg.train import train
 
 BIN = Path(sys.executable).parent
@@ -100,6 +102,45 @@ def reference(scratch: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     with torch_globals():
         assert run(scratch, root)["steps"] == 6
     return root
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_stop_signals_set_a_flag_inside_the_block_and_the_old_handlers_come_back() -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    with stop_on_signals() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled at once, on this (the main) thread
+        assert stop.requested and stop.name == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal keeps the first one's name
+        assert stop.name == "SIGUSR1"
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def _worker(started) -> None:
+    # Like a torch loader worker: SIGTERM from anyone but the parent kills it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    started.set()
+    time.sleep(1)
+
+
+def _exit_after_sigterm(shield: bool) -> int | None:
+    context = multiprocessing.get_context("fork")
+    started = context.Event()
+    with stop_on_signals() as stop:
+        with shielded(stop) if shield else contextlib.nullcontext():
+            child = context.Process(target=_worker, args=(started,))
+            child.start()
+        assert started.wait(30)
+        os.kill(child.pid, signal.SIGTERM)  # as a scheduler signals every process of a job
+        child.join(30)
+    return child.exitcode
+
+
+def test_a_child_started_while_shielded_outlives_a_sigterm() -> None:
+    assert _exit_after_sigterm(shield=False) == -signal.SIGTERM
+    assert _exit_after_sigterm(shield=True) == 0
 
 
 # --------------------------------------------------------------------------- checksums

@@ -65,8 +65,9 @@ def shielded(stop: StopRequest | None) -> Iterator[None]:
 
     A scheduler signals every process of a job, loader workers included; torch's workers die
     of a SIGTERM that is not their parent's, and the training would then fail mid-step
-    instead of checkpointing. Children inherit the blocked mask, so they never see the
-    signal; one that reaches this process meanwhile waits and is handled after the block.
+    instead of checkpointing. A child inherits the mask of the thread that starts it, so
+    these never see the signals. (This process still gets them, through another thread if
+    this one blocks them; the loop reads the request only between steps anyway.)
     """
     if stop is None or threading.current_thread() is not threading.main_thread():
         yield
