@@ -7,13 +7,23 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import Interval
 from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, build_scratch, torch_globals
 
 from ctseg.diagnosis import diagnose
 from ctseg.flops import count_flops
-from ctseg.kernel_profile import CLASSES, PROFILE_STEPS, _kernel_class, classify, knob
+from ctseg.kernel_profile import (
+    CLASSES,
+    PROFILE_STEPS,
+    _kernel_class,
+    classify,
+    knob,
+    summarise,
+)
 from ctseg.summaries import EFFICIENCY_COLUMNS, TrialSummary
 from ctseg.trials import run_trial
 
@@ -125,6 +135,47 @@ def test_classes_from_operator_and_kernel_names(names, expected):
 )
 def test_device_kernels_are_classed_by_operator_or_own_name(kernel, chain, expected):
     assert _kernel_class(kernel, chain) == expected
+
+
+def _event(name, start, end, *, device="cpu", id=0, linked=0, parent=None, annotation=False):
+    """A torch.profiler FunctionEvent's fields that summarise reads."""
+    return SimpleNamespace(
+        name=name,
+        time_range=Interval(start, end),
+        device_type=DeviceType.CUDA if device == "cuda" else DeviceType.CPU,
+        id=id,
+        linked_correlation_id=linked,
+        cpu_parent=parent,
+        is_async=False,
+        is_user_annotation=annotation,
+        kernels=[],
+        self_cpu_time_total=0.0,
+    )
+
+
+def test_cuda_summary_uses_device_time_and_skips_annotations():
+    """Two profiled steps of 1000 us on the CPU clock with 700 us of kernels: 1300 us idle.
+    The GPU-side mirror of the steps (a user annotation) is neither busy time nor a class."""
+    steps = [_event("ProfilerStep*", 0, 1000), _event("ProfilerStep*", 1000, 2000)]
+    conv = _event("aten::cudnn_convolution", 10, 20, id=7, parent=steps[0])
+    graph = _event("CompiledFunctionBackward", 1010, 1020, id=8, parent=steps[1])
+    events = [
+        *steps,
+        conv,
+        graph,
+        _event("cudaLaunchKernel", 11, 12, id=900, linked=7),  # a runtime call, not a launcher
+        _event("ProfilerStep*", 0, 2000, device="cuda", annotation=True, linked=1),
+        _event("sm90_xmma_fprop_implicit_gemm", 100, 500, device="cuda", id=900, linked=7),
+        _event("sm90_xmma_wgrad_implicit_gemm", 1100, 1300, device="cuda", id=901, linked=8),
+        _event("triton_poi_fused_leaky_relu_0", 1300, 1400, device="cuda", id=902, linked=8),
+    ]
+    summary = summarise(events, "cuda", 2, {"compile": True, "compile_mode": "default"})
+    classes = {k: v["fraction"] for k, v in summary["classes"].items() if v["fraction"]}
+    assert classes == pytest.approx(
+        {"conv forward": 0.2, "conv backward": 0.1, "element-wise": 0.05, "idle": 0.65}
+    )
+    assert summary["step_s"] == pytest.approx(0.001) and summary["largest"] == "idle"
+    assert "reduce-overhead" in summary["next_knob"]
 
 
 def test_knob_follows_the_largest_class_and_the_phase():

@@ -106,7 +106,9 @@ def summarise(
     """The profile's summary: seconds per step and fraction of the profiled wall time per class,
     the largest class and its knob. `events`: torch.profiler's FunctionEvents."""
     events = list(events)
-    marks = [e for e in events if e.name.startswith("ProfilerStep")]
+    marks = [
+        e for e in events if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU
+    ]
     if not marks:
         raise ValueError("no profiled steps (no ProfilerStep events)")
     start = min(e.time_range.start for e in marks)
@@ -115,16 +117,15 @@ def summarise(
     totals = dict.fromkeys(CLASSES, 0.0)
     cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
     if device_type == "cuda":
-        for event in cpu_events:
-            if event.kernels:
-                chain = _chain(event)
-                for kernel in event.kernels:
-                    totals[_kernel_class(kernel.name, chain)] += kernel.duration
-        spans = sorted(
-            (max(e.time_range.start, start), min(e.time_range.end, end))
+        # Device activity, less the GPU-side mirrors of record_function ranges (user
+        # annotations: they span whole steps and run nothing; torch's own tables skip them).
+        device = [
+            e
             for e in events
-            if e.device_type == DeviceType.CUDA
-        )
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
+        _device_classes(device, cpu_events, events, totals)
+        spans = sorted((max(e.time_range.start, start), min(e.time_range.end, end)) for e in device)
         busy, reach = 0.0, start
         for lo, hi in spans:
             lo = max(lo, reach)
@@ -155,6 +156,37 @@ def summarise(
         "largest": largest,
         "next_knob": knob(largest, device_type, settings or {}),
     }
+
+
+def _device_classes(
+    device: list[Any], cpu_events: list[Any], events: list[Any], totals: dict[str, float]
+) -> None:
+    """Each device event's time into its class. A device event names the correlation id of
+    the operator that launched it (`linked_correlation_id`); a torch without that attribute
+    gets the operators' kernel lists instead, less the names of user annotations."""
+    if all(hasattr(e, "linked_correlation_id") for e in device):
+        # The launching operators (frontend events: no linked id of their own; the CUDA
+        # runtime calls link to them too).
+        launchers = {
+            e.id: e
+            for e in cpu_events
+            if not e.is_async and not getattr(e, "linked_correlation_id", 0)
+        }
+        for kernel in device:
+            launcher = launchers.get(kernel.linked_correlation_id)
+            chain = _chain(launcher) if launcher is not None else []
+            totals[_kernel_class(kernel.name, chain)] += kernel.time_range.elapsed_us()
+        return
+    annotations = {
+        e.name
+        for e in events
+        if e.device_type == DeviceType.CUDA and getattr(e, "is_user_annotation", False)
+    }
+    for event in cpu_events:
+        chain = _chain(event) if event.kernels else []
+        for kernel in event.kernels:
+            if kernel.name not in annotations:
+                totals[_kernel_class(kernel.name, chain)] += kernel.duration
 
 
 def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
