@@ -36,7 +36,15 @@ from training_setup import (
 import ctseg.feeds
 import ctseg.io
 import ctseg.train
-from ctseg.checkpoint import PREVIOUS, load_checkpoint, run_identity, verify_checksum
+from ctseg.checkpoint import (
+    PREVIOUS,
+    append_rows,
+    load_checkpoint,
+    read_rows,
+    run_identity,
+    trim_logs,
+    verify_checksum,
+)
 from ctseg.io import CtsegError
 from ctseg.preempt import RESUMABLE_EXIT, shielded, stop_on_signals
 from ctseg.train import train
@@ -205,6 +213,20 @@ def test_with_no_intact_checkpoint_the_run_starts_afresh_and_says_so(
     assert summary["resume"] == "fresh" and len(summary["damaged"]) == 2
     assert "no intact checkpoint is left: this run starts afresh" in capsys.readouterr().err
     assert same_weights(tmp_path / "last.pt", reference / "last.pt")
+
+
+def test_logs_are_cut_back_to_the_resumed_step_and_a_cut_short_line_is_dropped(
+    tmp_path: Path,
+) -> None:
+    append_rows(tmp_path / "steps.csv", [{"epoch": 0, "step": s, "loss": s / 10} for s in (1, 2)])
+    append_rows(tmp_path / "steps.csv", [{"epoch": 0, "step": 3, "loss": 0.3}])
+    with open(tmp_path / "steps.csv", "a") as handle:
+        handle.write("0,4")  # a kill during an append
+    assert [r["step"] for r in read_rows(tmp_path / "steps.csv")] == ["1", "2", "3"]
+    trim_logs(tmp_path, 2)
+    assert (tmp_path / "steps.csv").read_text() == "epoch,step,loss\n0,1,0.1\n0,2,0.2\n"
+    trim_logs(tmp_path, 0)  # a fresh start keeps no row
+    assert not (tmp_path / "steps.csv").exists()
 
 
 # --------------------------------------------------------------------------- timer, space, log
