@@ -243,7 +243,7 @@ def optional_paths() -> dict[str, dict[str, str]]:
     """Hooks for GPU paths that do not exist yet (issue 20: EMA weights, a fine-tune start). When
     one lands, its check goes here; until then each is reported skipped, with the reason."""
     found = {}
-    ema = importlib.util.find_spec("ctseg.ema") is not None
+    ema = (REPO / "workflow/ctseg/ema.py").exists()
     found["ema"] = (
         {"status": "unchecked", "reason": "ctseg.ema exists: add its GPU check here"}
         if ema
