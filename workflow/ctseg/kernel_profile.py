@@ -204,7 +204,10 @@ def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
     if largest in ("normalisation", "element-wise"):
         if not compiled:
             return "torch.compile: fuses norms, activations and element-wise ops into few kernels"
-        return "already compiled: a cheaper norm, or fewer channels at full resolution"
+        return (
+            "already compiled: what still runs eager is the loss (compiling it needs a phase "
+            "key; fewer cldice_iterations changes the maths), else a cheaper norm"
+        )
     if largest == "loss":
         return "the loss: fewer cldice_iterations or a cheaper term set (changes the maths)"
     if largest == "optimizer":
