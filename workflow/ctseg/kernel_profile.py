@@ -230,8 +230,9 @@ def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
 def prepare(device_type: str) -> None:
     """Start the profiler's CUDA tracing (CUPTI, Kineto) once, empty, before any CUDA graph is
     captured: profiling graphs captured before the first profiler start raised or hung
-    (pytorch/pytorch#75504; this empty profile is the workaround given there). A trial calls it
-    before its first run; a failure here only means no profile."""
+    (pytorch/pytorch#75504; this empty profile is the workaround given there). A trial of a
+    phase with CUDA graphs calls it before its first run (other phases skip it: CUPTI then
+    starts only for the profiled steps); a failure here only means no profile."""
     if device_type != "cuda":
         return
     with contextlib.suppress(Exception):

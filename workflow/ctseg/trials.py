@@ -138,8 +138,8 @@ def run_trial(
         if profiled and ranks.main
         else contextlib.nullcontext({})
     )
-    if profiled and ranks.main:
-        prepare(device_type)
+    if profiled and ranks.main and phase.get("compile_mode") == "reduce-overhead":
+        prepare(device_type)  # before the real run captures its CUDA graphs
     try:
         real = train(exp, phase, out_dir=out_dir, max_steps=int(trial["steps"]), **common)
         with watch as profile:
