@@ -10,7 +10,7 @@ backward pass of each step's last micro-batch (``no_sync`` on the others).
   (`ddp_phase` turns the configured per-GPU ``accumulate`` into that). A step therefore uses
   the same ``batch_size * accumulate`` consecutive samples of the one stream as a single
   process with that accumulation: rank r takes micro-batches r, r + world, ...
-  (`ctseg.data.StreamSampler`), so the ranks' streams are disjoint and a resumed run goes on
+  (`ctseg.loader.StreamSampler`), so the ranks' streams are disjoint and a resumed run goes on
   where the checkpoint's ``sample_index`` says.
 - Logged per step, over all ranks (`across_ranks`): the loss terms, ``data_wait_s``, ``h2d_s``
   and GPU utilisation averaged; ``step_s`` and peak VRAM of the slowest/largest rank

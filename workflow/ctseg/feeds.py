@@ -7,7 +7,7 @@ two) and is the same for all of them:
 
 - `host_batches`: the loader's host batches, moved to the device in the step;
 - `prefetched_batches` (the phase's ``device_prefetch``): batches already converted on the
-  device, the next one's copy issued before this one is handed out (`ctseg.data
+  device, the next one's copy issued before this one is handed out (`ctseg.device_batches
   .DevicePrefetcher`), so ``h2d_s`` is only the time spent issuing it and the copy itself
   overlaps the compute;
 - `ResidentBatches` (``no_data``): the compute ceiling, one step's batches put on the device
@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
-from ctseg.data import DevicePrefetcher, PatchDataset, build_loader, to_device
+from ctseg.device_batches import DevicePrefetcher, to_device
 from ctseg.distributed import Ranks
+from ctseg.loader import build_loader
+from ctseg.patches import PatchDataset
 
 Fed = tuple[dict[str, Any], float, float]  # (batch on the device, data_wait_s, h2d_s)
 

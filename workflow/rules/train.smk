@@ -85,8 +85,10 @@ rule train_model:
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
         state=lambda wildcards: f"{run_dir(wildcards.exp)}/checkpoints",
+    # exec: ctseg replaces the shell, so a scheduler's SIGTERM reaches it and not a bash that
+    # would die at once; it finishes the step, checkpoints and exits 75 (docs/cluster.md).
     shell:
-        "{params.ctseg} train --experiment {params.experiment:q} {params.fold} "
+        "exec {params.ctseg} train --experiment {params.experiment:q} {params.fold} "
         "--phases {params.phases:q} --phase {params.phase} --trials {input.trials:q} "
         "{params.scratch} --split {input.split:q} --out {params.out:q} "
         "--state-dir {params.state:q} --weights {output.weights:q} > {log:q} 2>&1"
