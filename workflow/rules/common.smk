@@ -226,7 +226,7 @@ def run_kind(run):
         if not folds_of(base):
             raise WorkflowError(
                 f"run {run!r}: experiment {base!r} declares no split.folds "
-                f"({EXPERIMENTS_DIR / (base + '.yaml')}), so it has no cross-validation"
+                f"({experiment_file(base)}), so it has no cross-validation"
             )
         return "cv"
     if base_of(run) in EXPERIMENT_NAMES:
@@ -247,9 +247,7 @@ def alternatives(names):
 # claim the same results/<run>/... path).
 BASE_RUN = alternatives(EXPERIMENT_NAMES)
 TRAINED_RUN = rf"(?:{BASE_RUN})(?:\.fold[0-9]+)?"
-COMBINED_RUN = alternatives(
-    [f"{n}.cv" for n in EXPERIMENT_NAMES] + ENSEMBLE_NAMES
-)
+COMBINED_RUN = alternatives([f"{n}.cv" for n in EXPERIMENT_NAMES] + ENSEMBLE_NAMES)
 ANY_RUN = rf"{TRAINED_RUN}|{COMBINED_RUN}"
 
 
@@ -303,7 +301,9 @@ def out_of_fold(base):
     table = split_table(base)
     rest = table[table["split"] != "test"].reset_index(drop=True)
     try:
-        return assign_folds(rest, exp["split"], folds_by_scroll(exp["subset"], exp["split"]))
+        return assign_folds(
+            rest, exp["split"], folds_by_scroll(exp["subset"], exp["split"])
+        )
     except CtsegError as exc:
         raise WorkflowError(f"{experiment_file(base)}: {exc}") from exc
 
@@ -379,7 +379,8 @@ def ensemble_tuning_inputs(run):
 def ensemble_member_args(run):
     """`--member NAME ZARR...` per member, as ctseg tune-ensemble takes them."""
     return " ".join(
-        f"--member {m} " + " ".join(f"'{member_probability(m, i)}'" for i in tune_ids(run))
+        f"--member {m} "
+        + " ".join(f"'{member_probability(m, i)}'" for i in tune_ids(run))
         for m in members(run)
     )
 
@@ -473,7 +474,8 @@ def provenance_args(run):
 
 def infer_ids(run):
     """Volumes a run makes masks of: the dataset's test volumes (the submission) and the
-    volumes it is scored on. (Its tuning volumes' probabilities are made as tuning inputs.)"""
+    volumes it is scored on. (Its tuning volumes' probabilities are made as tuning inputs.)
+    """
     return sorted(set(ids(split="test")) | set(eval_ids(run)))
 
 
@@ -508,7 +510,9 @@ def tune_probability(run, record_id):
     """The held-out probabilities a run is tuned on: a cross-validation's come from the fold
     that held the record out."""
     if run_kind(run) == "cv":
-        return probability(f"{cv_base(run)}.fold{out_of_fold(cv_base(run))[record_id]}", record_id)
+        return probability(
+            f"{cv_base(run)}.fold{out_of_fold(cv_base(run))[record_id]}", record_id
+        )
     return probability(run, record_id)
 
 
@@ -542,7 +546,9 @@ def phase_threads(run, phase):
 
 
 def phase_mem_mb(run, phase):
-    return phase_gpus(run, phase) * (MAIN_PROCESS_MB + WORKER_MB * PHASES[phase]["workers"])
+    return phase_gpus(run, phase) * (
+        MAIN_PROCESS_MB + WORKER_MB * PHASES[phase]["workers"]
+    )
 
 
 def launcher(gpus):
@@ -634,7 +640,9 @@ def scratch_args(wildcards, input):
     base = base_of(wildcards.exp)
     if config["stage"] == "per_job":
         node = f"{config['node_scratch']}/{base}"
-        return f"--scratch '{node}' --stage-from '{experiment(base)['source'] or STORE}'"
+        return (
+            f"--scratch '{node}' --stage-from '{experiment(base)['source'] or STORE}'"
+        )
     return f"--scratch '{Path(input.manifest).parent}'"
 
 

@@ -29,7 +29,9 @@ rule tune_ensemble:
 
 rule ensemble:
     input:
-        members=lambda wildcards: [path for path, _ in ensemble_inputs(wildcards.exp, wildcards.id)],
+        members=lambda wildcards: [
+            path for path, _ in ensemble_inputs(wildcards.exp, wildcards.id)
+        ],
         weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
     output:
         probabilities=directory("results/{exp}/probabilities/{id}.zarr"),

@@ -21,7 +21,8 @@ configfile: CONFIG_FILE
 
 def check_config():
     """Nested --config values read as YAML (so `--config 'infer={threshold: 0.3}'` sets one
-    key), then one line naming the key and the problem for anything the schema refuses."""
+    key), then one line naming the key and the problem for anything the schema refuses.
+    """
     command_line_values(config)
     try:
         load_config(config, f"{CONFIG_FILE} with --config")

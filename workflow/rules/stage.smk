@@ -14,7 +14,9 @@ rule split:
         experiment=lambda wildcards: experiment_file(wildcards.exp),
         fold=lambda wildcards: fold_arg(wildcards.exp),
         # Rerun when the selection changes, not on other edits of the experiment file.
-        settings=lambda wildcards: settings_used(run_settings(wildcards.exp), None, "split"),
+        settings=lambda wildcards: settings_used(
+            run_settings(wildcards.exp), None, "split"
+        ),
     shell:
         "ctseg split {params.dataset:q} {output:q} --experiment {params.experiment:q} "
         "{params.fold} > {log:q} 2>&1"
@@ -53,5 +55,7 @@ rule stage:
     input:
         [
             f"{scratch_dir(run)}/manifest.json"
-            for run in sorted({base_of(t) for r in DEFAULT_RUNS for t in trained_runs(r)})
+            for run in sorted(
+                {base_of(t) for r in DEFAULT_RUNS for t in trained_runs(r)}
+            )
         ],

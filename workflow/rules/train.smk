@@ -19,7 +19,9 @@ rule train_trial:
         gpu=lambda wildcards: phase_gpus(wildcards.exp, int(wildcards.phase)),
         mem_mb=lambda wildcards: phase_mem_mb(wildcards.exp, int(wildcards.phase)),
     params:
-        ctseg=lambda wildcards: launcher(phase_gpus(wildcards.exp, int(wildcards.phase))),
+        ctseg=lambda wildcards: launcher(
+            phase_gpus(wildcards.exp, int(wildcards.phase))
+        ),
         experiment=lambda wildcards: experiment_file(wildcards.exp),
         phases=PHASES_FILE,
         settings=lambda wildcards: settings_used(
@@ -67,7 +69,10 @@ rule train_model:
         exp=TRAINED_RUN,
     conda:
         "../../environment.yml"
-    threads: lambda wildcards: max(phase_threads(wildcards.exp, p) for p in chosen_phases(wildcards.exp))
+    threads:
+        lambda wildcards: max(
+            phase_threads(wildcards.exp, p) for p in chosen_phases(wildcards.exp)
+        )
     resources:
         gpu=lambda wildcards: train_gpus(wildcards.exp),
         mem_mb=lambda wildcards: max(
@@ -96,6 +101,4 @@ rule train_model:
 
 rule train:
     input:
-        sorted(
-            {f"{run_dir(t)}/last.pt" for r in DEFAULT_RUNS for t in trained_runs(r)}
-        ),
+        sorted({f"{run_dir(t)}/last.pt" for r in DEFAULT_RUNS for t in trained_runs(r)}),
