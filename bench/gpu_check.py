@@ -21,7 +21,7 @@ It writes one JSON (``--json``) and prints a RESULT line for each GPU-only path:
     RESULT gpu_check_path path=pinned_unpack status=<s> phases=<n,..> h2d_fraction_max=<x>
     RESULT gpu_check_phase7_vs_6 status=<s> ratio=<x> same_maths=<yes|no>
     RESULT gpu_check_infer status=<s> ctseg_vs_monai=<x> shape=320x320x320 window=80x160x160
-    RESULT gpu_check_path path=ema status=skipped reason=<why>          (hooks: see OPTIONAL_PATHS)
+    RESULT gpu_check_path path=ema status=skipped reason=<why>          (hooks: optional_paths())
     RESULT gpu_check_path path=fine_tune status=skipped reason=<why>
     RESULT gpu_check auto_phase=<n> speedup_vs_phase0=<x> score=<x> ... best_mfu=<x> total_s=<x>
 
