@@ -249,13 +249,8 @@ def optional_paths() -> dict[str, dict[str, str]]:
         if ema
         else {"status": "skipped", "reason": "ctseg has no EMA yet"}
     )
-    train_help = subprocess.run(
-        [*pipeline.ctseg_command(), "train", "--help"],
-        capture_output=True,
-        text=True,
-        env=pipeline.child_env(),
-    ).stdout
-    fine_tune = any(flag in train_help for flag in ("--init-weights", "--fine-tune", "--finetune"))
+    cli = (REPO / "workflow/ctseg/cli.py").read_text()  # its options, without starting it
+    fine_tune = any(flag in cli for flag in ('"--init-weights"', '"--fine-tune"', '"--finetune"'))
     found["fine_tune"] = (
         {"status": "unchecked", "reason": "ctseg train can start from weights: add a check here"}
         if fine_tune
