@@ -582,11 +582,12 @@ def test_report_rule_declares_the_stores_its_overlays_read(tmp_path):
     jobs = re.split(r"\n(?=(?:local)?rule \w+:)", log)
     report_job = next(j for j in jobs if re.match(r"(local)?rule report:", j))
     inputs = re.search(r"input: (.*)", report_job).group(1).split(", ")
-    overlays = re.findall(r"--overlay (\S+) (\S+) (\S+) (\S+)", report_job)
+    # --overlay ID 'IMAGE' 'LABEL'; each run's prediction is results/<run>/predictions/<id>.tif
+    overlays = re.findall(r"--overlay (\S+) '([^']+)' '([^']+)'", report_job)
     assert overlays and not (workdir / "results").exists()  # a dry run made nothing
-    for record_id, image, label, prediction in overlays:
+    for record_id, image, label in overlays:
         assert label == f"results/preprocessed/demo/zarr/labels/{record_id}.zarr"
-        assert {image, label, prediction} <= set(inputs)
+        assert {image, label, f"results/tiny/predictions/{record_id}.tif"} <= set(inputs)
         # ... and the job that makes the label store is in the plan.
         makers = [j for j in jobs if j.startswith("rule convert_label:")]
         assert any(f"output: {label}" in j for j in makers), label
