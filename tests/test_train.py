@@ -40,9 +40,11 @@ from training_setup import (
 import ctseg.feeds
 from ctseg.data import PatchDataset, build_loader, to_device
 from ctseg.io import CtsegError
+from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
 from ctseg.losses import TERMS, compute_losses, loss_settings
 from ctseg.machine import available_cpus
 from ctseg.model import build_model
+from ctseg.summaries import SUMMARY_VERSION
 from ctseg.train import (
     load_checkpoint,
     lr_at,
@@ -745,13 +747,14 @@ def test_trial_summary_and_comparison_with_the_previous_phase(
         assert summary["checks"]["host_ram_ok"] is True and summary["checks"]["vram_ok"] is None
         # The machine facts the diagnosis used, and the diagnosis itself.
         assert summary["cpu_count"] == available_cpus() and summary["device"] == "cpu"
-        assert summary["scratch_format"] == "raw" and summary["version"] == 2
+        assert summary["scratch_format"] == "raw" and summary["version"] == SUMMARY_VERSION
         assert summary["verdict"] and summary["verdict_reason"] and summary["next_knob"]
         assert summary["thresholds"]["feed_efficiency"] == 0.9
     steps = pd.read_csv(tmp_path / "phase1" / "steps.csv")
     ceiling = pd.read_csv(tmp_path / "phase1" / "ceiling" / "steps.csv")
     # trial.ceiling_steps is 2, but the ceiling runs at least as many steps as the real run.
-    assert len(steps) == 3 and len(ceiling) == 3
+    # + the profiler's warm-up step and the profiled steps (ctseg.kernel_profile)
+    assert len(steps) == 3 and len(ceiling) == 3 + PROFILE_WARMUP + PROFILE_STEPS
     assert steps["data_wait_s"].gt(0).all()
     measured = steps["step_s"].iloc[1:]  # trial.warmup_steps = 1 left out
     assert second["median_step_s"] == pytest.approx(measured.median())
@@ -760,7 +763,7 @@ def test_trial_summary_and_comparison_with_the_previous_phase(
     real, top = second["step_stats"]["real"], second["step_stats"]["ceiling"]
     assert real["n"] == top["n"] == 2
     assert (real["min_s"], real["max_s"]) == (measured.min(), measured.max())
-    assert top["median_s"] == pytest.approx(ceiling["step_s"].iloc[1:].median())
+    assert top["median_s"] == pytest.approx(ceiling["step_s"].iloc[1:3].median())
     assert second["feed_efficiency"] == pytest.approx(top["median_s"] / real["median_s"])
     assert second["feed_efficiency_band"] >= 0
     # Two measured steps per run are too few for a spread: the verdict says so.

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -40,6 +41,12 @@ NOT_MATHS = {
     "split": None,
     "train": ("log_every", "val_batches", "checkpoint_minutes"),
 }
+# Settings whose null means "off", left out of the identity while null: adding such a setting
+# to the schema (its default filled in everywhere) must not make every earlier checkpoint
+# another run's. Set, they are part of it like any other setting.
+NULL_IS_OFF = {"init_from": None, "train": ("ema",)}
+# Optimizer settings that pick a kernel, not an update: a resumed run keeps its own phase's.
+SPEED_FLAGS = ("fused", "foreach")
 
 # The trailer after torch's zip archive: the tag, then the SHA-256 (hex) of every byte before
 # the tag. torch.load reads the archive from its end record and ignores what follows it; a
@@ -60,21 +67,27 @@ def run_identity(
     data: Mapping[str, str],
     total_steps: int,
     clip_distance: float,
+    source_weights: str | None = None,
 ) -> dict[str, Any]:
     """Everything that determines a run's trained weights, as a JSON-able dict.
 
     A checkpoint is resumed only by a run with the same identity: the experiment's settings
-    that change the maths, the phase's maths keys (workers or prefetch do not change the sample
-    stream, so a preempted run may resume under another loader phase), the staged data (each
-    record's role and source fingerprint) and the total step count.
+    that change the maths (``train.ema`` among them), the phase's maths keys (workers or
+    prefetch do not change the sample stream, so a preempted run may resume under another
+    loader phase), the staged data (each record's role and source fingerprint), the total step
+    count and, for a fine-tune, the digest of the weights it starts from (`source_weights`,
+    `ctseg.finetune.state_digest`): a retrained source makes it another run.
     """
     settings: dict[str, Any] = {}
     for key, value in exp.items():
         dropped = NOT_MATHS.get(key, ())
-        if dropped is None:
+        if dropped is None or (value is None and key in NULL_IS_OFF):
             continue
         if isinstance(value, Mapping):
-            value = {k: v for k, v in value.items() if k not in dropped}
+            off = NULL_IS_OFF.get(key) or ()
+            value = {
+                k: v for k, v in value.items() if k not in dropped and not (v is None and k in off)
+            }
         settings[key] = value
     maths = {
         "batch_size": int(phase["batch_size"]),
@@ -90,6 +103,7 @@ def run_identity(
                 "data": dict(sorted(data.items())),
                 "total_steps": int(total_steps),
                 "clip_distance": float(clip_distance),
+                **({"source_weights": source_weights} if source_weights else {}),
             },
             sort_keys=True,
         )
@@ -155,14 +169,30 @@ def save_checkpoint(path: Path, payload: Mapping[str, Any], *, keep_previous: bo
         ) from exc
 
 
-def checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def checkpoint_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *copies: torch.nn.Module
+) -> int:
     """About what a resume checkpoint of this model and optimizer takes on disk: the weights
-    and the optimizer's state, or, before its first step has made that state, twice the
-    parameters (AdamW's two moments, the most either optimizer keeps)."""
-    weights = _payload_bytes(model.state_dict())
+    (and any `copies` of them it carries, e.g. the EMA's) and the optimizer's state, or, before
+    its first step has made that state, twice the parameters (AdamW's two moments, the most
+    either optimizer keeps)."""
+    weights = sum(_payload_bytes(m.state_dict()) for m in (model, *copies))
     state = _payload_bytes(optimizer.state_dict()["state"])
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return weights + max(state, 2 * params)
+
+
+def restore(state: Mapping[str, Any], parts: Mapping[str, Any]) -> None:
+    """Load a resume checkpoint into the live run: each of `parts` (model, optimizer, ...:
+    anything with load_state_dict) from the entry of its name, then the RNG states. The
+    optimizer keeps this run's `SPEED_FLAGS` (the checkpoint's phase may have had others)."""
+    optimizer = parts["optimizer"]
+    speed = [{k: g.get(k) for k in SPEED_FLAGS} for g in optimizer.param_groups]
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
+    for group, flags in zip(optimizer.param_groups, speed, strict=True):
+        group.update(flags)
+    set_rng_state(state["rng"])
 
 
 def _sha256(handle: Any, size: int) -> str:
@@ -376,6 +406,16 @@ def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def publish_logs(log_dir: Path, out_dir: Path) -> None:
+    """Copy the logs a run appended beside its checkpoint to its declared outputs."""
+    if log_dir == out_dir:
+        return
+    for name in ("steps.csv", "epochs.csv"):
+        if (log_dir / name).exists():
+            with atomic_path(out_dir / name) as tmp:
+                shutil.copyfile(log_dir / name, tmp)
 
 
 def trim_logs(log_dir: Path, step: int) -> None:

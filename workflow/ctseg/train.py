@@ -1,41 +1,28 @@
 """Training, read top to bottom: setup, step, log, end of epoch (evaluate, checkpoint), finish.
 
 `train` runs a full training, or a phase trial of `max_steps` steps. Each optimizer step logs
-one row (`ctseg.summaries.step_columns`, read by the trials and the report), computed in
-`train_step` and `log_step`:
+one row (`ctseg.summaries.step_columns`): the feed's ``data_wait_s`` (blocked on the batches:
+the honest starvation figure) and ``h2d_s`` (`ctseg.feeds`), ``compute_s`` (the rest of the
+step, synchronised on CUDA), ``step_s``, ``samples_per_s``, the loss terms, ``grad_norm``
+(unscaled, before clipping), ``lr``, GPU use, peak VRAM, host RSS (loader workers included),
+and model TFLOP/s and MFU (`ctseg.flops`). Rank 0 appends them to ``steps.csv`` every
+``train.log_every`` steps and before every checkpoint, which never gets ahead of its log.
 
-- ``data_wait_s``: time blocked waiting for the batches (the honest starvation figure; NVML
-  utilisation is a coarse sample), ``h2d_s``: their host-to-device copy and uint8 -> float
-  conversion, both as the feed timed them (`ctseg.feeds`); ``compute_s``: the rest of the
-  step (forward, loss, backward, optimizer step; synchronised on CUDA); ``step_s``: the whole
-  step; ``samples_per_s`` = samples / step_s;
-- each loss term, ``grad_norm`` (unscaled, before clipping), the learning rate, GPU
-  utilisation, peak VRAM and the host RSS of this process and its loader workers.
-
-Rank 0 appends the rows to ``steps.csv`` beside the checkpoint every ``train.log_every``
-steps (and prints one line of them to the log when the progress bar is on), and always
-before a checkpoint, so a checkpoint never gets ahead of its log.
-
-Checkpoints: at the end of every epoch, every ``train.checkpoint_minutes`` of training
-(mid-epoch: the stream goes on from ``sample_index``), and when a stop is requested
-(`ctseg.preempt`: SIGTERM or SIGUSR1 finish the current step, checkpoint and return with
-``stopped`` set). Free space for a checkpoint is checked before each epoch's first step.
-
-With ``no_data=True`` the feed is `ctseg.feeds.ResidentBatches`: the compute ceiling, on
-batches already on the device; the loop is the same for every feed. Several processes under
-torchrun: `ctseg.distributed`. Run identity, checkpoints, resuming: `ctseg.checkpoint`.
+Checkpoints (`ctseg.run_state`, `ctseg.checkpoint`): at each epoch's end, and mid-epoch on a
+timer or a stop request (`ctseg.stopping`). Optional: an EMA of the weights (`ctseg.ema`),
+a fine-tune's starting weights (`ctseg.finetune`). With ``no_data=True`` the feed is
+`ctseg.feeds.ResidentBatches` (the compute ceiling); the loop is the same for every feed.
+Several processes under torchrun: `ctseg.distributed`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +32,11 @@ from tqdm import tqdm
 from ctseg import recipe
 from ctseg.checkpoint import (
     append_rows,
-    checkpoint_bytes,
     data_identity,
     identity_digest,
-    resume_state,
-    rng_state,
+    publish_logs,
     run_identity,
     save_checkpoint,
-    set_rng_state,
-    trim_logs,
 )
 from ctseg.distributed import (
     Ranks,
@@ -64,64 +47,25 @@ from ctseg.distributed import (
     process_group,
     rank_share,
 )
+from ctseg.ema import WeightAverage
 from ctseg.feeds import Fed, ResidentBatches, training_feed
-from ctseg.io import atomic_path, check_free_space
+from ctseg.finetune import Source, load_source, source_weights
+from ctseg.flops import Efficiency
 from ctseg.layout import staged_clip_distance
 from ctseg.losses import compute_losses, loss_settings
-from ctseg.model import build_model, parameter_digest, portable_state_dict
+from ctseg.model import build_model, parameter_digest
 from ctseg.preempt import StopRequest, shielded
 from ctseg.probes import GpuMonitor, host_rss_bytes
+from ctseg.run_state import Run
+from ctseg.stopping import Stopping
 from ctseg.summaries import step_columns
 from ctseg.validation import evaluate
 
 # isort: split
 # Re-exported: the CLI, the trials and the tests import these from ctseg.train.
-from ctseg.checkpoint import identity_changes, load_checkpoint, write_csv  # noqa: F401
+from ctseg.checkpoint import identity_changes, load_checkpoint, rng_state, set_rng_state, write_csv  # noqa: F401  # noqa: F401
 from ctseg.distributed import configured_gpus, ddp_phase, torchrun_ranks  # noqa: F401
 from ctseg.recipe import lr_at, scaled_lr  # noqa: F401
-
-
-@dataclass
-class Run:
-    """What `setup` builds once, and where the run stands: step, epoch, unwritten log rows."""
-
-    exp: Mapping[str, Any]
-    phase: Mapping[str, Any]
-    ranks: Ranks
-    dev: torch.device
-    model: torch.nn.Module  # the plain module: checkpoints, digests, validation
-    step_model: Callable[[torch.Tensor], Any]  # what the step calls: DDP and/or compiled
-    skip_sync: Callable[[], contextlib.AbstractContextManager]  # DDP's no_sync, or nothing
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler
-    losses_cfg: dict[str, Any]
-    autocast_dtype: torch.dtype | None
-    memory_format: torch.memory_format
-    micro_steps: int  # this process's micro-batches per optimizer step
-    effective_batch: int  # samples per optimizer step, all processes together
-    epoch_steps: int
-    total_steps: int
-    trial: bool  # max_steps given: a phase trial, without validation or checkpoints
-    identity: dict[str, Any]  # see ctseg.checkpoint.run_identity
-    out_dir: Path
-    log_dir: Path  # state_dir where there is one: see `open_logs`
-    resume_path: Path | None
-    gpu: GpuMonitor
-    step: int = 0
-    epoch: int = 0
-    sample_index: int = 0  # the next sample of the stream this run's feed takes
-    steps_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
-    epoch_rows: list[dict[str, Any]] = field(default_factory=list)  # this epoch's, for its row
-    epochs_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
-    peak_rss_mb: float = 0.0
-    log_every: int = 1  # steps between appends of steps.csv
-    checkpoint_s: float | None = None  # seconds between mid-epoch checkpoints; None: off
-    saved_step: int = 0  # the step of the checkpoint on disk
-    saved_at: float = 0.0  # time.monotonic() of that checkpoint (or of the start)
-    stop: StopRequest | None = None
-    stop_agreed: bool = False  # some rank was asked to stop (combined in `log_step`)
-    stopped: str | None = None  # the signal that stopped this run before its end
 
 
 def train(
@@ -134,6 +78,7 @@ def train(
     out_dir: Path,
     state_dir: Path | None = None,
     final_weights: Path | None = None,
+    init_from: Path | None = None,
     clip_distance: float | None = None,
     max_steps: int | None = None,
     no_data: bool = False,
@@ -142,18 +87,21 @@ def train(
     stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """Train `exp` under `phase`; returns a summary. See the module docstring for the logs, and
-    `ctseg.distributed` for what changes when torchrun starts several processes. With a set
-    `stop` request the run checkpoints after its current step and returns early, its summary's
-    ``stopped`` naming the signal; no final weights are written then."""
+    `ctseg.distributed` for what changes when torchrun starts several processes. `init_from`:
+    the weights a fine-tune starts from (the experiment's ``init_from`` run's last.pt). With a
+    set `stop` request the run checkpoints after its current step and returns early, its
+    summary's ``stopped`` naming the signal; no final weights are written then."""
     dev = pick_device(device)
+    # Before anything slow: a missing source fails at once.
+    source = source_weights(exp, init_from, trial=max_steps is not None)
     with process_group(dev) as ranks:
         data = data_identity(scratch, train_ids, val_ids)
         clip = staged_clip_distance(
             scratch, train_ids + val_ids, exp["scratch_format"], clip_distance
         )
-        run = setup(exp, phase, ranks, dev, data, clip, max_steps, out_dir, state_dir)
-        run.stop = stop
-        resumed = resume(run)
+        run = setup(exp, phase, ranks, dev, data, clip, max_steps, out_dir, state_dir, source)
+        run.stopping.request = stop
+        resumed = run.resume()
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
             run.step_model = torch.compile(run.step_model, mode=phase.get("compile_mode"))
@@ -170,11 +118,11 @@ def train(
         run.model.train()
         first = True
         while run.step < run.total_steps:
-            if stopping(run):
+            if run.stopping.requested():
                 stop_here(run)
                 break
-            if run.resume_path is not None and (first or run.step % run.epoch_steps == 0):
-                check_checkpoint_space(run)
+            if first or run.step % run.epoch_steps == 0:
+                run.check_checkpoint_space()
             # A loader may start its workers at the first batch rather than at iter().
             with shielded(stop) if first else contextlib.nullcontext():
                 numbers = train_step(run, batches)
@@ -183,14 +131,10 @@ def train(
             if not run.trial and run.step % run.epoch_steps == 0:
                 with shielded(stop):  # validation may start loader workers of its own
                     end_of_epoch(run, scratch, val_ids)
-            elif run.checkpoint_s is not None and not run.trial and checkpoint_due(run):
+            elif not run.trial and run.stopping.due():
                 write_checkpoint(run)
         bar.close()
         return finish(run, final_weights, resumed)
-
-
-# Optimizer settings that pick a kernel, not an update (kept from the phase on resume).
-SPEED_FLAGS = ("fused", "foreach")
 
 
 # ----------------------------------------------------------------------------- setup
@@ -204,27 +148,26 @@ def setup(
     max_steps: int | None,
     out_dir: Path,
     state_dir: Path | None,
+    source: Source | None = None,
 ) -> Run:
-    """Seeds and backend flags, then the step plan, model, optimizer, schedule, losses and the
-    run identity (`data`: the staged records' fingerprints)."""
+    """Seeds and backend flags, then the step plan, model (from `source`'s weights for a
+    fine-tune), optimizer, schedule, EMA, losses and the run identity (`data`: the staged
+    records' fingerprints)."""
     tcfg = exp["train"]
     recipe.seed_and_flags(tcfg, dev)
     accumulate = int(phase.get("accumulate", 1))  # micro-batches per step, all processes
-    micro_steps = rank_share(accumulate, ranks)  # this process's share of them
     effective_batch = int(phase["batch_size"]) * accumulate  # batch_size is per process
     epoch_steps = int(tcfg["steps_per_epoch"])
     total_steps = max_steps if max_steps is not None else epoch_steps * int(tcfg["epochs"])
-    base_lr = recipe.scaled_lr(tcfg, effective_batch)
     dtype = recipe.autocast_dtype(phase)
     layout = recipe.memory_format(phase)
-    model = build_model(exp["model"]).to(dev, memory_format=layout)
-    fused = bool(phase.get("fused_optimizer"))
-    optimizer = recipe.build_optimizer(model, tcfg, base_lr, fused=fused)
-    minutes = tcfg.get("checkpoint_minutes")
+    model = build_model(exp["model"])
+    if source is not None:
+        load_source(model, source)
+    model = model.to(dev, memory_format=layout)
+    lr = recipe.scaled_lr(tcfg, effective_batch)
+    optimizer = recipe.build_optimizer(model, tcfg, lr, fused=bool(phase.get("fused_optimizer")))
     return Run(
-        log_every=int(tcfg.get("log_every") or 1),
-        checkpoint_s=60.0 * float(minutes) if minutes else None,
-        saved_at=time.monotonic(),
         exp=exp,
         phase=phase,
         ranks=ranks,
@@ -235,47 +178,31 @@ def setup(
         optimizer=optimizer,
         scheduler=recipe.build_schedule(optimizer, tcfg, total_steps),
         scaler=torch.amp.GradScaler(dev.type, enabled=dtype is torch.float16),
+        ema=WeightAverage.configured(model, tcfg.get("ema")),
         losses_cfg=loss_settings({**exp["loss"], "clip_distance": clip_distance}),
         autocast_dtype=dtype,
         memory_format=layout,
-        micro_steps=micro_steps,
+        micro_steps=rank_share(accumulate, ranks),  # this process's share of the micro-batches
         effective_batch=effective_batch,
         epoch_steps=epoch_steps,
         total_steps=total_steps,
         trial=max_steps is not None,
         identity=run_identity(
-            exp, phase, data=data, total_steps=total_steps, clip_distance=clip_distance
+            exp,
+            phase,
+            data=data,
+            total_steps=total_steps,
+            clip_distance=clip_distance,
+            source_weights=source.digest if source is not None else None,
         ),
         out_dir=out_dir,
         log_dir=state_dir if state_dir is not None else out_dir,
         resume_path=state_dir / "resume.pt" if state_dir is not None else None,
         gpu=GpuMonitor(dev),
+        efficiency=Efficiency.for_run(exp, phase, dev),
+        stopping=Stopping.every(tcfg.get("checkpoint_minutes"), None, ranks.world),
+        log_every=int(tcfg.get("log_every") or 1),
     )
-
-
-def resume(run: Run) -> dict[str, Any]:
-    """Every rank loads this run's checkpoint (rank 0 wrote it) and goes on from its state."""
-    if run.resume_path is None:
-        if run.ranks.main:  # a trial's logs in out_dir are its own: start them afresh
-            trim_logs(run.log_dir, 0)
-        return {"resume": "fresh"}
-    state, resumed = resume_state(run.resume_path.parent, run.identity, run.ranks)
-    if state is not None:
-        speed = [{k: g.get(k) for k in SPEED_FLAGS} for g in run.optimizer.param_groups]
-        for part in ("model", "optimizer", "scheduler", "scaler"):
-            getattr(run, part).load_state_dict(state[part])
-        for group, flags in zip(run.optimizer.param_groups, speed, strict=True):
-            group.update(flags)
-        set_rng_state(state["rng"])
-        run.step, run.epoch = int(state["step"]), int(state["epoch"])
-        run.sample_index = int(state["sample_index"])  # where the interrupted run's loader was
-        run.saved_step = run.step
-        # A mid-epoch checkpoint carries the epoch's rows so far: its epochs.csv row needs them.
-        run.epoch_rows = [dict(r) for r in state.get("epoch_rows", [])]
-        if run.ranks.main:
-            where = f"step {run.step} (epoch {run.epoch}) from {run.resume_path}"
-            print(f"resumed at {where}", file=sys.stderr)
-    return resumed
 
 
 def open_logs(run: Run) -> None:
@@ -320,10 +247,12 @@ def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
     run.scaler.update()
     lr = run.optimizer.param_groups[0]["lr"]  # the lr this step used
     run.scheduler.step()
+    run.step += 1
+    if run.ema is not None:
+        run.ema.update(run.model, run.step)
     if run.dev.type == "cuda":
         torch.cuda.synchronize(run.dev)
     step_s = time.perf_counter() - step_start
-    run.step += 1
     run.sample_index += run.effective_batch
     return {**numbers, "terms": terms_sum, "step_s": step_s, "grad_norm": grad_norm, "lr": lr}
 
@@ -332,23 +261,20 @@ def log_step(run: Run, numbers: dict[str, Any], bar: tqdm | None) -> None:
     """One steps.csv row for the step of all ranks together (see `ctseg.distributed`); every
     `log_every` steps, rank 0 appends the rows so far to steps.csv and prints one line."""
     terms, cuda = numbers["terms"], run.dev.type == "cuda"
+    mean = {name: numbers[name] for name in ("data_wait_s", "h2d_s", "loss")}
+    largest = {
+        "step_s": numbers["step_s"],
+        "vram_peak_mb": torch.cuda.max_memory_allocated(run.dev) / 2**20 if cuda else math.nan,
+        "stop": run.stopping.flag(),  # in this step's collective: all ranks stop after it
+    }
     shared = across_ranks(
         run.ranks,
         run.dev,
-        mean={
-            **{name: numbers[name] for name in ("data_wait_s", "h2d_s", "loss")},
-            **terms,
-            "gpu_util": run.gpu.utilisation(),
-        },
-        largest={
-            "step_s": numbers["step_s"],
-            "vram_peak_mb": torch.cuda.max_memory_allocated(run.dev) / 2**20 if cuda else math.nan,
-            # Folded into this step's collective: every rank stops after the same step.
-            "stop": float(run.stop is not None and run.stop.requested),
-        },
+        mean={**mean, **terms, "gpu_util": run.gpu.utilisation()},
+        largest=largest,
         total={"host_rss_mb": host_rss_bytes() / 2**20},
     )
-    run.stop_agreed = shared.pop("stop") > 0
+    run.stopping.agree(shared.pop("stop"))
     run.peak_rss_mb = max(run.peak_rss_mb, shared["host_rss_mb"])
     values = {
         **shared,
@@ -359,7 +285,9 @@ def log_step(run: Run, numbers: dict[str, Any], bar: tqdm | None) -> None:
         "grad_norm": numbers["grad_norm"],
         "lr": numbers["lr"],
     }
-    row = {column: values[column] for column in step_columns(list(terms))}
+    values.update(run.efficiency.columns(values["samples_per_s"]))
+    values["mfu"] /= run.ranks.world  # samples/s are all ranks', the peak is one device's
+    row = {column: values[column] for column in step_columns(list(terms), efficiency=True)}
     run.steps_log.append(row)
     run.epoch_rows.append(row)
     waited = sum(r["data_wait_s"] for r in run.epoch_rows)
@@ -386,44 +314,15 @@ def flush_logs(run: Run) -> None:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def stopping(run: Run) -> bool:
-    """A stop was requested: by this process's signal with one process, else as the ranks
-    agreed after the last step (a rank's own flag may be set a step earlier than another's)."""
-    if run.ranks.world == 1:
-        return run.stop is not None and run.stop.requested
-    return run.stop_agreed
-
-
 def stop_here(run: Run) -> None:
     """Checkpoint the step just finished (unless it is on disk already) and say so."""
-    signame = run.stop.name if run.stop is not None and run.stop.requested else "a signal"
-    run.stopped = signame
+    run.stopping.stop()
     if run.resume_path is None:
         return
-    if run.step > run.saved_step:
+    if run.step > run.stopping.saved_step:
         write_checkpoint(run)
     if run.ranks.main:
-        print(
-            f"stopped by {signame} at step {run.step} (epoch {run.epoch}): checkpoint "
-            f"{run.resume_path} holds step {run.saved_step}; run again to resume",
-            file=sys.stderr,
-        )
-
-
-def checkpoint_due(run: Run) -> bool:
-    """`checkpoint_minutes` have passed since the last checkpoint (rank 0's clock decides:
-    only rank 0 writes)."""
-    return time.monotonic() - run.saved_at >= (run.checkpoint_s or math.inf)
-
-
-def check_checkpoint_space(run: Run) -> None:
-    """Before an epoch's first step (and a resumed run's first): the checkpoint at its end
-    must fit, or the epoch would be trained only to be lost."""
-    if run.ranks.main and run.resume_path is not None:
-        needed = checkpoint_bytes(run.model, run.optimizer)
-        check_free_space(
-            run.resume_path.parent, needed, f"save the checkpoint of epoch {run.epoch}"
-        )
+        run.stopping.report(run.step, run.epoch, run.resume_path)
 
 
 def write_checkpoint(run: Run) -> None:
@@ -431,31 +330,14 @@ def write_checkpoint(run: Run) -> None:
     Rank 0 writes; the others hold the same weights."""
     flush_logs(run)
     if run.resume_path is not None and run.ranks.main:
-        save_checkpoint(
-            run.resume_path,
-            {
-                "model": portable_state_dict(run.model),
-                "optimizer": run.optimizer.state_dict(),
-                "scheduler": run.scheduler.state_dict(),
-                "scaler": run.scaler.state_dict(),
-                "rng": rng_state(),
-                "step": run.step,
-                "epoch": run.epoch,
-                "sample_index": run.sample_index,
-                "epoch_rows": run.epoch_rows,
-                "world_size": run.ranks.world,
-                "fingerprint": identity_digest(run.identity),
-                "identity": run.identity,
-            },
-            keep_previous=True,
-        )
-    run.saved_step, run.saved_at = run.step, time.monotonic()
+        save_checkpoint(run.resume_path, run.checkpoint_state(), keep_previous=True)
+    run.stopping.saved(run.step)
 
 
 # ----------------------------------------------------------------------------- end of epoch
 def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
-    """Validation, the epoch's row, the logs and then the checkpoint."""
-    val = evaluate(run.model, run.exp, run.phase, scratch, val_ids, run.losses_cfg, run.ranks)
+    """Validation (of the EMA where there is one), the epoch's row, the logs, the checkpoint."""
+    val = evaluate(run.weights, run.exp, run.phase, scratch, val_ids, run.losses_cfg, run.ranks)
     rows = run.epoch_rows
     step_s = sum(r["step_s"] for r in rows)
     run.epochs_log.append(
@@ -478,30 +360,20 @@ def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- finish
 def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> dict[str, Any]:
-    """The last logs and the weights (rank 0), then the run's summary (every rank)."""
+    """The last logs and the weights (rank 0), then the run's summary (every rank). The final
+    weights are the EMA's where there is one (``"weights": "ema"``): see `ctseg.ema`."""
     flush_logs(run)
-    if run.ranks.main and run.stopped is None:
-        if run.log_dir != run.out_dir:
-            for name in ("steps.csv", "epochs.csv"):
-                if (run.log_dir / name).exists():
-                    with atomic_path(run.out_dir / name) as tmp:
-                        shutil.copyfile(run.log_dir / name, tmp)
+    if run.ranks.main and run.stopping.stopped is None:
+        publish_logs(run.log_dir, run.out_dir)
         if final_weights is not None:
-            save_checkpoint(
-                final_weights,
-                {
-                    "model": portable_state_dict(run.model),
-                    "model_config": dict(run.exp["model"]),
-                    "patch_size": list(run.exp["data"]["patch_size"]),
-                    "fingerprint": identity_digest(run.identity),
-                    "step": run.step,
-                },
-            )
+            save_checkpoint(final_weights, run.final_state())
     # A collective: no rank returns before rank 0's files are written.
     digests = gathered(run.ranks, parameter_digest(run.model))
     cuda = run.dev.type == "cuda"
     vram_mb = torch.cuda.max_memory_allocated(run.dev) / 2**20 if cuda else 0.0
     peak_vram = across_ranks(run.ranks, run.dev, largest={"mb": vram_mb})["mb"]
+    stop = run.stopping
+    stopped = {"stopped": stop.stopped, "saved_step": stop.saved_step} if stop.stopped else {}
     return {
         "steps": run.step,
         "peak_host_rss_mb": run.peak_rss_mb,
@@ -511,5 +383,5 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
         "param_sha256": digests,
         "run_identity": identity_digest(run.identity),
         **resumed,
-        **({"stopped": run.stopped, "saved_step": run.saved_step} if run.stopped else {}),
+        **stopped,
     }
