@@ -229,6 +229,28 @@ def test_logs_are_cut_back_to_the_resumed_step_and_a_cut_short_line_is_dropped(
     assert not (tmp_path / "steps.csv").exists()
 
 
+def test_a_run_resumed_from_a_log_without_the_efficiency_columns_goes_on(
+    scratch: Path, reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steps.csv written before tflops and mfu were logged: the resumed run rewrites it
+    with the new columns (empty in the old rows) and appends its rows."""
+    signal_at_sample(monkeypatch, 4, signal.SIGUSR1)
+    with stop_on_signals() as stop:
+        assert run(scratch, tmp_path, stop=stop)["saved_step"] == 5
+    monkeypatch.undo()
+    log = tmp_path / "state" / "steps.csv"
+    pd.read_csv(log).drop(columns=["tflops", "mfu"]).to_csv(log, index=False)
+
+    assert run(scratch, tmp_path)["from_step"] == 5
+    steps = pd.read_csv(tmp_path / "out" / "steps.csv")
+    assert list(steps["step"]) == [1, 2, 3, 4, 5, 6]
+    assert list(steps.columns[-2:]) == ["tflops", "mfu"]
+    assert steps["mfu"].isna().tolist() == [True] * 5 + [False]
+    ref_steps = pd.read_csv(reference / "out" / "steps.csv")
+    assert list(steps["loss"]) == list(ref_steps["loss"])
+    assert same_weights(tmp_path / "last.pt", reference / "last.pt")
+
+
 # --------------------------------------------------------------------------- timer, space, log
 
 

@@ -39,6 +39,7 @@ from training_setup import (
 
 import ctseg.feeds
 from ctseg.data import PatchDataset, build_loader, to_device
+from ctseg.flops import Efficiency, count_flops
 from ctseg.io import CtsegError
 from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
 from ctseg.losses import TERMS, compute_losses, loss_settings
@@ -238,6 +239,17 @@ def test_steps_csv_logs_every_measure_for_every_step(basic_run: Path) -> None:
     assert steps["gpu_util"].isna().all() and steps["vram_peak_mb"].isna().all()
     assert (steps["host_rss_mb"] > 50).all()
     assert np.isfinite(steps["grad_norm"]).all() and (steps["grad_norm"] > 0).all()
+
+
+def test_steps_csv_has_the_model_flops_and_mfu_of_each_step(basic_run: Path) -> None:
+    steps = pd.read_csv(basic_run / "out" / "steps.csv")
+    assert list(steps.columns[-2:]) == ["tflops", "mfu"]  # last: optional to every reader
+    efficiency = Efficiency.for_run(EXPERIMENT, PHASE, "cpu")  # the process's cached probe
+    flops = count_flops(EXPERIMENT["model"], EXPERIMENT["data"]["patch_size"]).train
+    assert efficiency.flops.train == flops > 0
+    np.testing.assert_allclose(steps["tflops"], flops * steps["samples_per_s"] / 1e12, rtol=1e-9)
+    np.testing.assert_allclose(steps["mfu"], steps["tflops"] / efficiency.peak.tflops, rtol=1e-9)
+    assert steps["mfu"].between(0, 1, inclusive="neither").all()
 
 
 def test_validation_runs_every_epoch(basic_run: Path) -> None:

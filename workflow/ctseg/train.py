@@ -154,6 +154,8 @@ def setup(
     fine-tune), optimizer, schedule, EMA, losses and the run identity (`data`: the staged
     records' fingerprints)."""
     tcfg = exp["train"]
+    # Before the seeds: off a known card, the peak's probe draws from torch's global RNG.
+    efficiency = Efficiency.for_run(exp, phase, dev)
     recipe.seed_and_flags(tcfg, dev)
     accumulate = int(phase.get("accumulate", 1))  # micro-batches per step, all processes
     effective_batch = int(phase["batch_size"]) * accumulate  # batch_size is per process
@@ -199,7 +201,7 @@ def setup(
         log_dir=state_dir if state_dir is not None else out_dir,
         resume_path=state_dir / "resume.pt" if state_dir is not None else None,
         gpu=GpuMonitor(dev),
-        efficiency=Efficiency.for_run(exp, phase, dev),
+        efficiency=efficiency,
         stopping=Stopping.every(tcfg.get("checkpoint_minutes"), None, ranks.world),
         log_every=int(tcfg.get("log_every") or 1),
     )
