@@ -8,7 +8,7 @@ the search tunes on that smoothed image scaled to [0, 1] as probabilities.
 Per size:
 1. `score_volume` (every core given, `--threads`) and its SurfaceDice alone, after a warm-up
    that loads numba's kernels;
-2. the previous implementation, `score_volume(implementation="reference")`: SurfaceDice
+2. right after it (a shared machine's load drifts within minutes), the previous implementation, `score_volume(implementation="reference")`: SurfaceDice
    through surface-distance (scipy's EDT) and the Betti matching of every dimension of every
    tile, one after another; and surface-distance's SurfaceDice alone;
 3. the agreement of every term with that oracle (largest absolute difference, and whether the
@@ -70,6 +70,8 @@ def bench_size(size: int, threads: int, tune: bool, workdir: Path) -> dict:
     fast, row["score_s"] = timed(score_volume, pred, label, threads=threads)
     row["rss_fast_gb"] = peak_rss_gb()
     _, row["sd_s"] = timed(surface_dice, p, g, threads=threads)
+    _, row["sd_reference_s"] = timed(surface_dice_reference, p, g)
+    reference, row["reference_s"] = timed(score_volume, pred, label, implementation="reference")
     if tune:
         store = workdir / f"v{size}.zarr"
         create_volume(store, probs.shape, np.float16, (64, 64, 64))[...] = probs.astype(np.float16)
@@ -82,8 +84,6 @@ def bench_size(size: int, threads: int, tune: bool, workdir: Path) -> dict:
         )
         row["tune_candidates"] = len(candidates)
         row["tune_choice"] = best.settings.label()
-    _, row["sd_reference_s"] = timed(surface_dice_reference, p, g)
-    reference, row["reference_s"] = timed(score_volume, pred, label, implementation="reference")
     row["agreement"] = {
         term: abs(fast[term] - reference[term])
         if not (math.isnan(fast[term]) and math.isnan(reference[term]))
