@@ -40,8 +40,9 @@ from training_setup import (
 )
 from training_setup import EXPERIMENT as TRAIN_EXPERIMENT
 
-from ctseg.data import StreamSampler
 from ctseg.io import CtsegError
+from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
+from ctseg.loader import StreamSampler
 from ctseg.train import configured_gpus, ddp_phase, train
 
 EXPERIMENT = copy.deepcopy(TRAIN_EXPERIMENT)
@@ -90,7 +91,7 @@ def recorded(kind, real):
 
 ctseg.feeds.to_device = to_device
 ctseg.train.save_checkpoint = recorded("save_checkpoint", ctseg.train.save_checkpoint)
-ctseg.train.write_csv = recorded("write_csv", ctseg.train.write_csv)
+ctseg.train.append_rows = recorded("append_rows", ctseg.train.append_rows)
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -309,6 +310,7 @@ def test_only_rank_0_writes(runs: dict) -> None:
     files = sorted(str(p.relative_to(runs["dir"])) for p in runs["dir"].rglob("*") if p.is_file())
     assert files == [
         "checkpoints/epochs.csv",
+        "checkpoints/resume.previous.pt",  # epoch 0's checkpoint, kept by epoch 1's save
         "checkpoints/resume.pt",
         "checkpoints/steps.csv",
         "last.pt",
@@ -335,7 +337,9 @@ def test_phase_trial_under_torchrun_writes_one_summary(scratch: Path, tmp_path: 
     assert len(steps) == 3
     np.testing.assert_allclose(steps["samples_per_s"] * steps["step_s"], 2.0)
     # trial.ceiling_steps is 2, but the ceiling runs at least as many steps as the real run.
-    assert len(pd.read_csv(run_dir / "phase0" / "ceiling" / "steps.csv")) == 3
+    # + the kernel profile's warm-up and profiled steps (every rank runs them; rank 0 profiles)
+    ceiling = pd.read_csv(run_dir / "phase0" / "ceiling" / "steps.csv")
+    assert len(ceiling) == 3 + PROFILE_WARMUP + PROFILE_STEPS
     assert [e for e in run["events"][1] if e["kind"] != "train"] == []
     # The measured run's 3 steps (then the ceiling's resident batch).
     assert taken(run, 0)[:3] == [0, 2, 4] and taken(run, 1)[:3] == [1, 3, 5]
@@ -385,11 +389,11 @@ def test_rules_launch_torchrun_and_ask_for_the_gpus(ddp_workflow: Path) -> None:
         *("--config", "experiment=tiny_ddp", "phase=0"),
     )
     jobs = dry_run_jobs(proc.stdout + proc.stderr)
-    train_job, trial0, trial1 = jobs["train"], jobs["train_trial0"], jobs["train_trial1"]
-    # The experiment's gpus: 2 for train and phase 0; phase 1's own gpus: 3 wins over it.
-    assert (
-        "Shell command: torchrun --standalone --nproc_per_node 2 -m ctseg.cli train "
-        in (train_job["shell"])
+    train_job, trial0, trial1 = jobs["train_model"], jobs["train_trial0"], jobs["train_trial1"]
+    # The experiment's gpus: 2 for train and phase 0; phase 1's own gpus: 3 wins over it. The
+    # training replaces the shell (exec), so a scheduler's SIGTERM reaches torchrun.
+    assert train_job["shell"].startswith(
+        "Shell command: exec torchrun --standalone --nproc_per_node 2 -m ctseg.cli train "
     )
     assert "torchrun --standalone --nproc_per_node 2 -m ctseg.cli trial " in trial0["shell"]
     assert "torchrun --standalone --nproc_per_node 3 -m ctseg.cli trial " in trial1["shell"]
