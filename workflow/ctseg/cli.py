@@ -253,6 +253,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                 out_dir=Path(args.out),
                 state_dir=Path(args.state_dir),
                 final_weights=Path(args.weights),
+                init_from=Path(args.init_from) if args.init_from else None,
                 device=str(device),
                 stop=stop,
             )
@@ -539,6 +540,12 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", nargs="*", default=[], help="trial summaries, for auto")
     p.add_argument("--state-dir", required=True, help="resumable checkpoint directory")
     p.add_argument("--weights", required=True, help="final weights (last.pt)")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="a fine-tune's starting weights: results/<init_from>/last.pt of the experiment's "
+        "init_from run (required when it has one)",
+    )
     p.set_defaults(func=cmd_train)
 
 
