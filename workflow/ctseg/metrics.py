@@ -627,14 +627,7 @@ def read_prediction(path: Path) -> np.ndarray:
     return volume
 
 
-def score_files(pred_tif: Path, gt_tif: Path, **kwargs: Any) -> dict[str, Any]:
-    """`ctseg score PRED.tif GT.tif`: score_volume on two multi-page TIFFs.
-
-    Raises CtsegError (the CLI's one-line error) naming the file on unreadable input, values
-    that are not a mask (prediction) or not 0/1/2 (label), or mismatched shapes. Keyword
-    arguments go to score_volume.
-    """
-    pred_tif, gt_tif = Path(pred_tif), Path(gt_tif)
+def _check_pair(pred_tif: Path, gt_tif: Path) -> tuple[np.ndarray, np.ndarray]:
     pred = read_prediction(pred_tif)
     gt = read_label(gt_tif)
     if pred.shape != gt.shape:
@@ -642,6 +635,17 @@ def score_files(pred_tif: Path, gt_tif: Path, **kwargs: Any) -> dict[str, Any]:
             f"shape mismatch: prediction {pred_tif} has shape {pred.shape}, "
             f"ground truth {gt_tif} has shape {gt.shape}"
         )
+    return pred, gt
+
+
+def score_files(pred_tif: Path, gt_tif: Path, **kwargs: Any) -> dict[str, Any]:
+    """`ctseg score PRED.tif GT.tif`: score_volume on two multi-page TIFFs.
+
+    Raises CtsegError (the CLI's one-line error) naming the file on unreadable input, values
+    that are not a mask (prediction) or not 0/1/2 (label), or mismatched shapes. Keyword
+    arguments go to score_volume.
+    """
+    pred, gt = _check_pair(Path(pred_tif), Path(gt_tif))
     return score_volume(pred, gt, **kwargs)
 
 
@@ -713,6 +717,10 @@ def evaluate_pairs(
         raise CtsegError(f"workers must be at least 1, got {workers}")
     if topo_method not in TOPO_METHODS:
         raise CtsegError(f"unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}")
+    # Every file is checked (readable, values, shapes) before any volume is scored, so a bad
+    # one fails in seconds, not after the volumes before it.
+    for pred_path, label_path in zip(predictions, labels, strict=True):
+        _check_pair(Path(pred_path), Path(label_path))
     processes, threads = plan_workers(workers, len(predictions))
     jobs = [
         (Path(p), Path(g), topo_method, threads) for p, g in zip(predictions, labels, strict=True)
