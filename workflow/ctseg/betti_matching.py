@@ -418,8 +418,12 @@ def _image_fg_pivots(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> 
     is an edge of value 0 in the input (both ends in the mask), else 0."""
     nx, ny, nz = fg.shape
     n_edges = 3 * nx * ny * nz
-    owner = np.full(n_edges, -1, dtype=np.int64)  # edge key -> column square key
-    stored_at = np.full(n_edges, -1, dtype=np.int64)  # -> offset of its reduced column, or -1
+    # Per edge key, both stored + 1 so that 0 means none: zeroed arrays are the operating
+    # system's untouched pages, where filling them with -1 wrote every page (at 320^3 the pass is
+    # bound by this memory traffic: about 1 column in 2500 needs an addition). int32 keys: a
+    # tile's keys stay below 2^31 (checked by the caller).
+    owner = np.zeros(n_edges, dtype=np.int32)  # -> the column square key whose pivot it is
+    stored_at = np.zeros(n_edges, dtype=np.int64)  # -> offset of its reduced column
     stored_len = np.zeros(n_edges, dtype=np.int32)
     store = np.empty(1 << 16, dtype=np.int64)
     store_used = 0
@@ -434,17 +438,17 @@ def _image_fg_pivots(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> 
         reduced = False
         while length > 0:
             pivot_edge = work[length - 1] & _KEY_MASK
-            j = owner[pivot_edge]
+            j = np.int64(owner[pivot_edge]) - 1
             if j < 0:
                 break
             reduced = True
-            if stored_at[pivot_edge] < 0:
+            if stored_at[pivot_edge] == 0:
                 _boundary_ranks(fg, j, other)
                 src = other
                 start, n_other = 0, 4
             else:
                 src = store
-                start, n_other = stored_at[pivot_edge], stored_len[pivot_edge]
+                start, n_other = stored_at[pivot_edge] - 1, stored_len[pivot_edge]
             if length + n_other > spare.shape[0]:
                 size = 2 * (length + n_other)
                 spare = np.empty(size, dtype=np.int64)
@@ -456,14 +460,14 @@ def _image_fg_pivots(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> 
         if length == 0:
             continue  # a positive square: its boundary is already a boundary
         pivot_edge = work[length - 1] & _KEY_MASK
-        owner[pivot_edge] = key
+        owner[pivot_edge] = key + 1
         if reduced:
             if store_used + length > store.shape[0]:
                 grown = np.empty(2 * (store_used + length), dtype=np.int64)
                 grown[:store_used] = store[:store_used]
                 store = grown
             store[store_used : store_used + length] = work[:length]
-            stored_at[pivot_edge] = store_used
+            stored_at[pivot_edge] = store_used + 1
             stored_len[pivot_edge] = length
             store_used += length
         if i >= first_value1 and (work[length - 1] >> _VALUE_SHIFT) == 0:
@@ -474,6 +478,8 @@ def _image_fg_pivots(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> 
 def _dim1_matched(
     pred: np.ndarray, gt: np.ndarray, union: np.ndarray, order: np.ndarray, positive: np.ndarray
 ) -> int:
+    if 3 * pred.size >= 2**31 - 1:
+        raise ValueError(f"tile of shape {pred.shape} too large for int32 edge keys")
     keep = positive[order] == 0  # clearing: comparison-positive squares reduce to zero
     n_zero = _count_value0(union, order)
     columns = order[keep]
