@@ -31,6 +31,14 @@ Conventions chosen here (the reference leaves them open or they are ours):
   Lee skeleton collapses a sheet to curves, see `ctseg.targets`). Both masks empty gives 1,
   exactly one empty gives 0.
 * ``dice`` is binary Dice after the ignore step; both empty gives 1.
+
+Cost (issue 18, BENCHMARKS.md "Evaluation"): SurfaceDice comes from `ctseg.surface_dice`
+(surface-distance's method and values without its scipy EDT); `LabelSide` holds everything
+about a label that the score needs, computed once per label so that `ctseg.tuning` reuses it
+for every candidate; the 8 tiles of TopoScore run in `threads` threads, and a tile's Betti
+matching skips the dimensions where one side has no feature. `implementation="reference"`
+keeps the previous path (surface-distance, every dimension of every tile, one at a time) as the
+oracle of the tests and the baseline of bench/metrics.py.
 """
 
 from __future__ import annotations
