@@ -8,9 +8,10 @@ the search tunes on that smoothed image scaled to [0, 1] as probabilities.
 Per size:
 1. `score_volume` (every core given, `--threads`) and its SurfaceDice alone, after a warm-up
    that loads numba's kernels;
-2. right after it (a shared machine's load drifts within minutes), the previous implementation, `score_volume(implementation="reference")`: SurfaceDice
-   through surface-distance (scipy's EDT) and the Betti matching of every dimension of every
-   tile, one after another; and surface-distance's SurfaceDice alone;
+2. right after it (a shared machine's load drifts within minutes), the previous
+   implementation, `score_volume(implementation="reference")`: SurfaceDice through
+   surface-distance (scipy's EDT) and the Betti matching of every dimension of every tile, one
+   after another; and surface-distance's SurfaceDice alone;
 3. the agreement of every term with that oracle (largest absolute difference, and whether the
    Betti counts are identical);
 4. `tune_s_per_volume`: the default 20-candidate search (`ctseg.tuning.SearchSpace()`) on the
