@@ -7,7 +7,8 @@ and the files it writes (and, once, it stops rank 0 the way a preempted job stop
 
 - One run is stopped at the start of step 4, after epoch 0's checkpoint, and run again: the
   rerun resumes at step 3 and ends with the same weights as one process that takes the same
-  global batch (batch 1 x accumulate 2) without stopping, bit for bit.
+  global batch (batch 1 x accumulate 2) without stopping, bit for bit (the trained weights and
+  their EMA, which last.pt holds).
 - Both ranks end with the same parameters, draw disjoint streams that together are the
   one-process stream, and only rank 0 writes: one resume.pt, one last.pt, one steps.csv.
 - A phase trial under torchrun writes one summary of the whole job.
@@ -36,10 +37,10 @@ from training_setup import (
     VAL_IDS,
     build_scratch,
     torch_globals,
-    weights,
 )
 from training_setup import EXPERIMENT as TRAIN_EXPERIMENT
 
+from ctseg.flops import count_flops
 from ctseg.io import CtsegError
 from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
 from ctseg.loader import StreamSampler
@@ -48,6 +49,7 @@ from ctseg.train import configured_gpus, ddp_phase, train
 EXPERIMENT = copy.deepcopy(TRAIN_EXPERIMENT)
 EXPERIMENT["name"] = "tddp"
 EXPERIMENT["train"].update(val_batches=3, gpus=2)  # validation batches split 2 + 1 over ranks
+EXPERIMENT["train"]["ema"] = {"decay": 0.5, "start_step": 2}  # kept from the plain module's weights
 EXPERIMENT["trial"]["phases"] = [0]
 STOP_AT = 6  # the first sample of step 4: 3 steps x 2 ranks x 1 sample came before
 
@@ -266,15 +268,22 @@ def test_ddp_trains_what_one_process_trains_with_the_same_global_batch(runs: dic
     """2 ranks x batch 1 = 1 process x batch 1 x accumulate 2: the gradients are all-reduced
     (averaged), the loss terms averaged over the ranks, and the stop and resume change nothing.
     On the CPU every step is exact, so the weights agree bit for bit."""
-    expected, actual = weights(runs["reference"] / "last.pt"), weights(runs["dir"] / "last.pt")
-    different = [k for k in expected if not torch.equal(expected[k], actual[k])]
-    assert not different, f"tensors differ: {different}"
+    for name, part in (
+        ("last.pt", "model"),
+        *(("checkpoints/resume.pt", p) for p in ("model", "ema")),
+    ):
+        expected = torch.load(runs["reference"] / name, weights_only=True)[part]
+        actual = torch.load(runs["dir"] / name, weights_only=True)[part]
+        different = [k for k in expected if not torch.equal(expected[k], actual[k])]
+        assert not different, f"{name} {part}: tensors differ: {different}"
     ddp = pd.read_csv(runs["dir"] / "train" / "steps.csv")
     one = pd.read_csv(runs["reference"] / "train" / "steps.csv")
     for column in ("loss", "bce", "dice", "cldice", "skel_recall", "boundary", "grad_norm", "lr"):
         assert list(ddp[column]) == list(one[column]), column
-    # Throughput counts the samples of both ranks: 2 per step.
+    # Throughput counts the samples of both ranks: 2 per step; so do the model FLOP/s.
     np.testing.assert_allclose(ddp["samples_per_s"] * ddp["step_s"], 2.0)
+    flops = count_flops(EXPERIMENT["model"], EXPERIMENT["data"]["patch_size"]).train
+    np.testing.assert_allclose(ddp["tflops"], flops * ddp["samples_per_s"] / 1e12, rtol=1e-9)
     np.testing.assert_allclose(
         ddp["data_wait_s"] + ddp["h2d_s"] + ddp["compute_s"], ddp["step_s"], rtol=1e-9
     )
