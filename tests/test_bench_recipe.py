@@ -1,0 +1,205 @@
+"""bench/recipe.py: its statistics and claims in seconds, and the whole ladder at its smallest
+through the real `ctseg` CLI (slow), checking that each rung ran with the part it claims."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+import zarr
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import pipeline  # noqa: E402
+import recipe  # noqa: E402
+
+RESULT = re.compile(
+    r"^RESULT recipe base=(?P<base>[0-9.]+) best=(?P<best>[0-9.]+) gain=(?P<gain>-?[0-9.]+) "
+    r"gain_se=(?P<gain_se>[0-9.]+|nan) rungs=(?P<rungs>\d)$"
+)
+
+
+def test_standard_error_across_seeds_is_the_sample_sd_over_root_n() -> None:
+    values = np.array([0.50, 0.52, 0.47, 0.55])
+    expected = np.std(values, ddof=1) / 2
+    assert recipe.standard_error(values, "seeds") == pytest.approx(expected)
+    assert math.isnan(recipe.standard_error(values[:1], "seeds"))
+
+
+def test_bootstrap_standard_error_is_near_the_analytic_one_and_reproducible() -> None:
+    rng = np.random.default_rng(3)
+    values = rng.normal(0.5, 0.1, size=40)
+    analytic = np.std(values, ddof=0) / math.sqrt(len(values))
+    se = recipe.standard_error(values, "bootstrap")
+    assert se == recipe.standard_error(values, "bootstrap")  # seeded: the same figure each run
+    assert 0.85 * analytic < se < 1.15 * analytic
+    assert recipe.standard_error(np.full(5, 0.3), "bootstrap") == pytest.approx(0.0, abs=1e-12)
+
+
+def test_spread_method_needs_three_seeds() -> None:
+    assert recipe.spread_method(1) == "bootstrap" and recipe.spread_method(2) == "bootstrap"
+    assert recipe.spread_method(3) == "seeds"
+
+
+def test_verdict_says_when_a_rung_does_not_help() -> None:
+    assert recipe.verdict(0.05, 0.01) == "helps"
+    assert recipe.verdict(-0.05, 0.01) == "hurts"
+    assert recipe.verdict(0.01, 0.01) == "no clear difference"
+    assert recipe.verdict(-0.01, 0.01) == "no clear difference (does not help)"
+
+
+def test_a_claim_the_identity_does_not_show_stops_the_bench() -> None:
+    evidence = {"ema": None, "block": "basic"}
+    recipe.check_claim("r", evidence, {"ema": lambda v: v is None})
+    with pytest.raises(recipe.ClaimFailed, match=r"r2: its run identity has ema=None"):
+        recipe.check_claim("r2", evidence, {"ema": lambda v: bool(v)})
+
+
+def test_sizes_give_an_ema_and_a_fine_tune_the_schema_accepts() -> None:
+    from ctseg.config import experiment_from
+
+    for steps in (3, 200, 500):
+        args = recipe.parse_args(["--quick", "--steps", str(steps)])
+        plan = recipe.sizes(args, [32, 48, 48])
+        assert plan["finetune_patch"] == [48, 64, 64] and plan["seeds"] == [0]
+        exp = pipeline.load_experiment("exp001")
+        exp["train"]["ema"] = plan["ema"]
+        # The schema's bounds: 0 <= decay < 1; what the bench writes must load.
+        assert dict(experiment_from(exp, "test")["train"]["ema"])["decay"] == plan["ema"]["decay"]
+    assert recipe.sizes(recipe.parse_args([]), [32, 48, 48])["seeds"] == [0, 1, 2]
+
+
+def test_fine_tune_experiment_starts_from_its_source_at_the_larger_patch() -> None:
+    source = pipeline.load_experiment("exp001")
+    source["name"] = "r3_resenc_s0"
+    source["train"]["ema"] = {"decay": 0.9, "start_step": 40}
+    lad = types.SimpleNamespace(finetune_patch=[48, 64, 64], finetune_steps=20)
+    exp = recipe.finetune_exp(lad, source, "r4_finetune_s0", 0)
+    assert exp["init_from"] == "r3_resenc_s0" and exp["name"] == "r4_finetune_s0"
+    assert exp["data"]["patch_size"] == [48, 64, 64]
+    assert exp["train"]["steps_per_epoch"] == 20 and exp["train"]["epochs"] == 1
+    assert exp["train"]["lr"] == pytest.approx(source["train"]["lr"] / 2)
+    assert exp["train"]["ema"]["start_step"] == 4  # within the short schedule
+    assert source["data"]["patch_size"] == [32, 48, 48]  # the source is left as it was
+
+
+def _rung(number: int, key: str, per_volume: list[float]) -> recipe.Rung:
+    rung = recipe.Rung(number, key, key, status="ran", train_steps=10)
+    rung.scores = {0: {f"v{i}": {t: s for t in recipe.TERMS} for i, s in enumerate(per_volume)}}
+    return rung
+
+
+def test_report_pairs_the_deltas_and_shows_a_skipped_rung(capsys) -> None:
+    base = _rung(1, "base", [0.40, 0.50, 0.60])
+    skipped = recipe.Rung(2, "ema", "ema", status="skipped: train.ema not available")
+    worse = _rung(3, "resenc", [0.39, 0.49, 0.59])  # lower by 0.01 on every volume
+    lad = types.SimpleNamespace(
+        rungs=[base, skipped, worse], seeds=[0], data=types.SimpleNamespace(test_ids=[1, 2, 3])
+    )
+    record: dict = {}
+    got_base, best, gain_se = recipe.report(lad, "bootstrap", record)
+    out = capsys.readouterr().out
+    assert got_base is base and best is base and gain_se == 0.0
+    fig = record["figures"]["resenc"]
+    # Paired by volume: the difference is -0.01 on each, so its SE is 0 and it hurts.
+    assert fig["delta_prev"] == pytest.approx(-0.01)
+    assert fig["delta_prev_se"] == pytest.approx(0.0, abs=1e-12)
+    assert fig["delta_prev_vs"] == 1 and fig["verdict"] == "hurts"
+    assert "skipped: train.ema not available" in out and "bootstrap" in out
+
+
+@pytest.mark.slow
+def test_smallest_ladder_runs_every_rung_with_what_it_claims(tmp_path: Path) -> None:
+    """The whole ladder on 3+2 volumes of 32^3, 2 steps a model, through the real CLI."""
+    out = tmp_path / "recipe.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench/recipe.py"),
+            "--quick",
+            "--size",
+            "32",
+            "--records",
+            "3",
+            "--test-records",
+            "2",
+            "--steps",
+            "2",
+            "--finetune-steps",
+            "1",
+            "--finetune-patch",
+            "32",
+            "48",
+            "64",
+            "--phase",
+            "0",
+            "--workers",
+            "2",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    match = RESULT.match(proc.stdout.strip().splitlines()[-1])
+    assert match, proc.stdout[-2000:]
+    record = json.loads(out.read_text())
+    rungs = {r["key"]: r for r in record["rungs"]}
+    assert [r["number"] for r in record["rungs"]] == [1, 2, 3, 4, 5, 6]
+    ran = [k for k, r in rungs.items() if r["status"] == "ran"]
+    assert int(match["rungs"]) == len(ran) == 6, {k: r["status"] for k, r in rungs.items()}
+    result = record["result"]
+    assert float(match["base"]) == pytest.approx(record["figures"]["base"]["score"], abs=1e-4)
+    assert float(match["best"]) == pytest.approx(
+        max(f["score"] for f in record["figures"].values()), abs=1e-4
+    )
+    assert float(match["gain"]) == pytest.approx(result["best"] - result["base"], abs=1e-4)
+    assert record["spread"] == "bootstrap" and "spread: bootstrap" in proc.stdout
+    for key in ran:
+        fig = record["figures"][key]
+        for term in recipe.TERMS:
+            assert 0 <= fig[term] <= 1 and fig[f"{term}_se"] >= 0
+        assert set(rungs[key]["scores"]["0"]) == set(record["rungs"][0]["scores"]["0"])
+
+    def only(key: str) -> dict:
+        (ev,) = rungs[key]["evidence"].values()
+        return ev
+
+    work = tmp_path / "work/results"
+    # Each rung's models carry its part in their own checkpoints' run identity.
+    assert only("base")["ema"] is None and only("base")["block"] == "basic"
+    assert only("ema")["ema"] == record["plan"]["ema"] and only("ema")["block"] == "basic"
+    from ctseg.checkpoint import load_checkpoint
+
+    (ema_model,) = rungs["ema"]["models"]["0"]
+    assert load_checkpoint(work / ema_model / "last.pt")["weights"] == "ema"
+    assert only("resenc")["block"] == "residual" and only("resenc")["ema"]
+    assert only("resenc")["blocks_per_stage"] == recipe.CPU_RESENC["blocks_per_stage"]
+    finetune = only("finetune")
+    assert finetune["patch_size"] == [32, 48, 64] and finetune["source_weights"]
+    assert finetune["block"] == "residual" and finetune["ema"]
+    passed = yaml.safe_load((tmp_path / "work/config/experiments/r4_finetune_s0.yaml").read_text())
+    assert passed["init_from"] == "r3_resenc_s0"
+    # The ensemble's second member is the same recipe from another seed, and its source too.
+    seeds = sorted(ev["seed"] for ev in rungs["ensemble"]["evidence"].values())
+    assert seeds == [recipe.SECOND_MEMBER_SEED] * 2
+    members = rungs["ensemble"]["evidence"]
+    assert any(ev["source_weights"] for ev in members.values())
+    for store in sorted((work / "r5_ensemble_s0/probabilities").glob("*.zarr")):
+        attrs = dict(zarr.open(store, mode="r").attrs)["ensemble"]
+        assert len(attrs["members"]) == 2 and attrs["weights"] == [0.5, 0.5]
+    tuned = json.loads((work / "r6_postproc_s0/tune/tuned.json").read_text())
+    assert rungs["postproc"]["settings"]["chosen"]["0"]["label"] == tuned["label"]
