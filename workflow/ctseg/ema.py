@@ -6,9 +6,9 @@ step ``s`` (counted from 1, as steps.csv numbers them) each parameter's average 
     ema = decay * ema + (1 - decay) * w      if s >= start_step
     ema = w                                   if s <  start_step
 
-so the average starts from the weights at ``start_step - 1`` rather than from the random
-initial ones. Buffers (a batch norm's running statistics) are copied, not averaged: they are
-already running averages of their own.
+(computed as ``ema + (1 - decay) * (w - ema)``: see `update`), so the average starts from the
+weights at ``start_step - 1`` rather than from the random initial ones. Buffers (a batch
+norm's running statistics) are copied, not averaged: they are running averages already.
 
 When it is on, the averaged weights are what the run is for: validation scores them, and the
 final weights file (last.pt) holds them as its ``model`` (with ``"weights": "ema"``), so
@@ -36,6 +36,10 @@ class WeightAverage:
         self.averaged = copy.deepcopy(model)
         self.averaged.requires_grad_(False)
         self.averaged.eval()
+        # The tensor lists, built once: a Python walk over the modules every step costs more
+        # on the CPU than the update's kernels on a GPU (load_state_dict copies in place).
+        self._lists = (list(self.averaged.parameters()), list(self.averaged.buffers()))
+        self._live: tuple[torch.nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @classmethod
     def configured(
@@ -50,17 +54,19 @@ class WeightAverage:
     def update(self, model: torch.nn.Module, step: int) -> None:
         """After optimizer step `step` of `model` (the plain module, not a DDP or compiled
         wrapper: every rank holds the same weights after the all-reduce)."""
-        average = [p.detach() for p in self.averaged.parameters()]
-        live = [p.detach() for p in model.parameters()]
+        if self._live is None or self._live[0] is not model:
+            self._live = (model, list(model.parameters()), list(model.buffers()))
+        (average, buffers), (_, live, live_buffers) = self._lists, self._live
         if step < self.start_step:
             torch._foreach_copy_(average, live)
         else:
-            # One fused kernel per op over all parameters, not a Python loop of small ones.
-            torch._foreach_mul_(average, self.decay)
-            torch._foreach_add_(average, live, alpha=1.0 - self.decay)
-        buffers = list(self.averaged.buffers())
+            # ema + (1 - decay) * (w - ema), the same average in one pass over all parameters
+            # (bench/ema.py, 63 M parameters on an H200: 0.21 ms; a foreach mul and add 0.36 ms,
+            # a loop over the tensors 3.4 ms), without the drift of decay * w + (1 - decay) * w
+            # (which need not round to w).
+            torch._foreach_lerp_(average, live, 1.0 - self.decay)
         if buffers:
-            torch._foreach_copy_(buffers, list(model.buffers()))
+            torch._foreach_copy_(buffers, live_buffers)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averaged weights, as the checkpoints store any model's (plain CPU tensors)."""
