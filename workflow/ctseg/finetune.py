@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ctseg.checkpoint import load_checkpoint
+from ctseg.checkpoint import DamagedCheckpoint, load_checkpoint
 from ctseg.io import CtsegError
 from ctseg.model import tensor_bytes
 
@@ -57,7 +57,13 @@ def source_weights(
     path = Path(init_from)
     if not path.is_file():
         raise CtsegError(f"--init-from {path}: weights file not found (train {wanted} first)")
-    state = load_checkpoint(path)  # its checksum is verified on the way
+    try:
+        state = load_checkpoint(path)  # its checksum is verified on the way
+    except DamagedCheckpoint as exc:
+        why = str(exc).split(": ", 1)[-1].split(";")[0]  # without the resume advice
+        raise CtsegError(
+            f"--init-from {path}: {why}; train {wanted} again to rewrite its weights"
+        ) from exc
     if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping):
         raise CtsegError(f"--init-from {path}: not a ctseg weights file (no 'model' state in it)")
     return Source(path, state["model"], state_digest(state["model"]))
