@@ -68,6 +68,7 @@ from pipeline import REPO, Prepared, Runner, StepFailed
 TERMS = ("score", "surface_dice", "voi_score", "topo_score")
 BOOTSTRAP_RESAMPLES = 2000
 MIN_SEEDS_FOR_SEED_SPREAD = 3
+MIN_UNITS_FOR_VERDICT = 3  # seeds or test volumes behind a "helps" / "hurts"
 SECOND_MEMBER_SEED = 1000  # the ensemble's second member: seed s + this, never a ladder seed
 FIXED_THRESHOLD = 0.5
 # The CPU-sized residual encoder: exp001's widths, nnU-Net ResEnc's deeper encoder and one
@@ -316,9 +317,11 @@ def unit_values(rung: Rung, term: str, method: str) -> np.ndarray:
     return per_volume_means(rung.scores, term)
 
 
-def verdict(delta: float, se: float) -> str:
-    if not math.isfinite(se):
-        return "helps" if delta > 0 else "does not help"
+def verdict(delta: float, se: float, units: int) -> str:
+    """helps / hurts when the delta is beyond twice its SE; with fewer than
+    MIN_UNITS_FOR_VERDICT seeds or volumes the SE itself is too rough for either."""
+    if units < MIN_UNITS_FOR_VERDICT or not math.isfinite(se):
+        return ("higher" if delta > 0 else "not higher") + f" (n={units}: too few to tell)"
     if delta > 2 * se:
         return "helps"
     if delta < -2 * se:
@@ -619,7 +622,7 @@ def rung_figures(rung: Rung, base: Rung, previous: Rung | None, method: str) -> 
         fig[f"delta_{label}_se"] = standard_error(diff, method)
         fig[f"delta_{label}_vs"] = other.number
     if "delta_prev" in fig:
-        fig["verdict"] = verdict(fig["delta_prev"], fig["delta_prev_se"])
+        fig["verdict"] = verdict(fig["delta_prev"], fig["delta_prev_se"], len(score))
     return fig
 
 
@@ -646,7 +649,7 @@ def report(lad: Ladder, method: str, record: dict[str, Any]) -> tuple[Rung, Rung
     for rung in lad.rungs:
         label = f"{rung.number} {rung.key}: {rung.what}"[:30]
         if not rung.ran:
-            print(f"{label:<30} {rung.status}")
+            print(f"{label:<30} {rung.status[:110]}")  # the whole of it is in the JSON
             continue
         fig = rung_figures(rung, base, previous, method)
         figures[rung.key] = fig

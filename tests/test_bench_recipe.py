@@ -51,10 +51,12 @@ def test_spread_method_needs_three_seeds() -> None:
 
 
 def test_verdict_says_when_a_rung_does_not_help() -> None:
-    assert recipe.verdict(0.05, 0.01) == "helps"
-    assert recipe.verdict(-0.05, 0.01) == "hurts"
-    assert recipe.verdict(0.01, 0.01) == "no clear difference"
-    assert recipe.verdict(-0.01, 0.01) == "no clear difference (does not help)"
+    assert recipe.verdict(0.05, 0.01, 4) == "helps"
+    assert recipe.verdict(-0.05, 0.01, 4) == "hurts"
+    assert recipe.verdict(0.01, 0.01, 4) == "no clear difference"
+    assert recipe.verdict(-0.01, 0.01, 4) == "no clear difference (does not help)"
+    # Two volumes' bootstrap SE says little: no verdict, only the sign.
+    assert recipe.verdict(0.05, 0.0, 2) == "higher (n=2: too few to tell)"
 
 
 def test_a_claim_the_identity_does_not_show_stops_the_bench() -> None:
