@@ -165,6 +165,9 @@ def test_init_from_and_the_weights_go_together(tmp_path: Path) -> None:
     with pytest.raises(CtsegError, match=r"source.pt: weights file not found"):
         source_weights(FINE_TUNE, tmp_path / "source.pt")
     (tmp_path / "source.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CtsegError, match=r"source.pt: cannot load checkpoint: .*train tiny_source"):
+    with pytest.raises(
+        CtsegError, match=r"source.pt: cannot load checkpoint: .*train tiny_source"
+    ) as error:
         source_weights(FINE_TUNE, tmp_path / "source.pt")
+    assert "\n" not in str(error.value)
     assert source_weights(EXPERIMENT, None) is None

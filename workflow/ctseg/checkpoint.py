@@ -285,7 +285,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the same user problem
         raise DamagedCheckpoint(
-            f"{path}: cannot load checkpoint: {exc}; move it aside to start this run afresh"
+            f"{path}: cannot load checkpoint: {' '.join(str(exc).split())}; move it aside to "
+            "start this run afresh"
         ) from exc
 
 

@@ -60,7 +60,8 @@ def source_weights(
     try:
         state = load_checkpoint(path)  # its checksum is verified on the way
     except DamagedCheckpoint as exc:
-        why = str(exc).split(": ", 1)[-1].split(";")[0]  # without the resume advice
+        why = str(exc).split(": ", 1)[-1].rsplit(";", 1)[0]  # without the resume advice
+        why = " ".join(why.split())  # torch's own message may run over several lines
         raise CtsegError(
             f"--init-from {path}: {why}; train {wanted} again to rewrite its weights"
         ) from exc
