@@ -63,7 +63,7 @@ from ctseg.validation import evaluate
 
 # isort: split
 # Re-exported: the CLI, the trials and the tests import these from ctseg.train.
-from ctseg.checkpoint import identity_changes, load_checkpoint, rng_state, set_rng_state, write_csv  # noqa: F401  # noqa: F401
+from ctseg.checkpoint import identity_changes, load_checkpoint, rng_state, set_rng_state  # noqa: F401
 from ctseg.distributed import configured_gpus, ddp_phase, torchrun_ranks  # noqa: F401
 from ctseg.recipe import lr_at, scaled_lr  # noqa: F401
 
