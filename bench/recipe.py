@@ -81,9 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU-sized, 20 min of 2 cores")
     parser.add_argument("--experiment", default=None, help="rung 1 (default exp001)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per model (500; quick 200)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per model (500; quick 150)")
     parser.add_argument(
-        "--finetune-steps", type=int, default=None, help="rung 4's steps (150; quick 50)"
+        "--finetune-steps", type=int, default=None, help="rung 4's steps (150; quick 40)"
     )
     parser.add_argument(
         "--finetune-patch",
@@ -691,8 +691,8 @@ def rung_record(rung: Rung) -> dict[str, Any]:
 
 def sizes(args: argparse.Namespace, base_patch: Sequence[int]) -> dict[str, Any]:
     quick = args.quick
-    steps = args.steps or (200 if quick else 500)
-    finetune_steps = args.finetune_steps or (50 if quick else 150)
+    steps = args.steps or (150 if quick else 500)
+    finetune_steps = args.finetune_steps or (40 if quick else 150)
     z, y, x = base_patch
     patch = args.finetune_patch or [z * 3 // 2, y * 4 // 3, x * 4 // 3]
     # An average over about the last fifth of the run (1 / (1 - decay) steps)
