@@ -38,13 +38,15 @@ from training_setup import (
 )
 
 import ctseg.feeds
-from ctseg.data import PatchDataset, build_loader, to_device
+from ctseg.device_batches import to_device
 from ctseg.flops import Efficiency, count_flops
 from ctseg.io import CtsegError
 from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
+from ctseg.loader import build_loader
 from ctseg.losses import TERMS, compute_losses, loss_settings
 from ctseg.machine import available_cpus
 from ctseg.model import build_model
+from ctseg.patches import PatchDataset
 from ctseg.summaries import SUMMARY_VERSION
 from ctseg.train import (
     load_checkpoint,

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
-from ctseg.data import PatchDataset, build_loader, to_device
+from ctseg.device_batches import to_device
 from ctseg.distributed import Ranks, gathered
+from ctseg.loader import build_loader
 from ctseg.losses import compute_losses
+from ctseg.patches import PatchDataset
 from ctseg.recipe import memory_format
 
 
