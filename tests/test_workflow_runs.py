@@ -24,7 +24,7 @@ def shell_commands(text: str, command: str) -> list[list[str]]:
     """The printed shell commands (`-p`) that start with `ctseg <command>`."""
     found = []
     for line in text.splitlines():
-        line = line.strip().removeprefix("Shell command:").strip()
+        line = line.strip().removeprefix("Shell command:").strip().removeprefix("exec ")
         if line.startswith(f"ctseg {command} ") or f" -m ctseg.cli {command} " in line:
             found.append(shlex.split(line.split(" > ")[0]))
     return found
@@ -218,3 +218,26 @@ def test_two_experiments_a_cross_validation_and_an_ensemble_in_one_run(tmp_path:
     }
     assert "tiny_b" in touched
     assert touched <= {"tiny_b", "ens_t", "report.html"}, touched
+
+
+def test_a_fine_tune_plans_its_source_first(demo_workflow: Path) -> None:
+    (demo_workflow / "config/experiments/ft.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "ft",
+                "extends": "exp001",
+                "init_from": "exp001_cv.fold0",
+                "data": {"patch_size": [48, 64, 64]},
+            }
+        )
+    )
+    text = planned(run_snakemake(demo_workflow, "-n", "-p", "results/ft/last.pt"))
+    trains = {Path(option(t, "--weights")).parent.name: t for t in shell_commands(text, "train")}
+    assert set(trains) == {"ft", "exp001_cv.fold0"}
+    assert option(trains["ft"], "--init-from") == "results/exp001_cv.fold0/last.pt"
+    assert "--init-from" not in trains["exp001_cv.fold0"]
+    (demo_workflow / "config/experiments/ft.yaml").write_text(
+        yaml.safe_dump({"name": "ft", "extends": "exp001", "init_from": "ens_demo"})
+    )
+    bad = run_snakemake(demo_workflow, "-n", "results/ft/last.pt", check=False)
+    assert bad.returncode != 0 and "init_from: 'ens_demo' is not a trained run" in planned(bad)

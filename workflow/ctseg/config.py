@@ -182,6 +182,8 @@ class Experiment(_Readable):
     loss: Mapping[str, Any]
     train: Mapping[str, Any]
     trial: Mapping[str, Any]
+    # The run whose final weights a fine-tune starts from (its last.pt; the workflow builds it).
+    init_from: str | None = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mapping) and thaw(self) == thaw(other)

@@ -589,6 +589,23 @@ def train_settings(run):
     return {p: settings_used(exp, PHASES[p], "train") for p in chosen_phases(run)}
 
 
+def init_weights(run):
+    """The weights a fine-tune starts from (`init_from: <run>`): the DAG builds them first."""
+    source = experiment(base_of(run)).get("init_from")
+    if not source:
+        return []
+    if run_kind(source) != "trained":
+        raise WorkflowError(
+            f"{experiment_file(run)}: init_from: {source!r} is not a trained run (an "
+            "experiment or a fold): it has no last.pt to start from"
+        )
+    return [f"{run_dir(source)}/last.pt"]
+
+
+def init_arg(wildcards, input):
+    return f"--init-from '{input.init[0]}'" if input.init else ""
+
+
 def trial_summaries(run):
     """The phase trials of a trained run's experiment (folds share their experiment's)."""
     base = base_of(run)

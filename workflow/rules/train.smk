@@ -57,6 +57,8 @@ rule train_model:
         trials=lambda wildcards: (
             trial_summaries(wildcards.exp) if config["phase"] == "auto" else []
         ),
+        # A fine-tune's starting weights (init_from), trained first.
+        init=lambda wildcards: init_weights(wildcards.exp),
     output:
         weights="results/{exp}/last.pt",
         steps="results/{exp}/train/steps.csv",
@@ -90,13 +92,14 @@ rule train_model:
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
         state=lambda wildcards: f"{run_dir(wildcards.exp)}/checkpoints",
+        init=init_arg,
     # exec: ctseg replaces the shell, so a scheduler's SIGTERM reaches it and not a bash that
     # would die at once; it finishes the step, checkpoints and exits 75 (docs/cluster.md).
     shell:
         "exec {params.ctseg} train --experiment {params.experiment:q} {params.fold} "
         "--phases {params.phases:q} --phase {params.phase} --trials {input.trials:q} "
         "{params.scratch} --split {input.split:q} --out {params.out:q} "
-        "--state-dir {params.state:q} --weights {output.weights:q} > {log:q} 2>&1"
+        "--state-dir {params.state:q} --weights {output.weights:q} {params.init} > {log:q} 2>&1"
 
 
 rule train:
