@@ -705,6 +705,12 @@ def postprocess_args(wildcards, input):
     return " ".join(o for o in options if o)
 
 
+def scoring_mem_mb(threads, volumes):
+    """Host memory of a scoring job: one process per volume, up to its threads, 2 GB each at
+    320^3 (ctseg.metrics.WORKER_MEMORY_GB), and a margin."""
+    return 1000 + 2000 * max(1, min(threads, volumes))
+
+
 def tune_args():
     """The search space of `ctseg tune-postprocess`, from config infer.tune."""
     tune = config["infer"]["tune"]

@@ -20,8 +20,12 @@ rule tune_postprocess:
         exp=ANY_RUN,
     conda:
         "../../environment.yml"
-    # Candidates are scored in parallel like evaluate's volumes, one process per thread.
+    # Volumes are scored in parallel as in evaluate, each candidate's masks in turn.
     threads: 8
+    resources:
+        mem_mb=lambda wildcards, threads: scoring_mem_mb(
+            threads, len(tune_ids(wildcards.exp))
+        ),
     params:
         out=lambda wildcards, output: Path(output.settings).parent,
         search=tune_args(),
@@ -58,9 +62,14 @@ rule evaluate:
         exp=ANY_RUN,
     conda:
         "../../environment.yml"
-    # Volumes are scored in parallel, one process per thread (Snakemake caps it at --cores);
-    # a 320^3 volume needs about 1 GB per process.
+    # Volumes are scored in parallel, one process per volume up to the threads (Snakemake caps
+    # them at --cores), the cores left over as threads inside each; a 320^3 volume needs about
+    # 2 GB per process (ctseg.metrics.WORKER_MEMORY_GB).
     threads: 8
+    resources:
+        mem_mb=lambda wildcards, threads: scoring_mem_mb(
+            threads, len(eval_ids(wildcards.exp))
+        ),
     params:
         out=lambda wildcards, output: Path(output.summary).parent,
         provenance=lambda wildcards: provenance_args(wildcards.exp),
