@@ -96,11 +96,6 @@ def test_a_fine_tune_starts_from_the_source_with_a_fresh_optimizer_and_schedule(
     assert lr[0] == pytest.approx(lr_at(0, base_lr=base, warmup=2, total=2, min_ratio=0.05))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ctseg.config.Experiment has no init_from field yet, so the key is dropped on "
-    "loading the file (requested of the lead: /work/notes/G/requests.md)",
-)
 def test_ctseg_train_init_from_fine_tunes_from_the_file(scratch: Path, tmp_path: Path) -> None:
     source_file(tmp_path / "source.pt", seed=123)
     split = tmp_path / "split.csv"
