@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +73,7 @@ def test_search_picks_the_best_candidate_where_0_5_is_wrong(tmp_path: Path):
     table = pd.read_csv(tmp_path / "out" / "candidates.csv")
     chosen = table[table["chosen"]]
     assert len(chosen) == 1
-    assert summary["candidates"] == len(table) <= tuning.SearchSpace().max_candidates() == 20
+    assert summary["candidates"] == len(table) <= tuning.SearchSpace().max_candidates() == 32
     # The choice is the best candidate scored, and the first of equals (the simplest).
     assert chosen["score"].iloc[0] == table["score"].max()
     assert chosen.index[0] == table.index[table["score"] == table["score"].max()][0]
@@ -156,7 +158,9 @@ def test_postprocess_command_applies_the_tuned_settings(tmp_path: Path, capsys):
         == 0
     )
     summary = json.loads((tuned / "tuned.json").read_text())
-    assert summary["candidates"] == 2 + 2 + 1 + 1  # two thresholds, refine, size, fill
+    # Two thresholds, refine, the fixed hysteresis pair in 3D and along z, a size, 3D fill, two
+    # plugging areas, two patching areas, two closing radii.
+    assert summary["candidates"] == 2 + 2 + 2 + 1 + 1 + 2 + 2 + 2
     mask_path = tmp_path / "a.tif"
     assert (
         cli.main(
@@ -205,24 +209,62 @@ def test_bad_search_space_is_refused():
 
 
 # ----------------------------------------------------------------------------- the workflow
-def test_fixed_postprocess_bypasses_the_search(tmp_path: Path):
-    config = dict(
-        TINY_CONFIG,
-        infer={
-            "postprocess": "fixed",
-            "threshold": 0.35,
-            "min_component_voxels": 8,
-            "fill_holes": True,
-        },
-    )
-    workdir = copy_workflow(tmp_path, config)
+def shell_args(dry_run: str, command: str):
+    """The first `ctseg <command>` of a dry run's printed shell commands, parsed by the CLI."""
+    line = next(x for x in dry_run.splitlines() if f"ctseg {command} " in x)
+    words = shlex.split(line.split("ctseg ", 1)[1].split(" > ")[0])
+    return cli.build_parser().parse_args(words)
+
+
+FIXED_LATER_STEPS = {
+    "hysteresis_high": 0.8,
+    "hysteresis_mode": "z",
+    "plug_holes_max_area": 64,
+    "closing_radius": 1,
+}
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["four-settings", "later-steps"])
+def test_fixed_postprocess_bypasses_the_search(tmp_path: Path, later):
+    infer = {"postprocess": "fixed", "threshold": 0.35, "min_component_voxels": 8}
+    infer.update(fill_holes=True, **(FIXED_LATER_STEPS if later else {}))
+    workdir = copy_workflow(tmp_path, dict(TINY_CONFIG, infer=infer))
     proc = run_snakemake(workdir, "-n", "-p", "--config", "experiment=tiny")
     out = proc.stdout + proc.stderr
     assert "tune_postprocess" not in out
-    assert "--threshold 0.35 --min-component-voxels 8 --fill-holes" in out
+    if later:
+        options = "--threshold 0.35 --hysteresis-high 0.8 --min-component-voxels 8 --fill-holes "
+        options += "--hysteresis-mode z --plug-holes-max-area 64 --closing-radius 1"
+        args = shell_args(out, "postprocess")
+        assert (args.hysteresis_mode, args.plug_holes_max_area) == ("z", 64)
+        assert (args.patch_holes_max_area, args.closing_radius) == (0, 1)
+    else:
+        # The later steps off: the command line the rule always had.
+        options = "--threshold 0.35 --min-component-voxels 8 --fill-holes >"
+    assert options in out
     assert "--settings" not in out
     # Only the test volume is inferred: the val split's probabilities serve only the search.
     assert out.count("rule infer:") == TINY_CONFIG["demo"]["n_test"]
+
+
+def test_the_rule_searches_the_default_space_of_32(tmp_path: Path):
+    """The schema's infer.tune defaults reach `ctseg tune-postprocess` as the default space."""
+    workdir = copy_workflow(tmp_path, TINY_CONFIG)
+    out = run_snakemake(workdir, "-n", "-p", "--config", "experiment=tiny").stdout
+    args = shell_args(out, "tune-postprocess")
+    assert args.hysteresis_pairs == [(0.5, 0.9)] and args.hysteresis_modes == ["3d", "z"]
+    assert (args.plug_holes_max_area, args.patch_holes_max_area) == ([16, 64], [256, 1024])
+    assert args.closing_radii == [1, 2]
+    space = tuning.SearchSpace(
+        **{
+            k: tuple(getattr(args, k))
+            for k in tuning.SearchSpace.__dataclass_fields__
+            if k not in ("refine_step", "fill_holes")
+        },
+        refine_step=args.refine_step,
+        fill_holes=not args.no_fill_holes,
+    )
+    assert space == tuning.SearchSpace() and space.max_candidates() == 32
 
 
 @pytest.mark.slow
@@ -250,7 +292,10 @@ def test_workflow_tunes_on_val_and_applies_it_to_test_volumes(tmp_path: Path):
     tuned = json.loads((results / "postprocess" / "tuned.json").read_text())
     assert tuned["volumes"] == val_ids and tuned["topo_method"] == "betti_matching"
     candidates = pd.read_csv(results / "postprocess" / "candidates.csv")
-    assert len(candidates) == tuned["candidates"] <= 2 + 2 + 2 + 1 + 1
+    # Two thresholds, refine, (2 offset pairs + the fixed pair) x 2 modes, a size, fill, and the
+    # default plugging, patching and closing.
+    assert tuned["search"]["max_candidates"] == 2 + 2 + 6 + 1 + 1 + 2 + 2 + 2
+    assert len(candidates) == tuned["candidates"] <= tuned["search"]["max_candidates"]
     assert candidates.loc[candidates["chosen"], "score"].iloc[0] == candidates["score"].max()
 
     settings = PostprocessSettings(**tuned["settings"])
@@ -320,8 +365,20 @@ def test_search_chooses_as_the_previous_scorer(tmp_path: Path):
     candidate still scores exactly what the previous path (score_volume's reference
     implementation, a fresh score per candidate) gives, so the same candidate is chosen."""
     volumes = [surface_case(tmp_path, "a", 4), surface_case(tmp_path, "b", 5)]
-    space = tuning.SearchSpace(thresholds=(0.3, 0.4, 0.5), hysteresis_offsets=(0.1,))
+    # The stages of plugging, patching and closing off: every candidate here is scored twice
+    # over, and their exact scores are checked in test_search_chooses_plugging_...
+    space = tuning.SearchSpace(
+        thresholds=(0.3, 0.4, 0.5),
+        hysteresis_offsets=(0.1,),
+        plug_holes_max_area=(),
+        patch_holes_max_area=(),
+        closing_radii=(),
+    )
     best, candidates = tuning.search(volumes, space)
+    assert {c.settings.hysteresis_mode for c in candidates if c.stage == "hysteresis"} == {
+        "3d",
+        "z",
+    }
     reference = {}
     for c in candidates:
         scores = []
@@ -335,3 +392,270 @@ def test_search_chooses_as_the_previous_scorer(tmp_path: Path):
         reference[c.settings] = float(np.mean(scores))
     assert best.settings.label() == "t>0.3 min 16"
     assert reference[best.settings] == max(reference.values())
+
+
+# ----------------------------------------------------------------------------- the winners' steps
+def sheet_case(directory: Path, name: str, probs: np.ndarray, label: np.ndarray) -> tuning.Volume:
+    """A hand-built volume: these probabilities (float16, as infer stores them) and label."""
+    store = directory / f"{name}.zarr"
+    create_volume(store, probs.shape, np.float16, (16, 16, 16))[...] = probs.astype(np.float16)
+    tifffile.imwrite(directory / f"{name}.tif", label.astype(np.uint8))
+    return tuning.Volume(name, store, directory / f"{name}.tif")
+
+
+def flat_sheet(shape=(32, 32, 32)) -> tuple[np.ndarray, np.ndarray]:
+    """A label with a sheet two voxels thick across z 10-11, and probabilities 0.95 on it over a
+    background of 0.02: any threshold recovers the sheet, and nothing else. Its edges are 4
+    voxels from the volume's faces: `masks.close` extends a mask within r of a face to the
+    face (its erosion counts the outside as mask)."""
+    label = np.zeros(shape, np.uint8)
+    label[10:12, 4:28, 4:28] = 1
+    return np.where(label == 1, 0.95, 0.02), label
+
+
+def only_new_stage(stage: str) -> tuning.SearchSpace:
+    """The default search with every other new stage off (each test shows its own stage)."""
+    off = {
+        "hysteresis_pairs": (),
+        "hysteresis_modes": ("3d",),
+        "plug_holes_max_area": (),
+        "patch_holes_max_area": (),
+        "closing_radii": (),
+    }
+    default = tuning.SearchSpace()
+    on = {
+        "hysteresis": ("hysteresis_pairs", "hysteresis_modes"),
+        "plug_holes": ("plug_holes_max_area",),
+        "patch_holes": ("patch_holes_max_area",),
+        "closing": ("closing_radii",),
+    }[stage]
+    return tuning.SearchSpace(**{**off, **{k: getattr(default, k) for k in on}})
+
+
+def test_default_search_is_32_candidates_a_volume_and_says_so(tmp_path: Path, capsys):
+    space = tuning.SearchSpace()
+    assert space.stage_bounds() == {
+        "threshold": 9,
+        "refine": 2,
+        "hysteresis": 10,
+        "min_component": 4,
+        "fill_holes": 1,
+        "plug_holes": 2,
+        "patch_holes": 2,
+        "closing": 2,
+    }
+    assert space.max_candidates() == 32
+    # `ctseg tune-postprocess --help` says the default bound, stage by stage.
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["tune-postprocess", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "at most 32 candidates per volume" in help_text
+    assert "(threshold 9 + refine 2 + hysteresis 10 + min_component 4 + fill_holes 1 + " in (
+        help_text
+    )
+    assert space.describe().split("(")[1] in help_text
+    # The new stages off: the search before them, 20.
+    assert only_new_stage("plug_holes").max_candidates() == 22
+    old = tuning.SearchSpace(
+        hysteresis_pairs=(),
+        hysteresis_modes=("3d",),
+        plug_holes_max_area=(),
+        patch_holes_max_area=(),
+        closing_radii=(),
+    )
+    assert old.max_candidates() == 20
+
+    # A run's bound is in its log, tuned.json and candidates.csv, and the run stays within it.
+    probs, label = flat_sheet()
+    probs[10:12, 12:17, 12:17] = 0.02  # a 5 x 5 hole (plugging fills it)
+    volume = sheet_case(tmp_path, "a", probs, label)
+    argv = ["tune-postprocess", "--probabilities", str(volume.probabilities)]
+    argv += ["--labels", str(volume.label), "--out", str(tmp_path / "o")]
+    argv += ["--topo-method", "betti_counts", "--thresholds", "0.5", "--closing-radii", "1"]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    bound = "at most 23 candidates per volume (threshold 1 + refine 2 + hysteresis 10 + "
+    assert bound in err
+    assert "closing 1)" in err and "candidates scored of at most 23" in err
+    summary = json.loads((tmp_path / "o" / "tuned.json").read_text())
+    assert summary["search"]["max_candidates"] == 23
+    assert summary["search"]["stage_bounds"]["closing"] == 1
+    assert summary["search"]["closing_radii"] == [1]
+    table = pd.read_csv(tmp_path / "o" / "candidates.csv")
+    assert (table["max_candidates"] == 23).all()
+    assert len(table) == summary["candidates"] <= 23
+    for stage, bound in summary["search"]["stage_bounds"].items():
+        assert (table["stage"] == stage).sum() <= bound, stage
+
+
+def test_search_chooses_plugging_for_a_hole_the_label_fills(tmp_path: Path):
+    """A sheet predicted with a 5 x 5 hole that the label has filled: no threshold, hysteresis,
+    component removal, 3D fill (the hole is open on both sides of the sheet) can fill it; per-
+    slice plugging does, and the score is the exact one of that mask."""
+    probs, label = flat_sheet()
+    probs[10:12, 12:17, 12:17] = 0.02
+    volume = sheet_case(tmp_path, "a", probs, label)
+    summary = tuning.tune_postprocess([volume], tmp_path / "out", only_new_stage("plug_holes"))
+    chosen = tuning.load_tuned(tmp_path / "out" / "tuned.json")
+    assert chosen.plug_holes_max_area == 64  # 16 is too small for the 25-voxel hole
+    assert (chosen.closing_radius, chosen.patch_holes_max_area, chosen.fill_holes) == (0, 0, False)
+    table = pd.read_csv(tmp_path / "out" / "candidates.csv")
+    before = table.loc[table["stage"] != "plug_holes", "score"].max()
+    assert before < 1 and summary["score"] == 1.0
+    mask, counts = binary_mask(probs.astype(np.float16), chosen)
+    assert counts["plugged_voxels"] == 2 * 25
+    exact = tuning.competition_score(mask, label)  # Betti matching, from scratch
+    assert summary["score"] == exact["score"]
+    assert summary["terms"] == {t: exact[t] for t in tuning.SCORE_TERMS[1:]}
+
+
+def test_search_chooses_patching_for_a_large_hole_inside_a_sheet(tmp_path: Path):
+    probs, label = flat_sheet()
+    probs[10:12, 10:22, 10:22] = 0.02  # 144 voxels a slice: more than plugging's 64
+    volume = sheet_case(tmp_path, "a", probs, label)
+    space = dataclasses.replace(only_new_stage("patch_holes"), plug_holes_max_area=(16, 64))
+    best, candidates = tuning.search([volume], space, topo_method="betti_counts")
+    assert best.settings.label() == "t>0.1 patch 256"
+    assert best.mean() == 1.0
+    assert max(c.mean() for c in candidates if c.stage != "patch_holes") < 1
+    # Plugging was tried (and did nothing), so patching started from "no plugging".
+    assert {c.settings.plug_holes_max_area for c in candidates if c.stage == "plug_holes"} == {
+        16,
+        64,
+    }
+
+
+@pytest.mark.parametrize("width, radius", [(2, 1), (3, 2)])
+def test_search_chooses_the_closing_that_closes_a_crack(tmp_path: Path, width, radius):
+    """A crack across the whole sheet (open at both ends: no plugging fills it) of `width`
+    voxels: a closing of radius r closes cracks of up to 2r voxels."""
+    probs, label = flat_sheet()
+    probs[10:12, 4:28, 14 : 14 + width] = 0.02
+    volume = sheet_case(tmp_path, "a", probs, label)
+    space = dataclasses.replace(only_new_stage("closing"), plug_holes_max_area=(64,))
+    best, candidates = tuning.search([volume], space, topo_method="betti_counts")
+    assert best.settings.closing_radius == radius and best.stage == "closing"
+    assert best.mean() == 1.0
+    assert max(c.mean() for c in candidates if c.stage != "closing") < 1
+
+
+def test_search_chooses_hysteresis_along_z(tmp_path: Path):
+    """A sheet crossing the z-slices (x 15-16), confident on half of each slice's line and weak
+    (0.65) on the other half, and a weak flap that is no surface above it (z 22-25), touching it
+    only through the slice below: 3D hysteresis keeps the flap (it touches confident surface),
+    any threshold that drops the flap drops the weak surface; hysteresis along z keeps the weak
+    half (confident in its own slice) and drops the flap (nothing confident in its slices)."""
+    label = np.zeros((32, 32, 32), np.uint8)
+    label[2:22, 2:30, 15:17] = 1
+    probs = np.full(label.shape, 0.02)
+    probs[2:22, 2:16, 15:17] = 0.95
+    probs[2:22, 16:30, 15:17] = 0.65
+    probs[22:26, 2:30, 15:17] = 0.65
+    volume = sheet_case(tmp_path, "a", probs, label)
+    space = only_new_stage("hysteresis")
+    summary = tuning.tune_postprocess([volume], tmp_path / "out", space, topo_method="betti_counts")
+    chosen = tuning.load_tuned(tmp_path / "out" / "tuned.json")
+    assert (chosen.threshold, chosen.hysteresis_high, chosen.hysteresis_mode) == (0.5, 0.9, "z")
+    assert chosen.label() == "t>0.5 hyst-z 0.9"
+    assert summary["score"] == 1.0
+    table = pd.read_csv(tmp_path / "out" / "candidates.csv")
+    three_d = table[(table["stage"] == "hysteresis") & (table["hysteresis_mode"] == "3d")]
+    # From t 0.1 (the first of the equal thresholds): (0.1, 0.2), (0.1, 0.3) and (0.5, 0.9).
+    assert len(three_d) == 3 and three_d["score"].max() < 1
+    # The same pair in 3D was scored, and is worse.
+    pair_3d = three_d[(three_d["threshold"] == 0.5) & (three_d["hysteresis_high"] == 0.9)]
+    assert len(pair_3d) == 1 and pair_3d["score"].iloc[0] < 1
+
+
+def test_later_stages_keep_what_earlier_stages_chose(tmp_path: Path):
+    """Each stage starts from the whole best so far (dataclasses.replace): a z-mode hysteresis
+    and a plugging area chosen early are kept by every later candidate."""
+    best = PostprocessSettings(0.3, 0.9, 16, True, "z", 64, 0, 0)
+    space = tuning.SearchSpace()
+    for stage in tuning.STAGES[1:]:
+        for s in tuning._stage_candidates(stage, best, space):
+            changed = {k for k, v in s.as_dict().items() if v != best.as_dict()[k]}
+            allowed = {
+                "refine": {"threshold"},
+                "hysteresis": {"threshold", "hysteresis_high", "hysteresis_mode"},
+                "min_component": {"min_component_voxels"},
+                "fill_holes": {"fill_holes"},
+                "plug_holes": {"plug_holes_max_area"},
+                "patch_holes": {"patch_holes_max_area"},
+                "closing": {"closing_radius"},
+            }[stage]
+            assert changed <= allowed, (stage, s)
+    # Patching only above the plugging area chosen (up to it every hole is already filled).
+    patch = tuning._stage_candidates(
+        "patch_holes", dataclasses.replace(best, plug_holes_max_area=256), space
+    )
+    assert [s.patch_holes_max_area for s in patch] == [1024]
+
+
+def test_with_the_new_stages_off_the_search_is_the_previous_one(tmp_path: Path):
+    """On the fixed volumes of the earlier tests (where 0.5 is wrong, a threshold and a size
+    recover the sheets), the new stages change nothing: with them off, the same candidates in
+    the same order as the 20-candidate search; with them on, these first, with the same
+    scores, and the same choice (none of the new candidates scores higher)."""
+    volumes = [surface_case(tmp_path, "a", 6), surface_case(tmp_path, "b", 7)]
+    off = tuning.SearchSpace(
+        hysteresis_pairs=(),
+        hysteresis_modes=("3d",),
+        plug_holes_max_area=(),
+        patch_holes_max_area=(),
+        closing_radii=(),
+    )
+    best_off, off_candidates = tuning.search(volumes, off, topo_method="betti_counts")
+    best_on, on_candidates = tuning.search(volumes, topo_method="betti_counts")
+    assert [c.stage for c in off_candidates] == [
+        *["threshold"] * 9,
+        *["refine"] * 2,
+        *["hysteresis"] * 4,
+        *["min_component"] * 4,
+        "fill_holes",
+    ]
+    assert best_off.settings.label() == "t>0.3 min 16"
+    assert best_on.settings == best_off.settings
+    on = {c.settings: c for c in on_candidates}
+    for c in off_candidates:
+        assert on[c.settings].scores == c.scores
+    new = [c for c in on_candidates if c.settings not in {o.settings for o in off_candidates}]
+    assert {c.stage for c in new} == {"hysteresis", "plug_holes", "patch_holes", "closing"}
+    assert all(c.mean() <= best_on.mean() for c in new)
+    assert len(on_candidates) <= 32
+
+
+def test_new_settings_round_trip_through_tuned_json(tmp_path: Path):
+    """tuned.json keeps the new fields: load_tuned gives the settings the search chose, and
+    `ctseg postprocess --settings` applies them (and the same as fixed options)."""
+    probs, label = flat_sheet()
+    probs[10:12, 12:17, 12:17] = 0.02
+    volume = sheet_case(tmp_path, "a", probs, label)
+    space = tuning.SearchSpace(thresholds=(0.5,), refine_step=0, hysteresis_offsets=())
+    tuning.tune_postprocess([volume], tmp_path / "out", space, topo_method="betti_counts")
+    on_disk = json.loads((tmp_path / "out" / "tuned.json").read_text())
+    chosen = tuning.load_tuned(tmp_path / "out" / "tuned.json")
+    assert on_disk["settings"] == chosen.as_dict()
+    assert set(on_disk["settings"]) == set(PostprocessSettings().as_dict())
+    assert chosen.plug_holes_max_area == 64
+    a, b = tmp_path / "a.tif", tmp_path / "b.tif"
+    argv = ["postprocess", str(volume.probabilities)]
+    assert cli.main([*argv, str(a), "--settings", str(tmp_path / "out" / "tuned.json")]) == 0
+    assert cli.main([*argv, str(b), "--plug-holes-max-area", "64"]) == 0
+    np.testing.assert_array_equal(tifffile.imread(a), label)
+    np.testing.assert_array_equal(tifffile.imread(b), label)
+
+
+def test_bad_new_search_values_are_refused():
+    for kwargs, match in [
+        ({"hysteresis_modes": ("2d",)}, "hysteresis_modes"),
+        ({"hysteresis_modes": ()}, "hysteresis_modes"),
+        ({"hysteresis_pairs": ((0.9, 0.5),)}, "hysteresis_pairs"),
+        ({"plug_holes_max_area": (0,)}, "plug_holes_max_area"),
+        ({"patch_holes_max_area": (1.5,)}, "patch_holes_max_area"),
+        ({"closing_radii": (3,)}, "closing_radii"),
+    ]:
+        with pytest.raises(CtsegError, match=match):
+            tuning.SearchSpace(**kwargs)

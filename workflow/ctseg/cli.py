@@ -298,6 +298,11 @@ def cmd_tune_postprocess(args: argparse.Namespace) -> None:
         "refine_step": args.refine_step,
         "hysteresis_offsets": args.hysteresis_offsets,
         "min_component_voxels": args.min_component_voxels,
+        "hysteresis_modes": args.hysteresis_modes,
+        "hysteresis_pairs": args.hysteresis_pairs,
+        "plug_holes_max_area": args.plug_holes_max_area,
+        "patch_holes_max_area": args.patch_holes_max_area,
+        "closing_radii": args.closing_radii,
     }
     space = SearchSpace(
         **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None},
@@ -307,8 +312,7 @@ def cmd_tune_postprocess(args: argparse.Namespace) -> None:
         [Path(p) for p in args.probabilities], [Path(p) for p in args.labels]
     )
     print(
-        f"tune-postprocess: at most {space.max_candidates()} candidates x {len(volumes)} "
-        f"volume(s), {args.topo_method}",
+        f"tune-postprocess: {space.describe()}, x {len(volumes)} volume(s), {args.topo_method}",
         file=sys.stderr,
     )
     summary = tune_postprocess(
@@ -330,6 +334,10 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
             hysteresis_high=args.hysteresis_high,
             min_component_voxels=args.min_component_voxels,
             fill_holes=args.fill_holes,
+            hysteresis_mode=args.hysteresis_mode,
+            plug_holes_max_area=args.plug_holes_max_area,
+            patch_holes_max_area=args.patch_holes_max_area,
+            closing_radius=args.closing_radius,
         )
     info = write_mask(Path(args.probabilities), Path(args.mask), settings)
     print(json.dumps(info, indent=1))
@@ -576,11 +584,27 @@ def _infer_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_infer)
 
 
+def _hysteresis_pair(text: str) -> tuple[float, float]:
+    """`LOW,HIGH` of `tune-postprocess --hysteresis-pairs` (SearchSpace checks the values)."""
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW,HIGH such as 0.5,0.9") from None
+    return low, high
+
+
 def _tune_postprocess_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune-postprocess",
-        help="choose threshold, hysteresis, small-component removal and hole filling by the "
-        "competition score on probabilities with labels; tuned.json + candidates.csv",
+        help="choose threshold, hysteresis, small-component removal, hole filling, plugging "
+        "and patching, and closing by the competition score on probabilities with labels; "
+        "tuned.json + candidates.csv",
+        # The bound is SearchSpace.describe()'s (tests/test_tuning.py checks this text).
+        description="A bounded coordinate search, one setting at a time from the best so far, "
+        "each candidate scored exactly on every volume: with the defaults at most 32 candidates "
+        "per volume (threshold 9 + refine 2 + hysteresis 10 + min_component 4 + fill_holes 1 + "
+        "plug_holes 2 + patch_holes 2 + closing 2); the log, tuned.json and candidates.csv "
+        "say the bound of the search run. An option given with no values turns its stage off.",
     )
     p.add_argument("--probabilities", nargs="+", required=True, help="<id>.zarr from infer")
     p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
@@ -600,6 +624,42 @@ def _tune_postprocess_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-fill-holes", action="store_true", help="do not try hole filling")
     p.add_argument(
+        "--hysteresis-modes",
+        nargs="+",
+        choices=["3d", "z"],
+        default=None,
+        help="3d z: every hysteresis pair in each (z: connected within a z-slice)",
+    )
+    p.add_argument(
+        "--hysteresis-pairs",
+        type=_hysteresis_pair,
+        nargs="*",
+        default=None,
+        help="LOW,HIGH fixed pairs tried beside the offsets: 0.5,0.9; none: off",
+    )
+    p.add_argument(
+        "--plug-holes-max-area",
+        type=int,
+        nargs="*",
+        default=None,
+        help="16 64: per-slice hole plugging up to each area; none: off",
+    )
+    p.add_argument(
+        "--patch-holes-max-area",
+        type=int,
+        nargs="*",
+        default=None,
+        help="256 1024: patching of large holes in sheets up to each area; none: off",
+    )
+    p.add_argument(
+        "--closing-radii",
+        type=int,
+        nargs="*",
+        choices=[1, 2],
+        default=None,
+        help="1 2: morphological closing by a cube of side 2r+1; none: off",
+    )
+    p.add_argument(
         "--workers", type=int, default=1, help="cores: a process per volume, the rest as threads"
     )
     p.add_argument(
@@ -617,6 +677,12 @@ def _postprocess_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hysteresis-high", type=float, default=None)
     p.add_argument("--min-component-voxels", type=int, default=0)
     p.add_argument("--fill-holes", action="store_true")
+    p.add_argument(
+        "--hysteresis-mode", choices=["3d", "z"], default="3d", help="z: within each z-slice"
+    )
+    p.add_argument("--plug-holes-max-area", type=int, default=0, help="per-slice plugging; 0 off")
+    p.add_argument("--patch-holes-max-area", type=int, default=0, help="large holes; 0: off")
+    p.add_argument("--closing-radius", type=int, choices=[0, 1, 2], default=0, help="0: off")
     p.set_defaults(func=cmd_postprocess)
 
 

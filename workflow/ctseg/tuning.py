@@ -2,7 +2,9 @@
 
 Top solutions of the Vesuvius surface-detection competition gained 0.02 to 0.035 from
 post-processing chosen against the score (docs/metric.md, "What the field found"): the threshold,
-hysteresis, removing small components, filling holes. `tune_postprocess` searches these settings
+hysteresis (in 3D and along z), removing small components, filling holes, plugging small holes
+slice by slice, patching large holes in sheets, a morphological closing. `tune_postprocess`
+searches these settings
 (`ctseg.masks.PostprocessSettings`) on probability stores already written by `ctseg infer` (the
 model is not run again) against their labels, scoring every candidate with the exact
 competition score (`ctseg.metrics`, Betti matching by default), and writes
@@ -13,19 +15,32 @@ competition score (`ctseg.metrics`, Betti matching by default), and writes
   its three terms, and each volume's score.
 
 The search is a bounded coordinate search, one setting at a time, each stage starting from the
-best so far (a full grid over four settings would cost hundreds of exact scores per volume):
+best so far (`dataclasses.replace` of it, so a stage keeps every setting chosen before it; a full
+grid over eight settings would cost thousands of exact scores per volume):
 
 1. ``threshold``: every threshold of the grid (0.5 always among them);
 2. ``refine``: the best threshold +- ``refine_step``;
 3. ``hysteresis``: with the best threshold t, for each offset d the pairs (low t, high t + d),
    which drop weak blobs that never reach t + d, and (low t - d, high t), which keep weak
-   voxels attached to surface above t;
+   voxels attached to surface above t; then each fixed pair of ``hysteresis_pairs`` (the 8th
+   place's 0.5/0.9). Every pair in each mode of ``hysteresis_modes``, all 3D ones first: ``z``
+   keeps a weak voxel only when its own z-slice connects it to a confident one
+   (`ctseg.masks.hysteresis_z`);
 4. ``min_component``: each minimum component size with the best binarisation;
-5. ``fill_holes``: hole filling on top of the best.
+5. ``fill_holes``: 3D cavity filling on top of the best;
+6. ``plug_holes``: each area of ``plug_holes_max_area``: enclosed holes up to that many voxels
+   filled in every slice along z, y and x (`ctseg.masks.plug_holes`);
+7. ``patch_holes``: each area of ``patch_holes_max_area`` above the chosen plug area: larger
+   holes filled where they lie inside a sheet (`ctseg.masks.patch_holes`);
+8. ``closing``: each radius of ``closing_radii`` (`ctseg.masks.close`, a cube of side 2r + 1).
 
-At most ``max_candidates`` candidates (20 by default) are scored on each volume; a candidate
-already scored in an earlier stage is not scored again. A candidate replaces the best only when
-it scores strictly higher, so ties keep the simpler settings found first.
+The order of 4 to 8 is the 1st place's (small components, plug, large holes, closing). At most
+``max_candidates`` candidates (`SearchSpace.stage_bounds` per stage: 9 + 2 + 10 + 4 + 1 + 2 + 2
++ 2 = 32 with the defaults; 20 with stages 6 to 8, the fixed pairs and the z mode off, the
+search before they existed, which it then repeats candidate for candidate) are scored on each
+volume; the log, tuned.json (``search``) and candidates.csv (``max_candidates``) say that bound.
+A candidate already scored in an earlier stage is not scored again. A candidate replaces the
+best only when it scores strictly higher, so ties keep the simpler settings found first.
 
 Each stage's candidates of one volume are scored together, by one process: the label's side of
 the score (`ctseg.metrics.LabelSide`: its ignore mask, surfel borders, components and tiles'
@@ -47,6 +62,7 @@ the report.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -63,7 +79,13 @@ import pandas as pd
 from tqdm import tqdm
 
 from ctseg.io import CtsegError, atomic_path, check_id
-from ctseg.masks import PostprocessSettings, binary_mask, settings_from_mapping
+from ctseg.masks import (
+    CLOSING_RADII,
+    HYSTERESIS_MODES,
+    PostprocessSettings,
+    binary_mask,
+    settings_from_mapping,
+)
 from ctseg.metrics import (
     TOPO_METHODS,
     LabelSide,
@@ -76,7 +98,16 @@ from ctseg.metrics import (
 DEFAULT_SETTINGS = PostprocessSettings()
 TUNED_JSON = "tuned.json"
 CANDIDATES_CSV = "candidates.csv"
-STAGES = ("threshold", "refine", "hysteresis", "min_component", "fill_holes")
+STAGES = (
+    "threshold",
+    "refine",
+    "hysteresis",
+    "min_component",
+    "fill_holes",
+    "plug_holes",
+    "patch_holes",
+    "closing",
+)
 SCORE_TERMS = ("score", "surface_dice", "voi_score", "topo_score")
 # Fewer labelled surface voxels than this over the whole val split (a 2-voxel sheet of about
 # 22 x 22 voxels) and the search is not run: see the module docstring.
@@ -90,6 +121,11 @@ class SearchSpace:
     hysteresis_offsets: tuple[float, ...] = (0.1, 0.2)
     min_component_voxels: tuple[int, ...] = (16, 64, 256, 1024)
     fill_holes: bool = True
+    hysteresis_modes: tuple[str, ...] = HYSTERESIS_MODES
+    hysteresis_pairs: tuple[tuple[float, float], ...] = ((0.5, 0.9),)  # the 8th place's
+    plug_holes_max_area: tuple[int, ...] = (16, 64)
+    patch_holes_max_area: tuple[int, ...] = (256, 1024)
+    closing_radii: tuple[int, ...] = (1, 2)
 
     def __post_init__(self) -> None:
         if not self.thresholds or any(not 0 < t < 1 for t in self.thresholds):
@@ -105,20 +141,66 @@ class SearchSpace:
                 f"min_component_voxels {list(self.min_component_voxels)}: expected integers "
                 ">= 1 (keeping every component is always a candidate)"
             )
+        if not self.hysteresis_modes or any(
+            m not in HYSTERESIS_MODES for m in self.hysteresis_modes
+        ):
+            raise CtsegError(
+                f"hysteresis_modes {list(self.hysteresis_modes)}: expected one or more of "
+                f"{list(HYSTERESIS_MODES)}"
+            )
+        for pair in self.hysteresis_pairs:
+            if len(pair) != 2 or not 0 < pair[0] < pair[1] < 1:
+                raise CtsegError(
+                    f"hysteresis_pairs {[list(p) for p in self.hysteresis_pairs]}: expected "
+                    "[low, high] pairs with 0 < low < high < 1"
+                )
+        for name in ("plug_holes_max_area", "patch_holes_max_area"):
+            areas = getattr(self, name)
+            if any(isinstance(a, bool) or int(a) != a or a < 1 for a in areas):
+                raise CtsegError(
+                    f"{name} {list(areas)}: expected integers >= 1 (none: the stage is off)"
+                )
+        if any(isinstance(r, bool) or r not in CLOSING_RADII[1:] for r in self.closing_radii):
+            raise CtsegError(
+                f"closing_radii {list(self.closing_radii)}: expected values among "
+                f"{list(CLOSING_RADII[1:])} (none: no closing)"
+            )
 
     def grid(self) -> list[float]:
         """The stage-1 thresholds: the grid plus the default 0.5, sorted, without repeats."""
         return sorted({_round(t) for t in (*self.thresholds, DEFAULT_SETTINGS.threshold)})
 
+    def pairs(self) -> list[tuple[float, float]]:
+        """The fixed hysteresis pairs, rounded, without repeats, in the order given."""
+        return list(dict.fromkeys((_round(lo), _round(hi)) for lo, hi in self.hysteresis_pairs))
+
+    def modes(self) -> list[str]:
+        """The hysteresis modes, 3D first (ties then keep the plain 3D hysteresis)."""
+        return [m for m in HYSTERESIS_MODES if m in self.hysteresis_modes]
+
+    def stage_bounds(self) -> dict[str, int]:
+        """Each stage's candidates per volume at most (fewer when values leave (0, 1), repeat
+        or were scored in an earlier stage)."""
+        return {
+            "threshold": len(self.grid()),
+            "refine": 2 if self.refine_step > 0 else 0,
+            "hysteresis": (2 * len(self.hysteresis_offsets) + len(self.pairs()))
+            * len(self.modes()),
+            "min_component": len(set(self.min_component_voxels)),
+            "fill_holes": 1 if self.fill_holes else 0,
+            "plug_holes": len(set(self.plug_holes_max_area)),
+            "patch_holes": len(set(self.patch_holes_max_area)),
+            "closing": len(set(self.closing_radii)),
+        }
+
     def max_candidates(self) -> int:
-        """Candidates scored per volume at most (fewer when values leave (0, 1) or repeat)."""
-        return (
-            len(self.grid())
-            + (2 if self.refine_step > 0 else 0)
-            + 2 * len(self.hysteresis_offsets)
-            + len(set(self.min_component_voxels))
-            + (1 if self.fill_holes else 0)
-        )
+        """Candidates scored per volume at most: the sum of `stage_bounds`."""
+        return sum(self.stage_bounds().values())
+
+    def describe(self) -> str:
+        """The bound as the log says it: `at most 32 candidates per volume (threshold 9 + ...)`."""
+        parts = " + ".join(f"{k} {n}" for k, n in self.stage_bounds().items() if n)
+        return f"at most {self.max_candidates()} candidates per volume ({parts})"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +209,12 @@ class SearchSpace:
             "hysteresis_offsets": list(self.hysteresis_offsets),
             "min_component_voxels": sorted(set(self.min_component_voxels)),
             "fill_holes": self.fill_holes,
+            "hysteresis_modes": self.modes(),
+            "hysteresis_pairs": [list(p) for p in self.pairs()],
+            "plug_holes_max_area": sorted(set(self.plug_holes_max_area)),
+            "patch_holes_max_area": sorted(set(self.patch_holes_max_area)),
+            "closing_radii": sorted(set(self.closing_radii)),
+            "stage_bounds": self.stage_bounds(),
             "max_candidates": self.max_candidates(),
         }
 
@@ -290,11 +378,20 @@ class _Scorer:
 def _stage_candidates(
     stage: str, best: PostprocessSettings, space: SearchSpace
 ) -> list[PostprocessSettings]:
+    """A stage's candidates, each the best so far with that stage's setting changed (replace,
+    never a constructor call by position: a later stage must keep what an earlier one chose)."""
+    return list(dict.fromkeys(_stage_settings(stage, best, space)))
+
+
+def _stage_settings(
+    stage: str, best: PostprocessSettings, space: SearchSpace
+) -> list[PostprocessSettings]:
+    replace = dataclasses.replace
     t = best.threshold
     if stage == "refine":
         step = space.refine_step
         return [
-            PostprocessSettings(threshold=_round(x))
+            replace(best, threshold=_round(x))
             for x in (t - step, t + step)
             if step > 0 and 0 < x < 1
         ]
@@ -302,24 +399,36 @@ def _stage_candidates(
         pairs = []
         for d in space.hysteresis_offsets:
             pairs += [(t, t + d), (t - d, t)]
+        pairs += space.pairs()
         return [
-            PostprocessSettings(threshold=_round(low), hysteresis_high=_round(high))
+            replace(best, threshold=_round(low), hysteresis_high=_round(high), hysteresis_mode=m)
+            for m in space.modes()
             for low, high in pairs
             if 0 < low < high < 1
         ]
     if stage == "min_component":
         return [
-            PostprocessSettings(best.threshold, best.hysteresis_high, int(n), best.fill_holes)
+            replace(best, min_component_voxels=int(n))
             for n in sorted(set(space.min_component_voxels))
         ]
     if stage == "fill_holes":
         if not space.fill_holes or best.fill_holes:
             return []
+        return [replace(best, fill_holes=True)]
+    if stage == "plug_holes":
         return [
-            PostprocessSettings(
-                best.threshold, best.hysteresis_high, best.min_component_voxels, True
-            )
+            replace(best, plug_holes_max_area=int(a))
+            for a in sorted(set(space.plug_holes_max_area))
         ]
+    if stage == "patch_holes":
+        # Holes up to the plug area are already filled: patching up to it would change nothing.
+        return [
+            replace(best, patch_holes_max_area=int(a))
+            for a in sorted(set(space.patch_holes_max_area))
+            if a > best.plug_holes_max_area
+        ]
+    if stage == "closing":
+        return [replace(best, closing_radius=int(r)) for r in sorted(set(space.closing_radii))]
     raise ValueError(f"unknown stage {stage!r}")
 
 
@@ -364,7 +473,11 @@ def search(
     return best, list(scored.values())
 
 
-def candidates_table(candidates: Sequence[Candidate], best: Candidate) -> pd.DataFrame:
+def candidates_table(
+    candidates: Sequence[Candidate], best: Candidate, max_candidates: int | None = None
+) -> pd.DataFrame:
+    """One row per candidate; ``max_candidates`` (the search's bound, on every row) says how
+    many rows the search could have had."""
     rows = []
     for i, c in enumerate(candidates):
         row: dict[str, Any] = {"candidate": i, "stage": c.stage, **c.settings.as_dict()}
@@ -372,8 +485,14 @@ def candidates_table(candidates: Sequence[Candidate], best: Candidate) -> pd.Dat
         row.update({term: c.mean(term) for term in SCORE_TERMS})
         row.update({f"score_{vid}": s["score"] for vid, s in c.scores.items()})
         row["chosen"] = c is best
+        row["max_candidates"] = max_candidates
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _method(space: SearchSpace) -> str:
+    stages = [k for k, n in space.stage_bounds().items() if n]
+    return "coordinate search: " + ", ".join(stages)
 
 
 def tune_postprocess(
@@ -432,16 +551,22 @@ def tune_postprocess(
         "foreground_voxels": foreground,
         "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
         "candidates": len(candidates),
-        "search": {"method": "coordinate search: " + ", ".join(STAGES), **space.as_dict()},
+        "search": {"method": _method(space), **space.as_dict()},
         "candidates_csv": CANDIDATES_CSV,
         "seconds": seconds,
     }
-    _write_outputs(Path(out_dir), summary, candidates_table(candidates, best))
+    table = candidates_table(candidates, best, space.max_candidates())
+    _write_outputs(Path(out_dir), summary, table)
+    print(
+        f"tune-postprocess: {len(candidates)} candidates scored of {space.describe()}; chosen "
+        f"{best.settings.label()} (mean score {best.mean():.4f}, default {default.mean():.4f})",
+        file=sys.stderr,
+    )
     return summary
 
 
 _CANDIDATE_COLUMNS = ["candidate", "stage", *PostprocessSettings().as_dict(), "label"]
-_CANDIDATE_COLUMNS += [*SCORE_TERMS, "chosen"]
+_CANDIDATE_COLUMNS += [*SCORE_TERMS, "chosen", "max_candidates"]
 
 
 def _write_outputs(out_dir: Path, summary: dict[str, Any], table: pd.DataFrame) -> None:

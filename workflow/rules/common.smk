@@ -701,6 +701,17 @@ def postprocess_args(wildcards, input):
         f"--hysteresis-high {high}" if high is not None else "",
         f"--min-component-voxels {infer['min_component_voxels']}",
         "--fill-holes" if infer["fill_holes"] else "",
+        # The later steps only when on: an unchanged config gives the unchanged command line.
+        (
+            f"--hysteresis-mode {infer['hysteresis_mode']}"
+            if infer["hysteresis_mode"] != "3d"
+            else ""
+        ),
+        *[
+            f"--{key.replace('_', '-')} {infer[key]}"
+            for key in ("plug_holes_max_area", "patch_holes_max_area", "closing_radius")
+            if infer[key]
+        ],
     ]
     return " ".join(o for o in options if o)
 
@@ -724,6 +735,13 @@ def tune_args():
         values("--hysteresis-offsets", tune["hysteresis_offsets"]),
         values("--min-component-voxels", tune["min_component_voxels"]),
         "" if tune["fill_holes"] else "--no-fill-holes",
+        values(
+            "--hysteresis-pairs", [f"{lo},{hi}" for lo, hi in tune["hysteresis_pairs"]]
+        ),
+        values("--hysteresis-modes", tune["hysteresis_modes"]),
+        values("--plug-holes-max-area", tune["plug_holes_max_area"]),
+        values("--patch-holes-max-area", tune["patch_holes_max_area"]),
+        values("--closing-radii", tune["closing_radii"]),
     ]
     return " ".join(o for o in options if o)
 

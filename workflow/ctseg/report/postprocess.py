@@ -32,7 +32,8 @@ def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
     if tuned_dir is None:
         note = (
             "Not tuned in this run (<code>infer.postprocess: fixed</code>): the masks use the "
-            "threshold, hysteresis, component size and hole filling fixed in the config."
+            "threshold, hysteresis, component size, hole filling, plugging, patching and "
+            "closing fixed in the config."
         )
         return "\n".join([*out, f"<p class='note'>{note}</p>"])
     tuned_json = Path(tuned_dir) / "tuned.json"
