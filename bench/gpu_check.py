@@ -21,8 +21,8 @@ It writes one JSON (``--json``) and prints a RESULT line for each GPU-only path:
     RESULT gpu_check_path path=pinned_unpack status=<s> phases=<n,..> h2d_fraction_max=<x>
     RESULT gpu_check_phase7_vs_6 status=<s> ratio=<x> same_maths=<yes|no>
     RESULT gpu_check_infer status=<s> ctseg_vs_monai=<x> shape=320x320x320 window=80x160x160
-    RESULT gpu_check_path path=ema status=skipped reason=<why>          (hooks: optional_paths())
-    RESULT gpu_check_path path=fine_tune status=skipped reason=<why>
+    RESULT gpu_check_path path=ema status=<ok|not_ok|failed|skipped> last.pt_is_ema=<bool>
+    RESULT gpu_check_path path=fine_tune status=<s> first_loss=<x>_vs_fresh=<x>
     RESULT gpu_check auto_phase=<n> speedup_vs_phase0=<x> score=<x> ... best_mfu=<x> total_s=<x>
 
 The last line is always the summary. speedup_vs_phase0 is the chosen phase's trial samples/s over
@@ -95,6 +95,18 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--preset", default=None, help="demo-data preset (default: config demo.preset)"
+    )
+    parser.add_argument(
+        "--train-phase",
+        default="auto",
+        help="phase of the training (default auto: the fastest ok trial); a number skips the "
+        "recompilation of a compiled phase when device time is short",
+    )
+    parser.add_argument(
+        "--fine-tune-steps",
+        type=int,
+        default=None,
+        help="steps of the EMA + fine-tune check (default 20; smoke 4; 0 skips it)",
     )
     parser.add_argument("--jobs", type=int, default=None, help="per-record steps side by side")
     parser.add_argument("--device", default=None, help="default: cuda (smoke: cpu)")
@@ -239,24 +251,95 @@ def infer_compare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {"status": "ok", "ratio": float(found.group(1)), "seconds": seconds, "log": str(log)}
 
 
-def optional_paths() -> dict[str, dict[str, str]]:
-    """Hooks for GPU paths that do not exist yet (issue 20: EMA weights, a fine-tune start). When
-    one lands, its check goes here; until then each is reported skipped, with the reason."""
-    found = {}
-    ema = (REPO / "workflow/ctseg/ema.py").exists()
-    found["ema"] = (
-        {"status": "unchecked", "reason": "ctseg.ema exists: add its GPU check here"}
-        if ema
-        else {"status": "skipped", "reason": "ctseg has no EMA yet"}
+def ema_fine_tune(
+    runner: Runner,
+    data: Prepared,
+    exp: dict[str, Any],
+    phases: dict[int, dict[str, Any]],
+    phase: int,
+    source: Path,
+    steps: int,
+    device: str | None,
+) -> dict[str, Any]:
+    """A short fine-tune from the trained weights with an EMA of the weights, as the train rule
+    runs it (`init_from` + `--init-from`): both GPU paths in one training. It checks that the
+    fine-tune starts from the source (its first loss is below the fresh training's first) and
+    that the EMA's weights, which last.pt holds, differ from the live weights it averaged."""
+    import torch
+
+    ft = copy.deepcopy(exp)
+    ft["name"] = f"{exp['name']}_ft"
+    ft["init_from"] = exp["name"]
+    ft["train"]["ema"] = {"decay": 0.9, "start_step": 2}
+    pipeline.set_training_budget(ft, steps, val_batches=2)
+    run_dir = data.results / ft["name"]
+    weights = run_dir / "last.pt"
+    args = [
+        "train",
+        *pipeline.experiment_args("train", ft, phases, runner.workdir),
+        "--phase",
+        str(phase),
+        "--trials",
+        "--scratch",
+        str(data.scratch),
+        "--split",
+        str(data.split_csv),
+        "--out",
+        str(run_dir / "train"),
+        "--state-dir",
+        str(run_dir / "checkpoints"),
+        "--weights",
+        str(weights),
+        "--init-from",
+        str(source),
+        *(["--device", device] if device else []),
+    ]
+    started = time.perf_counter()
+    try:
+        runner.run("fine_tune", args)
+    except StepFailed as exc:
+        return {"status": "failed", "error": str(exc).splitlines()[0]}
+    import pandas as pd
+
+    first_ft = float(pd.read_csv(run_dir / "train/steps.csv")["loss"].iloc[0])
+    first_fresh = float(pd.read_csv(data.results / exp["name"] / "train/steps.csv")["loss"].iloc[0])
+    saved = torch.load(weights, map_location="cpu", weights_only=False)["model"]
+    live = torch.load(run_dir / "checkpoints/resume.pt", map_location="cpu", weights_only=False)
+    live_model = live.get("model", {}) if isinstance(live, dict) else {}
+    differs = any(
+        not torch.equal(saved[k].float(), live_model[k].float())
+        for k in saved
+        if k in live_model and saved[k].is_floating_point()
     )
-    cli = (REPO / "workflow/ctseg/cli.py").read_text()  # its options, without starting it
-    fine_tune = any(flag in cli for flag in ('"--init-weights"', '"--fine-tune"', '"--finetune"'))
-    found["fine_tune"] = (
-        {"status": "unchecked", "reason": "ctseg train can start from weights: add a check here"}
-        if fine_tune
-        else {"status": "skipped", "reason": "ctseg train has no fine-tune start yet"}
-    )
-    return found
+    return {
+        "status": "ok",
+        "phase": phase,
+        "steps": steps,
+        "seconds": round(time.perf_counter() - started, 1),
+        "first_loss_fine_tune": first_ft,
+        "first_loss_fresh": first_fresh,
+        "starts_from_source": first_ft < first_fresh,
+        "ema_differs_from_live": differs,
+    }
+
+
+def optional_paths(check: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The EMA and fine-tune paths, from `ema_fine_tune`'s check (or why it did not run)."""
+    if check is None:
+        skipped = {"status": "skipped", "reason": "--fine-tune-steps 0"}
+        return {"ema": skipped, "fine_tune": skipped}
+    if check["status"] != "ok":
+        return {"ema": check, "fine_tune": check}
+    ema_ok = "ok" if check["ema_differs_from_live"] else "not_ok"
+    ft_ok = "ok" if check["starts_from_source"] else "not_ok"
+    return {
+        "ema": {"status": ema_ok, "detail": f"last.pt_is_ema={check['ema_differs_from_live']}"},
+        "fine_tune": {
+            "status": ft_ok,
+            "detail": f"first_loss={check['first_loss_fine_tune']:.4f}"
+            f"_vs_fresh={check['first_loss_fresh']:.4f}",
+        },
+    }
 
 
 def fmt(value: Any, spec: str = ".3f") -> str:
@@ -308,8 +391,17 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
             summary = pipeline.read_json(previous)
             record["phases"][phase] = phase_figures(summary)
             print(f"  phase {phase}: {describe(summary)}", flush=True)
-        weights = pipeline.train(runner, data, exp, phases, "auto", summaries, device)
-        auto = chosen_phase(workdir / "logs/train.log")
+        train_phase = args.train_phase
+        weights = pipeline.train(runner, data, exp, phases, train_phase, summaries, device)
+        auto = chosen_phase(workdir / "logs/train.log") if train_phase == "auto" else None
+        record["train_phase"] = train_phase
+        ft_steps = args.fine_tune_steps
+        ft_steps = (4 if args.cpu_smoke else 20) if ft_steps is None else ft_steps
+        if ft_steps:
+            ft_phase = int(train_phase) if train_phase != "auto" else (auto or 0)
+            record["ema_fine_tune"] = ema_fine_tune(
+                runner, data, exp, phases, ft_phase, weights, ft_steps, device
+            )
         masks = pipeline.infer(runner, data, exp, weights, device)
         run_dir = data.results / exp["name"]
         evaluation = pipeline.evaluate(
@@ -343,7 +435,7 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
     record["infer_compare"] = infer_compare(args, workdir)
     record["step_seconds"]["infer_compare"] = record["infer_compare"].get("seconds")
     record["total_s"] = round(runner.elapsed(), 1)
-    record["optional_paths"] = optional_paths()
+    record["optional_paths"] = optional_paths(record.get("ema_fine_tune"))
     epoch = pipeline.last_epoch(data, exp)
     record.update(
         auto_phase=auto,
@@ -380,6 +472,8 @@ def result_lines(record: dict[str, Any]) -> list[str]:
         )
     lines += path_lines(record)
     auto = record["auto_phase"]
+    if auto is None and str(record.get("train_phase", "auto")).isdigit():
+        auto = int(record["train_phase"])  # a fixed training phase stands for auto's choice
     speedup = None
     if auto in phases and 0 in phases and phases[0].get("samples_per_s"):
         speedup = phases[auto]["samples_per_s"] / phases[0]["samples_per_s"]
@@ -441,10 +535,11 @@ def path_lines(record: dict[str, Any]) -> list[str]:
         + (f" reason={json.dumps(reason)}" if reason else "")
     )
     for name, found in (record.get("optional_paths") or {}).items():
-        lines.append(
-            f"RESULT gpu_check_path path={name} status={found['status']} "
-            f"reason={json.dumps(found['reason'])}"
+        detail = (
+            found.get("detail")
+            or f"reason={json.dumps(found.get('reason') or found.get('error', ''))}"
         )
+        lines.append(f"RESULT gpu_check_path path={name} status={found['status']} {detail}")
     return lines
 
 
