@@ -219,8 +219,9 @@ def _shortcut_pairs():
 
 
 def test_reordered_value0_block_gives_the_reference_order_counts():
-    """Reducing the comparison's value-0 squares with each input's own squares last (the
-    shortcut) gives the same dimension-1 count as the reference's column order."""
+    """Reducing the comparison's value-0 squares with each input's own squares last, and
+    claiming a free pivot without building the column (the shortcuts), give the same
+    dimension-1 flags and count as the reference's column order with every column built."""
     from ctseg import betti_matching as bm
 
     total = 0
@@ -237,9 +238,10 @@ def test_reordered_value0_block_gives_the_reference_order_counts():
         columns = order[keep]
         first = int(np.count_nonzero(keep[: bm._count_value0(union, order)]))
         for fg in (p, g):
+            plain_flags = bm._image_fg_pivots(fg, columns, first, fast=False)
+            np.testing.assert_array_equal(bm._image_fg_pivots(fg, columns, first), plain_flags)
             np.testing.assert_array_equal(
-                bm._image_fg_pivots(fg, bm._input_last(fg, columns, first), first),
-                bm._image_fg_pivots(fg, columns, first),
+                bm._image_fg_pivots(fg, bm._input_last(fg, columns, first), first), plain_flags
             )
         total += plain
     assert total > 50  # the pairs have loops to match, so the comparison means something
