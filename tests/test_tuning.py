@@ -6,6 +6,8 @@ import dataclasses
 import html
 import json
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -659,3 +661,21 @@ def test_bad_new_search_values_are_refused():
     ]:
         with pytest.raises(CtsegError, match=match):
             tuning.SearchSpace(**kwargs)
+
+
+def test_search_cost_benchmark_prints_its_result_line():
+    """bench/postprocess_search.py at its smallest: both searches run within their bounds."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(repo / "bench/postprocess_search.py"), "--size", "40"]
+        + ["--workers", "1", "--topo-method", "betti_counts"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = [x for x in proc.stdout.splitlines() if x.startswith("RESULT postprocess_search ")]
+    assert len(result) == 1
+    fields = dict(item.split("=") for item in result[0].split()[2:])
+    assert int(fields["old_candidates"]) <= 20 and int(fields["new_candidates"]) <= 32
+    assert float(fields["gain"]) >= 0  # the old search's candidates are among the new one's
