@@ -534,9 +534,11 @@ def _dim1_matched(
     order: np.ndarray,
     positive: np.ndarray,
     reorder: bool = True,
+    fast: bool = True,
 ) -> int:
     """Matched dimension-1 intervals of one tile. `reorder` False reduces the value-0 block in
-    the comparison's own order, as the reference does (kept to test the shortcut against).
+    the comparison's own order, as the reference does, and `fast` False builds every column
+    (`_image_fg_pivots`): the previous path, kept to test the shortcuts against.
 
     Why the value-0 block may be reordered: write R1 for the edges of input value 1 (above all
     value-0 rows in the input's order). A reduced column R_t has a pivot of input value 0 iff
@@ -554,7 +556,7 @@ def _dim1_matched(
     flags = []
     for fg in (pred, gt):
         cols = _input_last(fg, columns, first_value1) if reorder else columns
-        flags.append(_image_fg_pivots(fg, cols, first_value1))
+        flags.append(_image_fg_pivots(fg, cols, first_value1, fast))
     return int(np.count_nonzero(flags[0] & flags[1]))
 
 
@@ -589,7 +591,10 @@ def _is_value0(fg: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 def matched_counts(
-    pred: np.ndarray, gt: np.ndarray, dims: tuple[bool, bool, bool] = (True, True, True)
+    pred: np.ndarray,
+    gt: np.ndarray,
+    dims: tuple[bool, bool, bool] = (True, True, True),
+    plain: bool = False,
 ) -> tuple[int, int, int]:
     """(m_0, m_1, m_2): matched finite intervals of one tile, as Betti-Matching-3D counts them
     on the inverted masks. `pred` and `gt` are 3D boolean masks (True = segmentation) of the
@@ -598,7 +603,10 @@ def matched_counts(
     `dims[k]` False skips dimension k and reports 0 for it: a caller that knows one side has
     no finite interval in dimension k (p_k or g_k is 0, so m_k <= min(p_k, g_k) is 0) passes
     False there. Profiled at 320^3, the dimension-2 input passes and the two dimension-1
-    reductions are most of the cost, and labels often have no cavities at all."""
+    reductions are most of the cost, and labels often have no cavities at all.
+
+    `plain` True runs dimension 1 without its shortcuts (the previous path: the reference's
+    column order, every column built); the counts are the same."""
     pred = np.ascontiguousarray(pred, dtype=np.uint8)
     gt = np.ascontiguousarray(gt, dtype=np.uint8)
     if pred.shape != gt.shape or pred.ndim != 3:
@@ -613,5 +621,5 @@ def matched_counts(
     # Dimension 1 needs the comparison's positive squares (clearing) even when dimension 2's
     # count is not wanted: reducing them instead would cost far more than the union's pass.
     m2, positive = _dim2_matched_and_clearing(pred, gt, union, order, dims[2])
-    m1 = _dim1_matched(pred, gt, union, order, positive) if dims[1] else 0
+    m1 = _dim1_matched(pred, gt, union, order, positive, not plain, not plain) if dims[1] else 0
     return int(m0), int(m1), int(m2)

@@ -265,13 +265,14 @@ def _count_tile(
     """(3, 3) array: rows are dims 0..2, columns m_k, p_k, g_k. `g`: the label tile's feature
     counts when already known (`LabelTiles`). A dimension where p_k or g_k is 0 has m_k = 0
     (m_k <= min(p_k, g_k)), so its matching is not run unless `every_dim` (the previous path,
-    kept as the baseline of bench/metrics.py)."""
+    kept as the baseline of bench/metrics.py: it also runs dimension 1 without its shortcuts,
+    `matched_counts(plain=True)`)."""
     p = tile_feature_counts(pred_tile)
     if g is None:
         g = tile_feature_counts(gt_tile)
     if method == "betti_matching":
         dims = tuple(every_dim or min(pk, gk) > 0 for pk, gk in zip(p, g, strict=True))
-        m = matched_counts(pred_tile, gt_tile, dims) if any(dims) else (0, 0, 0)
+        m = matched_counts(pred_tile, gt_tile, dims, every_dim) if any(dims) else (0, 0, 0)
     else:  # betti_counts: the upper bound min(p_k, g_k)
         m = tuple(min(pk, gk) for pk, gk in zip(p, g, strict=True))
     return np.array([[mk, pk, gk] for mk, pk, gk in zip(m, p, g, strict=True)], dtype=np.int64)
@@ -345,7 +346,8 @@ def topo_counts(
 ) -> tuple[np.ndarray, str]:
     """(m_k, p_k, g_k) summed over the 8 octant tiles, and the method used. `label_tiles`: the
     label's side when already computed; `threads`: tiles scored side by side; `every_dim`: run
-    the matching in every dimension (the previous path; the counts are the same);
+    the matching in every dimension and without its shortcuts (the previous path; the counts
+    are the same);
     `tile_cache`: a dict kept by a caller that scores many predictions against one label
     (tuning): a tile whose prediction is bit for bit one already counted is not counted again
     (post-processing candidates often differ in a few tiles only)."""
