@@ -390,6 +390,8 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
             summaries.append(previous)
             summary = pipeline.read_json(previous)
             record["phases"][phase] = phase_figures(summary)
+            # Written as it goes: a run cut short by its time limit keeps what it measured.
+            pipeline.write_json(args.json, record)
             print(f"  phase {phase}: {describe(summary)}", flush=True)
         train_phase = args.train_phase
         weights = pipeline.train(runner, data, exp, phases, train_phase, summaries, device)
@@ -402,6 +404,7 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
             record["ema_fine_tune"] = ema_fine_tune(
                 runner, data, exp, phases, ft_phase, weights, ft_steps, device
             )
+            pipeline.write_json(args.json, record)
         masks = pipeline.infer(runner, data, exp, weights, device)
         run_dir = data.results / exp["name"]
         evaluation = pipeline.evaluate(
