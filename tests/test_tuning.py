@@ -677,5 +677,6 @@ def test_search_cost_benchmark_prints_its_result_line():
     result = [x for x in proc.stdout.splitlines() if x.startswith("RESULT postprocess_search ")]
     assert len(result) == 1
     fields = dict(item.split("=") for item in result[0].split()[2:])
-    assert int(fields["old_candidates"]) <= 20 and int(fields["new_candidates"]) <= 32
-    assert float(fields["gain"]) >= 0  # the old search's candidates are among the new one's
+    old, new = int(fields["old_candidates"]), int(fields["new_candidates"])
+    assert old <= 20 and old < new <= 32
+    assert float(fields["new_s"]) > 0 and float(fields["ratio"]) > 0
