@@ -648,6 +648,13 @@ def test_new_settings_round_trip_through_tuned_json(tmp_path: Path):
     assert cli.main([*argv, str(b), "--plug-holes-max-area", "64"]) == 0
     np.testing.assert_array_equal(tifffile.imread(a), label)
     np.testing.assert_array_equal(tifffile.imread(b), label)
+    # The report's section shows the new setting, the new stages and the bound.
+    from ctseg.report import postprocess as report_postprocess
+    from ctseg.report.markup import Sources
+
+    page = report_postprocess.postprocess_section(tmp_path / "out", Sources(tmp_path))
+    assert "plug_holes_max_area" in page and html.escape("t>0.5 plug 64") in page
+    assert f"at most {space.max_candidates()}" in page and "closing" in page
 
 
 def test_bad_new_search_values_are_refused():
