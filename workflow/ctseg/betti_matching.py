@@ -442,12 +442,13 @@ def _add_sorted(a: np.ndarray, na: int, b: np.ndarray, nb: int, out: np.ndarray)
 
 @njit(cache=True, nogil=True)
 def _image_fg_pivots(
-    fg: np.ndarray, columns: np.ndarray, first_value1: int, fast: bool = True
+    fg: np.ndarray, head: np.ndarray, tail: np.ndarray, fast: bool = True
 ) -> np.ndarray:
-    """Reduce the comparison image's squares (`columns`, in its order) with edges ranked by
-    input `fg`; for every value-1 column (from index `first_value1` on) return 1 when its pivot
-    is an edge of value 0 in the input (both ends in the mask), else 0. `fast` False builds
-    every column (kept to test the shortcut against)."""
+    """Reduce the comparison image's squares, its value-0 squares `head` then its value-1
+    squares `tail` (each in the order to reduce them), with edges ranked by input `fg`; for
+    every value-1 column return 1 when its pivot is an edge of value 0 in the input (both ends
+    in the mask), else 0. `fast` False builds every column (kept to test the shortcut
+    against)."""
     nx, ny, nz = fg.shape
     n_edges = 3 * nx * ny * nz
     # Per edge key, both stored + 1 so that 0 means none: zeroed arrays are the operating
@@ -462,11 +463,12 @@ def _image_fg_pivots(
     work = np.empty(1 << 12, dtype=np.int64)
     spare = np.empty(1 << 12, dtype=np.int64)
     other = np.empty(4, dtype=np.int64)
-    result = np.zeros(columns.shape[0] - first_value1, dtype=np.uint8)
+    first_value1 = head.shape[0]
+    result = np.zeros(tail.shape[0], dtype=np.uint8)
     f = fg.ravel()
     sx, sy = ny * nz, nz
-    for i in range(columns.shape[0]):
-        key = columns[i]
+    for i in range(first_value1 + tail.shape[0]):
+        key = head[i] if i < first_value1 else tail[i - first_value1]
         if fast:
             # Most columns' pivot is free: claim it without building the column (the same
             # steps as below when the first lookup finds no owner).
@@ -518,13 +520,12 @@ def _image_fg_pivots(
     return result
 
 
-def _input_last(fg: np.ndarray, columns: np.ndarray, first_value1: int) -> np.ndarray:
-    """`columns` with its value-0 block reordered: the squares of input `fg`'s own complex
-    last. The flags of the value-1 columns stay the same (see `_dim1_matched`); on noisy
-    predictions this halves the additions of the label's reduction."""
-    head = columns[:first_value1]
+def _input_last(fg: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """The comparison's value-0 squares `head` reordered: the squares of input `fg`'s own
+    complex last. The flags of the value-1 columns stay the same (see `_dim1_matched`); on
+    noisy predictions this halves the additions of the label's reduction."""
     in_fg = _is_value0(fg, head)
-    return np.concatenate([head[~in_fg], head[in_fg], columns[first_value1:]])
+    return np.concatenate([head[~in_fg], head[in_fg]])
 
 
 def _dim1_matched(
@@ -553,10 +554,10 @@ def _dim1_matched(
     n_zero = _count_value0(union, order)
     columns = order[keep]
     first_value1 = int(np.count_nonzero(keep[:n_zero]))
+    head, tail = columns[:first_value1], columns[first_value1:]
     flags = []
     for fg in (pred, gt):
-        cols = _input_last(fg, columns, first_value1) if reorder else columns
-        flags.append(_image_fg_pivots(fg, cols, first_value1, fast))
+        flags.append(_image_fg_pivots(fg, _input_last(fg, head) if reorder else head, tail, fast))
     return int(np.count_nonzero(flags[0] & flags[1]))
 
 
