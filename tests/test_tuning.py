@@ -226,7 +226,12 @@ FIXED_LATER_STEPS = {
 }
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["four-settings", "later-steps"])
+# The later steps' run is a second snakemake dry run (about 6 s): in the slow tier.
+@pytest.mark.parametrize(
+    "later",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["four-settings", "later-steps"],
+)
 def test_fixed_postprocess_bypasses_the_search(tmp_path: Path, later):
     infer = {"postprocess": "fixed", "threshold": 0.35, "min_component_voxels": 8}
     infer.update(fill_holes=True, **(FIXED_LATER_STEPS if later else {}))
@@ -249,6 +254,7 @@ def test_fixed_postprocess_bypasses_the_search(tmp_path: Path, later):
     assert out.count("rule infer:") == TINY_CONFIG["demo"]["n_test"]
 
 
+@pytest.mark.slow
 def test_the_rule_searches_the_default_space_of_32(tmp_path: Path):
     """The schema's infer.tune defaults reach `ctseg tune-postprocess` as the default space."""
     workdir = copy_workflow(tmp_path, TINY_CONFIG)
