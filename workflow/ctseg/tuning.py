@@ -4,10 +4,10 @@ Top solutions of the Vesuvius surface-detection competition gained 0.02 to 0.035
 post-processing chosen against the score (docs/metric.md, "What the field found"): the threshold,
 hysteresis (in 3D and along z), removing small components, filling holes, plugging small holes
 slice by slice, patching large holes in sheets, a morphological closing. `tune_postprocess`
-searches these settings
-(`ctseg.masks.PostprocessSettings`) on probability stores already written by `ctseg infer` (the
-model is not run again) against their labels, scoring every candidate with the exact
-competition score (`ctseg.metrics`, Betti matching by default), and writes
+searches these settings (`ctseg.masks.PostprocessSettings`) on probability stores already
+written by `ctseg infer` (the model is not run again) against their labels, scoring every
+candidate with the exact competition score (`ctseg.metrics`, Betti matching by default), and
+writes
 
 * ``tuned.json``: the chosen settings, their mean score, the default's (threshold 0.5 and
   nothing else) and the gain over it, the search space and its size;
@@ -40,7 +40,10 @@ The order of 4 to 8 is the 1st place's (small components, plug, large holes, clo
 search before they existed, which it then repeats candidate for candidate) are scored on each
 volume; the log, tuned.json (``search``) and candidates.csv (``max_candidates``) say that bound.
 A candidate already scored in an earlier stage is not scored again. A candidate replaces the
-best only when it scores strictly higher, so ties keep the simpler settings found first.
+best only when it scores strictly higher, so ties keep the simpler settings found first. The
+search is greedy: a new kind of candidate that wins a stage (hysteresis along z) changes the
+base of every later stage, so it can end below the search without that kind, on the very
+volumes it tunes on; where none wins, the later stages are those of the search without it.
 
 Each stage's candidates of one volume are scored together, by one process: the label's side of
 the score (`ctseg.metrics.LabelSide`: its ignore mask, surfel borders, components and tiles'
