@@ -188,6 +188,7 @@ def test_smallest_ladder_runs_every_rung_with_what_it_claims(tmp_path: Path) -> 
 
     (ema_model,) = rungs["ema"]["models"]["0"]
     assert load_checkpoint(work / ema_model / "last.pt")["weights"] == "ema"
+    assert load_checkpoint(work / "r1_base_s0/last.pt")["weights"] == "trained"
     assert only("resenc")["block"] == "residual" and only("resenc")["ema"]
     assert only("resenc")["blocks_per_stage"] == recipe.CPU_RESENC["blocks_per_stage"]
     finetune = only("finetune")
@@ -202,6 +203,7 @@ def test_smallest_ladder_runs_every_rung_with_what_it_claims(tmp_path: Path) -> 
     assert any(ev["source_weights"] for ev in members.values())
     for store in sorted((work / "r5_ensemble_s0/probabilities").glob("*.zarr")):
         attrs = dict(zarr.open(store, mode="r").attrs)["ensemble"]
-        assert len(attrs["members"]) == 2 and attrs["weights"] == [0.5, 0.5]
+        assert [Path(m).parts[-3] for m in attrs["members"]] == ["r4_finetune_s0", "r5_member_s0"]
+        assert attrs["weights"] == [0.5, 0.5]
     tuned = json.loads((work / "r6_postproc_s0/tune/tuned.json").read_text())
     assert rungs["postproc"]["settings"]["chosen"]["0"]["label"] == tuned["label"]
