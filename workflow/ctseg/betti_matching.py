@@ -520,12 +520,16 @@ def _image_fg_pivots(
     return result
 
 
-def _input_last(fg: np.ndarray, head: np.ndarray) -> np.ndarray:
-    """The comparison's value-0 squares `head` reordered: the squares of input `fg`'s own
-    complex last. The flags of the value-1 columns stay the same (see `_dim1_matched`); on
-    noisy predictions this halves the additions of the label's reduction."""
+def _value0_order(fg: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """The comparison's value-0 squares `head` (ascending keys) in the order to reduce them
+    for input `fg`: the squares of the input's own complex first, then the others in
+    descending key order. The flags of the value-1 columns do not depend on this order (see
+    `_dim1_matched`); the reduction's work does. Measured on the 320^3 benchmark pair's tiles
+    with a prediction thresholded at 0.2 (noisy: the tuning's low thresholds), the label's
+    reduction took 6 s instead of 62 s on one tile and 2.6 s instead of 9 s on another; on
+    smooth masks the order makes little difference."""
     in_fg = _is_value0(fg, head)
-    return np.concatenate([head[~in_fg], head[in_fg]])
+    return np.concatenate([head[in_fg], head[~in_fg][::-1]])
 
 
 def _dim1_matched(
@@ -557,7 +561,7 @@ def _dim1_matched(
     head, tail = columns[:first_value1], columns[first_value1:]
     flags = []
     for fg in (pred, gt):
-        flags.append(_image_fg_pivots(fg, _input_last(fg, head) if reorder else head, tail, fast))
+        flags.append(_image_fg_pivots(fg, _value0_order(fg, head) if reorder else head, tail, fast))
     return int(np.count_nonzero(flags[0] & flags[1]))
 
 
