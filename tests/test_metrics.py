@@ -527,3 +527,26 @@ def test_euler_characteristic_equals_skimage():
         assert metrics.euler_characteristic(mask) == euler_number(mask, connectivity=1)
     assert metrics.euler_characteristic(_torus()) == 0
     assert metrics.euler_characteristic(_shell()) == 2
+
+
+def test_medial_surface_equals_whole_slice_skeletons():
+    """The per-slice skeletons taken on each slice's bounding box equal skimage's skeletons of
+    the whole slices, for blobs, noise and shapes touching the array's faces."""
+    from scipy import ndimage
+    from skimage.morphology import skeletonize
+
+    from ctseg.metrics import medial_surface
+
+    rng = np.random.default_rng(5)
+    for i in range(12):
+        shape = tuple(int(s) for s in rng.integers(5, 30, size=3))
+        smooth = ndimage.gaussian_filter(rng.standard_normal(shape), 1.5)
+        mask = smooth > rng.uniform(-0.3, 0.3) if i % 3 else rng.random(shape) < 0.3
+        if i % 4 == 0:
+            mask[0] = mask[:, -1] = True  # faces of the array
+        expected = np.zeros_like(mask)
+        for axis in range(3):
+            moved = np.moveaxis(mask, axis, 0)
+            whole = np.stack([skeletonize(s) for s in moved])
+            expected |= np.moveaxis(whole, 0, axis)
+        np.testing.assert_array_equal(medial_surface(mask), expected)

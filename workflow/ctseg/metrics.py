@@ -404,7 +404,12 @@ def _axis_skeleton(mask: np.ndarray, axis: int) -> np.ndarray:
     moved = np.moveaxis(mask, axis, 0)
     out = np.moveaxis(skeleton, axis, 0)  # a view: writing to it fills `skeleton`
     for i in np.flatnonzero(moved.any(axis=(1, 2))):
-        out[i] = skeletonize(moved[i])
+        # Thinning is local and treats outside the image as background, so the skeleton of
+        # the slice's bounding box is the slice's skeleton (a third less work on sheets).
+        rows = np.flatnonzero(moved[i].any(axis=1))
+        cols = np.flatnonzero(moved[i].any(axis=0))
+        box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
+        out[i][box] = skeletonize(moved[i][box])
     return skeleton
 
 
