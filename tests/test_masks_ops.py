@@ -224,3 +224,14 @@ def test_settings_carry_the_new_steps():
 def test_bad_new_settings_are_refused(kw):
     with pytest.raises(CtsegError, match="|".join(kw)):
         PostprocessSettings(**kw)
+
+
+def test_close_does_not_stretch_a_mask_that_stops_short_of_a_face() -> None:
+    # A 2-voxel sheet ending 2 voxels from the faces y=0 and x=0 (the strips between it and
+    # those faces are no crack): closing adds nothing there, and keeps every voxel.
+    mask = np.zeros((12, 16, 16), np.uint8)
+    mask[5:7, 2:, 2:] = 1
+    for radius in (1, 2):
+        closed = close(mask, radius)
+        assert (closed >= mask).all()
+        np.testing.assert_array_equal(closed, mask)

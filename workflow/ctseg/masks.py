@@ -280,15 +280,21 @@ def patch_holes(
 
 
 def close(mask: np.ndarray, radius: int) -> np.ndarray:
-    """Morphological closing by a cube of side 2 * radius + 1: uint8 mask. The dilation treats
-    the outside of the volume as background and the erosion as mask, so a sheet that leaves
-    the volume is not trimmed at the face: the result contains every voxel of `mask`."""
+    """Morphological closing by a cube of side 2 * radius + 1: uint8 mask. The volume is taken
+    to go on past its faces as its face voxels do (edge padding by `radius`, then both filters
+    in `nearest` mode, which is then exact within the padding): a sheet that leaves the volume
+    is not trimmed at the face, a mask that stops short of a face is not stretched out to it
+    (treating the outside as mask would do that), and the result contains every voxel of
+    `mask`."""
     mask = np.asarray(mask, dtype=np.uint8)
     if radius <= 0:
         return mask.copy()
     size = 2 * radius + 1
-    grown = ndimage.maximum_filter(mask, size=size, mode="constant", cval=0)
-    return ndimage.minimum_filter(grown, size=size, mode="constant", cval=1)
+    padded = np.pad(mask, radius, mode="edge")
+    grown = ndimage.maximum_filter(padded, size=size, mode="nearest")
+    closed = ndimage.minimum_filter(grown, size=size, mode="nearest")
+    inner = tuple(slice(radius, radius + n) for n in mask.shape)
+    return np.ascontiguousarray(closed[inner])
 
 
 def binary_mask(probs: np.ndarray, settings: PostprocessSettings) -> tuple[np.ndarray, dict]:
