@@ -83,7 +83,7 @@ def test_an_ensemble_target_plans_its_members(demo_workflow: Path) -> None:
         name, _, fold = member.partition(".fold")
         expected.add((name, fold or None))
     assert planned_runs == expected
-    assert "rule ensemble:" in text and "rule evaluate:" in text
+    assert "rule ensemble:" in text and "rule evaluate_run:" in text
     # The cross-validation of exp001_cv: both folds, combined.
     cv = planned(
         run_snakemake(demo_workflow, "-n", "-p", "results/exp001_cv.cv/evaluation/summary.json")

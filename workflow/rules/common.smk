@@ -486,6 +486,11 @@ def check_record_counts(run):
         return
     if IS_DEMO:
         why = "demo.n_test is 0 and it has no split.test_fraction; set either"
+    elif run_kind(run) == "trained" and len(split_table(run)) < 2:
+        why = (
+            f"it selects {len(split_table(run))} labelled record(s), so its val split is "
+            "empty: label at least 2 records in train.csv/train_labels"
+        )
     else:
         why = (
             "it has no labelled test split and no val split: set split.test_fraction, "

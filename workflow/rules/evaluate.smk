@@ -35,7 +35,7 @@ rule tune_postprocess:
         "--workers {threads} > {log:q} 2>&1"
 
 
-rule evaluate:
+rule evaluate_run:
     input:
         predictions=lambda wildcards: [
             prediction(wildcards.exp, i) for i in eval_ids(wildcards.exp)
@@ -76,3 +76,8 @@ rule evaluate:
     shell:
         "ctseg evaluate --predictions {input.predictions:q} --labels {input.labels:q} "
         "--out {params.out:q} --workers {threads} {params.provenance} > {log:q} 2>&1"
+
+
+rule evaluate:
+    input:
+        [f"{run_dir(run)}/evaluation/summary.json" for run in DEFAULT_RUNS],
