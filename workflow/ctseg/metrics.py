@@ -440,7 +440,7 @@ def _fraction_inside(skeleton: np.ndarray, mask: np.ndarray) -> float:
 @dataclass
 class LabelSide:
     """Everything about one label that the competition score needs, computed once and reused
-    for every prediction scored against it (ctseg.tuning scores up to 20 candidates per val
+    for every prediction scored against it (ctseg.tuning scores up to 32 candidates per val
     volume): the binarised label and where it is ignored, its surfel borders (SurfaceDice), its
     26-connected components (VOI) and its tiles' feature counts (TopoScore)."""
 
