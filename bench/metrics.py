@@ -14,7 +14,7 @@ Per size:
    after another; and surface-distance's SurfaceDice alone;
 3. the agreement of every term with that oracle (largest absolute difference, and whether the
    Betti counts are identical);
-4. `tune_s_per_volume`: the default search (32 candidates since the winners' stages were added) (`ctseg.tuning.SearchSpace()`) on the
+4. `tune_s_per_volume`: the default search (32 candidates, `ctseg.tuning.SearchSpace()`) on the
    one volume, and its ratio to one score.
 
 Run: python bench/metrics.py [--sizes 128 320] [--threads N] [--no-tune]
