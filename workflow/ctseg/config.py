@@ -310,7 +310,8 @@ def with_fold(exp: Experiment, fold: int, where: str = "--fold") -> Experiment:
         )
     if not 0 <= fold < folds:
         raise CtsegError(
-            f"{where}: fold {fold} is out of range: experiment {exp.name!r} has folds 0..{folds - 1}"
+            f"{where}: fold {fold} is out of range: "
+            f"experiment {exp.name!r} has folds 0..{folds - 1}"
         )
     split = {**thaw(exp.split), "fold": fold}
     return dataclasses.replace(exp, name=f"{exp.name}.fold{fold}", split=freeze(split))
