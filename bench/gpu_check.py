@@ -273,30 +273,9 @@ def ema_fine_tune(
     ft["train"]["ema"] = {"decay": 0.9, "start_step": 2}
     pipeline.set_training_budget(ft, steps, val_batches=2)
     run_dir = data.results / ft["name"]
-    weights = run_dir / "last.pt"
-    args = [
-        "train",
-        *pipeline.experiment_args("train", ft, phases, runner.workdir),
-        "--phase",
-        str(phase),
-        "--trials",
-        "--scratch",
-        str(data.scratch),
-        "--split",
-        str(data.split_csv),
-        "--out",
-        str(run_dir / "train"),
-        "--state-dir",
-        str(run_dir / "checkpoints"),
-        "--weights",
-        str(weights),
-        "--init-from",
-        str(source),
-        *(["--device", device] if device else []),
-    ]
     started = time.perf_counter()
     try:
-        runner.run("fine_tune", args)
+        weights = pipeline.train(runner, data, ft, phases, phase, [], device, init_from=source)
     except StepFailed as exc:
         return {"status": "failed", "error": str(exc).splitlines()[0]}
     import pandas as pd

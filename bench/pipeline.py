@@ -404,8 +404,10 @@ def train(
     phase: int | str,
     trials: Sequence[Path],
     device: str | None,
+    init_from: Path | None = None,
 ) -> Path:
-    """`ctseg train` (rule train); returns last.pt. Its log says which phase auto chose."""
+    """`ctseg train` (rule train_model); returns last.pt. Its log says which phase auto chose.
+    `init_from`: a fine-tune's starting weights (the experiment names its source run)."""
     run_dir = data.results / exp["name"]
     weights = run_dir / "last.pt"
     # As the rule: with auto, the launcher fits the largest phase it may choose.
@@ -429,9 +431,11 @@ def train(
         str(run_dir / "checkpoints"),
         "--weights",
         str(weights),
+        *(["--init-from", str(init_from)] if init_from is not None else []),
         *(["--device", device] if device else []),
     ]
-    runner.run("train", args, launch=launch)
+    step = "train" if init_from is None else "fine_tune"
+    runner.run(step, args, launch=launch)
     return weights
 
 
