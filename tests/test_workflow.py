@@ -148,7 +148,7 @@ def test_default_target_runs_the_whole_demo_with_phase_auto(workflow_dir: Path):
         "results/tiny/evaluation/scores.csv",
     ):
         assert source in page, source
-    assert fmt(summary["mean_score"]) in page
+    assert fmt(summary["mean_score"], 4) in page
 
     run_snakemake(
         workflow_dir,
