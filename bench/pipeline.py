@@ -405,9 +405,11 @@ def train(
     trials: Sequence[Path],
     device: str | None,
     init_from: Path | None = None,
+    what: str = "",
 ) -> Path:
     """`ctseg train` (rule train_model); returns last.pt. Its log says which phase auto chose.
-    `init_from`: a fine-tune's starting weights (the experiment names its source run)."""
+    `init_from`: a fine-tune's starting weights (the experiment names its source run); `what`
+    names the log when one bench trains several models."""
     run_dir = data.results / exp["name"]
     weights = run_dir / "last.pt"
     # As the rule: with auto, the launcher fits the largest phase it may choose.
@@ -435,7 +437,7 @@ def train(
         *(["--device", device] if device else []),
     ]
     step = "train" if init_from is None else "fine_tune"
-    runner.run(step, args, launch=launch)
+    runner.run(step, args, what, launch=launch)
     return weights
 
 

@@ -145,42 +145,6 @@ def init_from_available() -> str | None:
 # --- the steps this bench needs beyond bench/pipeline.py ---------------------------------------
 
 
-def train_model(
-    runner: Runner,
-    data: Prepared,
-    exp: Mapping[str, Any],
-    phases: Mapping[int, Mapping[str, Any]],
-    phase: int,
-    device: str | None,
-    init_from: Path | None = None,
-) -> Path:
-    """`ctseg train` as pipeline.train runs it (rule train), plus --init-from for a fine-tune;
-    the log is named for the experiment. Returns last.pt."""
-    run_dir = data.results / exp["name"]
-    weights = run_dir / "last.pt"
-    args = [
-        "train",
-        *pipeline.experiment_args("train", exp, phases, runner.workdir),
-        "--phase",
-        str(phase),
-        "--scratch",
-        str(data.scratch),
-        "--split",
-        str(data.split_csv),
-        "--out",
-        str(run_dir / "train"),
-        "--state-dir",
-        str(run_dir / "checkpoints"),
-        "--weights",
-        str(weights),
-        *(["--init-from", str(init_from)] if init_from is not None else []),
-        *(["--device", device] if device else []),
-    ]
-    launch = pipeline.launcher(pipeline.gpus_of(phases[phase], exp))
-    runner.run("train", args, exp["name"], launch=launch)
-    return weights
-
-
 def infer_fixed(
     runner: Runner,
     data: Prepared,
@@ -384,8 +348,16 @@ class Ladder:
         claims: Mapping[str, Callable[[Any], bool]],
         init_from: Path | None = None,
     ) -> dict[str, Any]:
-        weights = train_model(
-            self.runner, self.data, exp, self.phases, self.phase, self.args.device, init_from
+        weights = pipeline.train(
+            self.runner,
+            self.data,
+            exp,
+            self.phases,
+            self.phase,
+            [],
+            self.args.device,
+            init_from,
+            what=exp["name"],
         )
         run_dir = self.data.results / exp["name"]
         ev = evidence(run_dir)
