@@ -14,10 +14,15 @@ Per size:
    after another; and surface-distance's SurfaceDice alone;
 3. the agreement of every term with that oracle (largest absolute difference, and whether the
    Betti counts are identical);
-4. `tune_s_per_volume`: the default search (32 candidates, `ctseg.tuning.SearchSpace()`) on the
-   one volume, and its ratio to one score.
+4. `tune_s_per_volume`: the 20-candidate search of issue 18 (`PREVIOUS_SEARCH`: the default
+   space without the winners' stages added since) on the one volume, and its ratio to one
+   score; `tune32_...`: the same for today's default search (32 candidates,
+   `ctseg.tuning.SearchSpace()`); `tune_pruned_...`: how many candidates each search decided by
+   their bound, without an exact score (`ctseg.tuning`, "pruned"). With `--unpruned`, the
+   20-candidate search again with nothing pruned (every candidate scored exactly: the search
+   before pruning), its time and whether it chose the same.
 
-Run: python bench/metrics.py [--sizes 128 320] [--threads N] [--no-tune]
+Run: python bench/metrics.py [--sizes 128 320] [--threads N] [--no-tune] [--unpruned]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 import tifffile
 from scipy import ndimage
 
+from ctseg import tuning
 from ctseg.demo_data import synthesize_volume
 from ctseg.machine import available_cpus
 from ctseg.metrics import prepare_masks, score_volume, surface_dice, surface_dice_reference
@@ -44,6 +50,15 @@ from ctseg.tuning import SearchSpace, Volume, search
 
 TERMS = ("score", "surface_dice", "voi_score", "topo_score", "dice", "cldice")
 COUNTS = tuple(f"topo_{c}{k}" for k in range(3) for c in "mpg")
+# The default search of issue 18 (20 candidates): today's space without the fixed hysteresis
+# pair, hysteresis along z, plugging, patching and closing.
+PREVIOUS_SEARCH = {
+    "hysteresis_pairs": (),
+    "hysteresis_modes": ("3d",),
+    "plug_holes_max_area": (),
+    "patch_holes_max_area": (),
+    "closing_radii": (),
+}
 
 
 def make_pair(size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,7 +79,15 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def bench_size(size: int, threads: int, tune: bool, workdir: Path) -> dict:
+def bench_search(row: dict, key: str, volume: Volume, space: SearchSpace, threads: int) -> None:
+    (best, candidates), row[f"{key}_s"] = timed(search, [volume], space, workers=threads)
+    row[f"{key}_candidates"] = len(candidates)
+    row[f"{key}_pruned"] = sum(c.pruned for c in candidates)
+    row[f"{key}_choice"] = best.settings.label()
+    row[f"{key}_mean"] = best.mean()
+
+
+def bench_size(size: int, threads: int, tune: bool, unpruned: bool, workdir: Path) -> dict:
     pred, label, probs = make_pair(size, seed=size)
     p, g = prepare_masks(pred, label)
     row: dict = {}
@@ -77,14 +100,16 @@ def bench_size(size: int, threads: int, tune: bool, workdir: Path) -> dict:
         store = workdir / f"v{size}.zarr"
         create_volume(store, probs.shape, np.float16, (64, 64, 64))[...] = probs.astype(np.float16)
         tifffile.imwrite(workdir / f"v{size}.tif", label)
-        (best, candidates), row["tune_s"] = timed(
-            search,
-            [Volume(f"v{size}", store, workdir / f"v{size}.tif")],
-            SearchSpace(),
-            workers=threads,
-        )
-        row["tune_candidates"] = len(candidates)
-        row["tune_choice"] = best.settings.label()
+        volume = Volume(f"v{size}", store, workdir / f"v{size}.tif")
+        bench_search(row, "tune", volume, SearchSpace(**PREVIOUS_SEARCH), threads)
+        bench_search(row, "tune32", volume, SearchSpace(), threads)
+        if unpruned:
+            margin = tuning.PRUNE_MARGIN
+            tuning.PRUNE_MARGIN = math.inf  # no bound is ever below the best: nothing pruned
+            try:
+                bench_search(row, "unpruned", volume, SearchSpace(**PREVIOUS_SEARCH), threads)
+            finally:
+                tuning.PRUNE_MARGIN = margin
     row["agreement"] = {
         term: abs(fast[term] - reference[term])
         if not (math.isnan(fast[term]) and math.isnan(reference[term]))
@@ -102,6 +127,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 320])
     parser.add_argument("--threads", type=int, default=available_cpus(), help="cores to use")
     parser.add_argument("--no-tune", action="store_true", help="skip the search")
+    parser.add_argument(
+        "--unpruned", action="store_true", help="also the 20-candidate search without pruning"
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -115,7 +143,7 @@ def main() -> None:
     result: dict = {"threads": args.threads}
     with tempfile.TemporaryDirectory(prefix="bench_metrics_") as tmp:
         for size in args.sizes:
-            row = bench_size(size, args.threads, not args.no_tune, Path(tmp))
+            row = bench_size(size, args.threads, not args.no_tune, args.unpruned, Path(tmp))
             worst = max(row["agreement"].values())
             print(
                 f"{size}^3: score {row['score_s']:.2f} s (previous {row['reference_s']:.1f} s, "
@@ -135,15 +163,33 @@ def main() -> None:
             result[f"sd_speedup_{size}"] = round(row["sd_reference_s"] / row["sd_s"], 1)
             result[f"max_term_diff_{size}"] = float(f"{worst:.1e}")
             result[f"counts_identical_{size}"] = row["counts_identical"]
-            if "tune_s" in row:
+            for key, what in (
+                ("tune", "20-candidate search"),
+                ("tune32", "default search"),
+                ("unpruned", "20-candidate search, nothing pruned"),
+            ):
+                if f"{key}_s" not in row:
+                    continue
                 print(
-                    f"{size}^3: default search {row['tune_s']:.1f} s per volume, "
-                    f"{row['tune_candidates']} candidates, x{row['tune_s'] / row['score_s']:.1f} "
-                    f"one score; chose {row['tune_choice']}",
+                    f"{size}^3: {what} {row[f'{key}_s']:.1f} s per volume, "
+                    f"{row[f'{key}_candidates']} candidates ({row[f'{key}_pruned']} pruned), "
+                    f"x{row[f'{key}_s'] / row['score_s']:.1f} one score; chose "
+                    f"{row[f'{key}_choice']} (mean {row[f'{key}_mean']:.6f})",
                     flush=True,
                 )
-                result[f"tune_s_per_volume_{size}"] = round(row["tune_s"], 1)
-                result[f"tune_over_score_{size}"] = round(row["tune_s"] / row["score_s"], 1)
+                name = {"tune": "tune", "tune32": "tune32", "unpruned": "tune_unpruned"}[key]
+                result[f"{name}_s_per_volume_{size}"] = round(row[f"{key}_s"], 1)
+                result[f"{name}_over_score_{size}"] = round(row[f"{key}_s"] / row["score_s"], 1)
+                if key != "unpruned":
+                    result[f"{name}_pruned_{size}"] = row[f"{key}_pruned"]
+            if "unpruned_s" in row:
+                same = (row["unpruned_choice"], row["unpruned_mean"]) == (
+                    row["tune_choice"],
+                    row["tune_mean"],
+                )
+                result[f"pruned_same_choice_{size}"] = same
+                if not same:
+                    raise SystemExit(f"{size}^3: pruning changed the search's choice")
             if row["agreement"]["score"] > 1e-12 or not row["counts_identical"]:
                 raise SystemExit(f"{size}^3: the fast score differs from the reference")
     result["peak_rss_gb"] = round(peak_rss_gb(), 2)

@@ -4,6 +4,7 @@ step runner's error, the arguments it builds for `ctseg`, and the threshold base
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -169,3 +170,24 @@ def test_trial_steps_by_phase():
     assert compiled["warmup_steps"] == compiled["steps"] // 4
     assert gpu_check.trial_experiment(exp, {"compile": True}, 7)["trial"]["steps"] == 7
     assert exp["trial"]["steps"] != 7  # the experiment itself is left as it was
+
+
+def test_metrics_bench_prints_pruned_and_unpruned_searches_that_agree() -> None:
+    """bench/metrics.py at 40^3: the score against the previous implementation, and the
+    20-candidate search pruned and unpruned, which must choose the same."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench/metrics.py"), "--sizes", "40", "--threads", "1"]
+        + ["--unpruned"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT metrics ")]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    fields = dict(item.split("=") for item in lines[0].split()[2:])
+    assert fields["counts_identical_40"] == "True"
+    assert float(fields["max_term_diff_40"]) <= 1e-12
+    assert fields["pruned_same_choice_40"] == "True"
+    assert 0 <= int(fields["tune_pruned_40"]) <= 20
+    assert float(fields["tune_s_per_volume_40"]) > 0 and float(fields["tune32_over_score_40"]) > 0

@@ -450,7 +450,12 @@ def test_label_side_and_tile_cache_give_the_same_counts():
     for _ in range(2):  # the second time every tile comes from the cache
         counts, _ = topo_counts(p, g, label_tiles=side.tiles, threads=2, tile_cache=cache)
         np.testing.assert_array_equal(counts, expected)
-    assert len(cache) == 8
+    # Per tile: its counts, and its feature counts, shared with the other method (the bound).
+    assert sorted(k[0] for k in cache) == ["betti_matching"] * 8 + ["features"] * 8
+    bound, _ = topo_counts(p, g, "betti_counts", label_tiles=side.tiles, tile_cache=cache)
+    np.testing.assert_array_equal(bound[:, 1:], expected[:, 1:])  # the same p_k and g_k
+    assert (bound[:, 0] >= expected[:, 0]).all()  # m_k <= min(p_k, g_k)
+    assert len(cache) == 24
 
 
 # --- raw TIFFs: values that are not a label or a mask ---------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -395,11 +396,49 @@ def test_search_chooses_as_the_previous_scorer(tmp_path: Path):
             mask, _ = binary_mask(probs, c.settings)
             label = tifffile.imread(volume.label)
             ref = score_volume(mask, label, implementation="reference")
-            assert c.scores[volume.id]["score"] == pytest.approx(ref["score"], abs=1e-12)
+            # Every candidate's bound is at least its exact score, volume by volume.
+            assert c.bounds[volume.id]["score"] >= ref["score"] - 1e-12
+            if not c.pruned:
+                assert c.scores[volume.id]["score"] == pytest.approx(ref["score"], abs=1e-12)
             scores.append(ref["score"])
         reference[c.settings] = float(np.mean(scores))
     assert best.settings.label() == "t>0.3 min 16"
     assert reference[best.settings] == max(reference.values())
+    # Pruned candidates (never scored exactly) score below the chosen one.
+    pruned = [c for c in candidates if c.pruned]
+    assert all(reference[c.settings] < reference[best.settings] for c in pruned)
+
+
+def test_pruning_chooses_what_scoring_every_candidate_chooses(tmp_path: Path, monkeypatch):
+    """A candidate whose bound (TopoScore with m_k = min(p_k, g_k)) is below a score already
+    found is not scored exactly; the search still picks the candidate, and the mean, that
+    scoring every candidate picks."""
+    volumes = [surface_case(tmp_path, "a", 6), surface_case(tmp_path, "b", 7)]
+    space = tuning.SearchSpace(
+        hysteresis_modes=("3d",),
+        hysteresis_pairs=(),
+        plug_holes_max_area=(),
+        patch_holes_max_area=(),
+        closing_radii=(),
+    )
+    best, candidates = tuning.search(volumes, space)
+    monkeypatch.setattr(tuning, "PRUNE_MARGIN", math.inf)  # nothing is pruned
+    full_best, full = tuning.search(volumes, space)
+    assert not any(c.pruned for c in full)
+    # The low thresholds' masks are noise: their many loops and cavities sink the bound.
+    pruned = [c for c in candidates if c.pruned]
+    assert {c.settings.threshold for c in pruned} >= {0.1, 0.2}
+    assert best.settings == full_best.settings and best.mean() == full_best.mean()
+    exact = {c.settings: c.mean() for c in full}
+    assert set(exact) == {c.settings for c in candidates}
+    for c in candidates:
+        assert c.bound() >= exact[c.settings]
+        if c.pruned:
+            assert exact[c.settings] < best.mean() and math.isnan(c.mean())
+        else:
+            assert c.mean() == exact[c.settings]
+    default = next(c for c in candidates if c.settings == tuning.DEFAULT_SETTINGS)
+    assert not default.pruned  # tuned.json's gain over the default needs its exact score
 
 
 # ----------------------------------------------------------------------------- the winners' steps

@@ -45,6 +45,16 @@ search is greedy: a new kind of candidate that wins a stage (hysteresis along z)
 base of every later stage, so it can end below the search without that kind, on the very
 volumes it tunes on; where none wins, the later stages are those of the search without it.
 
+Candidates that cannot win are pruned, not scored: the exact TopoScore (Betti matching) is most
+of a score's cost, and most of all on the noisy masks of low thresholds. Every candidate first
+gets an upper bound of its score: its exact SurfaceDice and VOI, and TopoScore with each
+dimension's matched count m_k replaced by min(p_k, g_k) (the feature counts alone, no matching;
+the score rises with every m_k). Highest bound first, a candidate is then scored exactly unless
+its bound is below the best mean already known; a pruned candidate's exact mean is at most its
+bound, so it could not have been chosen, and the search chooses exactly what scoring every
+candidate would. candidates.csv keeps pruned candidates with their bound (``score_bound``,
+``pruned``) and no score; the default (threshold 0.5) is always scored.
+
 Each stage's candidates of one volume are scored together, by one process: the label's side of
 the score (`ctseg.metrics.LabelSide`: its ignore mask, surfel borders, components and tiles'
 feature counts) is computed once per volume and reused by every candidate, as are the tiles
@@ -68,6 +78,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -94,8 +105,11 @@ from ctseg.metrics import (
     LabelSide,
     TopoMethod,
     competition_terms,
+    overlap_terms,
     plan_workers,
     read_label,
+    topo_counts,
+    with_topology,
 )
 
 DEFAULT_SETTINGS = PostprocessSettings()
@@ -115,6 +129,11 @@ SCORE_TERMS = ("score", "surface_dice", "voi_score", "topo_score")
 # Fewer labelled surface voxels than this over the whole val split (a 2-voxel sheet of about
 # 22 x 22 voxels) and the search is not run: see the module docstring.
 MIN_FOREGROUND_VOXELS = 1000
+# A candidate is pruned only when its bound is below the best exact mean by more than this: the
+# bound is computed by the same arithmetic as the score, so it is never below it, and the margin
+# keeps the proof free of any assumption about rounding.
+PRUNE_MARGIN = 1e-9
+BOUND_METHOD = "betti_counts"
 
 
 @dataclass(frozen=True)
@@ -234,9 +253,24 @@ class Candidate:
     stage: str
     settings: PostprocessSettings
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # volume id -> terms
+    # volume id -> terms with TopoScore's upper bound (m_k = min(p_k, g_k)): what the search
+    # knows of a candidate before, or instead of, its exact score
+    bounds: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def mean(self, term: str = "score") -> float:
+        """The mean over the volumes of the exact term; NaN for a pruned candidate."""
+        if not self.scores:
+            return math.nan
         return float(np.mean([s[term] for s in self.scores.values()]))
+
+    def bound(self) -> float:
+        """The mean score's upper bound (each volume's score with TopoScore's bound)."""
+        return float(np.mean([s["score"] for s in self.bounds.values()]))
+
+    @property
+    def pruned(self) -> bool:
+        """Not scored exactly: its bound was below a score the search already had."""
+        return not self.scores
 
 
 def _round(x: float) -> float:
@@ -287,11 +321,31 @@ def _probabilities(path: str) -> np.ndarray:
 
 @dataclass
 class _LabelState:
-    """A val volume's label side and what its candidates share (caches keyed by mask digest)."""
+    """A val volume's label side and what its candidates share: the tiles' counts, each
+    candidate's mask (bit-packed, with its digest) and each mask's SurfaceDice and VOI."""
 
     side: LabelSide
     tiles: dict = field(default_factory=dict)
-    masks: dict = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)  # settings -> (digest, packed bits)
+    overlap: dict = field(default_factory=dict)  # digest -> overlap_terms
+
+    def mask_of(self, probs: np.ndarray, settings: dict[str, Any]) -> tuple[bytes, np.ndarray]:
+        """The candidate's prepared mask and its digest (built once per candidate: the exact
+        pass comes after the bound pass)."""
+        from ctseg.metrics import _digest
+
+        key = tuple(sorted(settings.items()))
+        if key in self.masks:
+            digest, packed = self.masks[key]
+            shape = self.side.gt.shape
+            return digest, np.unpackbits(packed, count=int(np.prod(shape))).view(bool).reshape(
+                shape
+            )
+        mask, _ = binary_mask(probs, PostprocessSettings(**settings))
+        pred_bin = self.side.prepare(mask)
+        digest = _digest(pred_bin)
+        self.masks[key] = (digest, np.packbits(pred_bin))
+        return digest, pred_bin
 
 
 @functools.lru_cache(maxsize=1)
@@ -301,14 +355,13 @@ def _label_state(path: str, threads: int) -> _LabelState:
 
 
 def _score_volume_job(
-    job: tuple[str, str, list[dict[str, Any]], str, int],
+    job: tuple[str, str, list[dict[str, Any]], str, int, bool],
 ) -> list[dict[str, float]]:
-    """One volume's scores for a list of candidates; module-level so a process pool can pickle
-    it. A candidate whose mask (after the ignore step) equals one already scored on this
-    volume gets that score without scoring it again."""
-    from ctseg.metrics import _digest
-
-    probs_path, label_path, settings_list, topo_method, threads = job
+    """One volume's terms for a list of candidates: with `exact`, the exact score; else the
+    score with TopoScore's upper bound (`BOUND_METHOD`: no Betti matching). Module-level so a
+    process pool can pickle it. Candidates whose masks (after the ignore step) are equal share
+    their SurfaceDice and VOI, and tiles equal bit for bit share their counts."""
+    probs_path, label_path, settings_list, topo_method, threads, exact = job
     probs = _probabilities(probs_path)
     state = _label_state(label_path, threads)
     if probs.shape != state.side.gt.shape:
@@ -316,14 +369,22 @@ def _score_volume_job(
             f"shape mismatch: probabilities {probs_path} have shape {probs.shape}, "
             f"label {label_path} has shape {state.side.gt.shape}"
         )
+    method = topo_method if exact else BOUND_METHOD
     results = []
     for settings in settings_list:
-        mask, _ = binary_mask(probs, PostprocessSettings(**settings))
-        pred_bin = state.side.prepare(mask)
-        key = (topo_method, _digest(pred_bin))
-        if key not in state.masks:
-            state.masks[key] = _terms(pred_bin, state.side, topo_method, threads, state.tiles)
-        results.append(dict(state.masks[key]))
+        digest, pred_bin = state.mask_of(probs, settings)
+        if digest not in state.overlap:
+            state.overlap[digest] = overlap_terms(pred_bin, state.side, threads=threads)
+        counts, used = topo_counts(
+            pred_bin,
+            state.side.gt,
+            method,  # type: ignore[arg-type]
+            label_tiles=state.side.tiles,
+            threads=threads,
+            tile_cache=state.tiles,
+        )
+        terms = with_topology(state.overlap[digest], counts, used)
+        results.append({term: terms[term] for term in SCORE_TERMS})
     return results
 
 
@@ -355,12 +416,14 @@ class _Scorer:
         )
         self.bar = tqdm(total=total * len(self.volumes), desc="tune-postprocess", unit="score")
 
-    def score(self, candidates: Sequence[Candidate]) -> None:
+    def score(self, candidates: Sequence[Candidate], exact: bool) -> None:
+        """Each candidate's terms on every volume: exact (`Candidate.scores`) or with
+        TopoScore's bound (`Candidate.bounds`)."""
         if not candidates:
             return
         settings = [c.settings.as_dict() for c in candidates]
         jobs = [
-            (str(v.probabilities), str(v.label), settings, self.topo_method, self.threads)
+            (str(v.probabilities), str(v.label), settings, self.topo_method, self.threads, exact)
             for v in self.volumes
         ]
         mapped = (
@@ -368,8 +431,37 @@ class _Scorer:
         )
         for v, results in zip(self.volumes, mapped, strict=True):
             for c, result in zip(candidates, results, strict=True):
-                c.scores[v.id] = result
-            self.bar.update(len(candidates))
+                (c.scores if exact else c.bounds)[v.id] = result
+            if exact:
+                self.bar.update(len(candidates))
+
+    def score_stage(self, fresh: Sequence[Candidate], best: float) -> None:
+        """Score a stage's candidates exactly where they could win; prune the rest.
+
+        Every candidate first gets its bound (SurfaceDice, VOI, and TopoScore with m_k =
+        min(p_k, g_k), which needs no Betti matching). Then, highest bound first, a candidate
+        is scored exactly unless its bound is below the best exact mean known (`best`, the
+        search's best so far, or a candidate of this stage already scored). A pruned
+        candidate's exact mean is at most its bound, so below a mean the stage has: the
+        search chooses what it would have chosen by scoring every candidate. The default
+        settings are always scored (tuned.json reports the gain over them)."""
+        self.score(fresh, exact=False)
+        if self.topo_method == BOUND_METHOD:  # the bound is the score itself
+            for c in fresh:
+                c.scores = dict(c.bounds)
+            self.bar.update(len(fresh) * len(self.volumes))
+            return
+        first = [c for c in fresh if c.settings == DEFAULT_SETTINGS]
+        self.score(first, exact=True)
+        known = max([best, *(c.mean() for c in first)])
+        for c in sorted(fresh, key=Candidate.bound, reverse=True):  # stable: ties in order
+            if not c.pruned:
+                continue
+            if c.bound() < known - PRUNE_MARGIN:
+                self.bar.update(len(self.volumes))  # decided without its exact score
+                continue
+            self.score([c], exact=True)
+            known = max(known, c.mean())
 
     def close(self) -> None:
         self.bar.close()
@@ -454,19 +546,20 @@ def search(
     scorer = _Scorer(volumes, min(workers, bound * len(volumes)), topo_method, bound)
     try:
         first = [Candidate("threshold", PostprocessSettings(threshold=t)) for t in space.grid()]
-        scorer.score(first)
+        scorer.score_stage(first, -math.inf)
         scored.update((c.settings, c) for c in first)
-        best = max(first, key=Candidate.mean)  # max keeps the first of equals
+        # The first of equals (the simplest); pruned candidates score below the best.
+        best = max((c for c in first if not c.pruned), key=Candidate.mean)
         for stage in STAGES[1:]:
             fresh = [
                 Candidate(stage, s)
                 for s in _stage_candidates(stage, best.settings, space)
                 if s not in scored
             ]
-            scorer.score(fresh)
+            scorer.score_stage(fresh, best.mean())
             scored.update((c.settings, c) for c in fresh)
             for c in fresh:
-                if c.mean() > best.mean():
+                if not c.pruned and c.mean() > best.mean():
                     best = c
     finally:
         scorer.close()
@@ -486,6 +579,8 @@ def candidates_table(
         row: dict[str, Any] = {"candidate": i, "stage": c.stage, **c.settings.as_dict()}
         row["label"] = c.settings.label()
         row.update({term: c.mean(term) for term in SCORE_TERMS})
+        row["score_bound"] = c.bound() if c.bounds else math.nan
+        row["pruned"] = c.pruned
         row.update({f"score_{vid}": s["score"] for vid, s in c.scores.items()})
         row["chosen"] = c is best
         row["max_candidates"] = max_candidates
@@ -531,6 +626,7 @@ def tune_postprocess(
             "foreground_voxels": foreground,
             "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
             "candidates": 0,
+            "pruned": 0,
             "search": {"method": "not run: " + reason, **space.as_dict()},
             "candidates_csv": CANDIDATES_CSV,
             "seconds": time.perf_counter() - t0,
@@ -554,6 +650,7 @@ def tune_postprocess(
         "foreground_voxels": foreground,
         "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
         "candidates": len(candidates),
+        "pruned": sum(c.pruned for c in candidates),
         "search": {"method": _method(space), **space.as_dict()},
         "candidates_csv": CANDIDATES_CSV,
         "seconds": seconds,
@@ -561,7 +658,8 @@ def tune_postprocess(
     table = candidates_table(candidates, best, space.max_candidates())
     _write_outputs(Path(out_dir), summary, table)
     print(
-        f"tune-postprocess: {len(candidates)} candidates scored of {space.describe()}; chosen "
+        f"tune-postprocess: {len(candidates)} candidates scored of {space.describe()} "
+        f"({summary['pruned']} pruned: their bound was below a score already found); chosen "
         f"{best.settings.label()} (mean score {best.mean():.4f}, default {default.mean():.4f})",
         file=sys.stderr,
     )
@@ -569,7 +667,7 @@ def tune_postprocess(
 
 
 _CANDIDATE_COLUMNS = ["candidate", "stage", *PostprocessSettings().as_dict(), "label"]
-_CANDIDATE_COLUMNS += [*SCORE_TERMS, "chosen", "max_candidates"]
+_CANDIDATE_COLUMNS += [*SCORE_TERMS, "score_bound", "pruned", "chosen", "max_candidates"]
 
 
 def _write_outputs(out_dir: Path, summary: dict[str, Any], table: pd.DataFrame) -> None:
