@@ -441,6 +441,28 @@ def test_pruning_chooses_what_scoring_every_candidate_chooses(tmp_path: Path, mo
     assert not default.pruned  # tuned.json's gain over the default needs its exact score
 
 
+def test_pruned_candidates_are_listed_with_their_bound(tmp_path: Path):
+    """candidates.csv keeps a pruned candidate: its bound, no score; tuned.json and the log
+    count them, and the report says what pruning means."""
+    from ctseg.report import postprocess as report_postprocess
+    from ctseg.report.markup import Sources
+
+    volumes = [surface_case(tmp_path, "a", 6)]
+    space = tuning.SearchSpace(
+        thresholds=(0.1, 0.2, 0.3), hysteresis_offsets=(), min_component_voxels=(16,)
+    )
+    summary = tuning.tune_postprocess(volumes, tmp_path / "out", space)
+    table = pd.read_csv(tmp_path / "out" / "candidates.csv")
+    pruned = table[table["pruned"]]
+    assert summary["pruned"] == len(pruned) >= 1
+    assert pruned["score"].isna().all() and pruned["score_a"].isna().all()
+    assert (pruned["score_bound"] < table["score"].max()).all()
+    scored = table[~table["pruned"]]
+    assert (scored["score_bound"] >= scored["score"]).all() and scored["score"].notna().all()
+    page = report_postprocess.postprocess_section(tmp_path / "out", Sources(tmp_path))
+    assert f"{len(pruned)} of {len(table)} candidates were pruned" in page
+
+
 # ----------------------------------------------------------------------------- the winners' steps
 def sheet_case(directory: Path, name: str, probs: np.ndarray, label: np.ndarray) -> tuning.Volume:
     """A hand-built volume: these probabilities (float16, as infer stores them) and label."""

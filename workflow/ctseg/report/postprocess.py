@@ -24,7 +24,17 @@ from ctseg.report.markup import (
     table,
 )
 
-CANDIDATE_COLUMNS = ("stage", "label", "score", "surface_dice", "voi_score", "topo_score", "chosen")
+CANDIDATE_COLUMNS = (
+    "stage",
+    "label",
+    "score",
+    "surface_dice",
+    "voi_score",
+    "topo_score",
+    "score_bound",
+    "pruned",
+    "chosen",
+)
 
 
 def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
@@ -93,10 +103,20 @@ def _candidates_block(candidates: pd.DataFrame) -> str:
     columns = [c for c in CANDIDATE_COLUMNS if c in candidates.columns]
     rows = [[fmt(row[c], 4) for c in columns] for row in records(candidates)]
     note = ""
+    if "pruned" in candidates and candidates["pruned"].astype(bool).any():
+        note += (
+            f"<p class='note'>{int(candidates['pruned'].astype(bool).sum())} of "
+            f"{len(candidates)} candidates were pruned: their upper bound "
+            "(<code>score_bound</code>: TopoScore with each dimension's matched count at its "
+            "maximum) was below a mean score already found, so they could not be chosen and "
+            "were not scored exactly (no score).</p>"
+        )
     if "chosen" in candidates and "label" in candidates:
         chosen = candidates.loc[candidates["chosen"].astype(bool), "label"]
         if len(chosen):
-            note = f"<p class='note'>Chosen: <b>{esc(chosen.iloc[0])}</b> (highest mean score).</p>"
+            note += (
+                f"<p class='note'>Chosen: <b>{esc(chosen.iloc[0])}</b> (highest mean score).</p>"
+            )
     return "<h3>Candidates</h3>" + note + _threshold_plot(candidates) + table(columns, rows)
 
 
