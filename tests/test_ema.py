@@ -22,6 +22,7 @@ from ctseg.checkpoint import identity_changes, load_checkpoint, run_identity
 from ctseg.ema import WeightAverage
 from ctseg.model import portable_state_dict
 from ctseg.preempt import stop_on_signals
+from ctseg.run_settings import flat_settings, read_run_settings
 from ctseg.train import train
 
 EMA = {"decay": 0.5, "start_step": 2}
@@ -150,6 +151,13 @@ def test_validation_and_last_pt_use_the_average_and_training_is_unchanged(runs: 
     assert list(steps["loss"]) == list(plain_steps["loss"])
     val = pd.read_csv(root / "ema" / "out" / "epochs.csv")["val_loss"]
     assert list(val) != list(pd.read_csv(root / "plain" / "out" / "epochs.csv")["val_loss"])
+    # settings.json (the report's settings table) says what each run was trained with.
+    recorded = {n: read_run_settings(root / n / "out" / "settings.json") for n in ("ema", "plain")}
+    assert recorded["ema"]["weights"] == "ema" and recorded["plain"]["weights"] == "trained"
+    flat = {name: flat_settings(r) for name, r in recorded.items()}
+    assert flat["ema"]["train.ema.decay"] == EMA["decay"]
+    assert flat["plain"]["train.ema"] is None
+    assert recorded["ema"]["run_identity"] == final["fingerprint"]
 
 
 def test_an_interrupted_run_with_ema_resumes_bit_for_bit(

@@ -23,6 +23,7 @@ from ctseg.finetune import source_weights, state_digest
 from ctseg.io import CtsegError
 from ctseg.model import build_model, portable_state_dict
 from ctseg.recipe import lr_at, scaled_lr
+from ctseg.run_settings import read_run_settings
 from ctseg.train import train
 
 FINE_TUNE = copy.deepcopy(EXPERIMENT)
@@ -115,6 +116,10 @@ def test_ctseg_train_init_from_fine_tunes_from_the_file(scratch: Path, tmp_path:
     assert identity["source_weights"] == state_digest(
         load_checkpoint(tmp_path / "source.pt")["model"]
     )
+    # The report's settings table reads the source and its digest from settings.json.
+    recorded = read_run_settings(tmp_path / "out" / "settings.json")
+    assert recorded["experiment"]["init_from"] == "tiny_source"
+    assert recorded["source_weights"] == identity["source_weights"]
 
 
 def test_a_source_of_another_model_is_refused_naming_the_layer_and_both_shapes(

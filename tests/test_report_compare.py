@@ -31,6 +31,7 @@ from ctseg.io import CtsegError
 from ctseg.report import build_runs_report
 from ctseg.report.provenance import Provenance
 from ctseg.report.timings import GPU_RULES
+from ctseg.run_settings import write_run_settings
 from ctseg.store import create_volume
 from ctseg.summaries import TrialSummary, step_columns
 
@@ -157,9 +158,31 @@ def make_runs(root: Path) -> dict:
     )
     for record_id, shift in (("v1", 0), ("v2", 1)):
         write_prediction(exp, record_id, shift)
+    base = {
+        "name": "exp001",
+        "init_from": None,
+        "model": {"filters": [8, 16], "block": "plain", "blocks_per_stage": None},
+        "train": {"lr": 0.002, "ema": {"decay": 0.999, "start_step": 1000}},
+        "data": {"patch_size": [32, 48, 48]},
+    }
+    phase = {"batch_size": 2, "workers": 2}
+    write_run_settings(
+        exp / "train", base, phase, weights="ema", source_weights=None, run_identity="aaaa"
+    )
 
     full = results / "exp001_full"
     write_train(full / "train", 60, rate=8.0, val_dice=[0.4, 0.7])
+    fine_tune = {
+        **base,
+        "name": "exp001_full",
+        "init_from": "exp001",
+        "model": {**base["model"], "block": "residual", "blocks_per_stage": [1, 2]},
+        "train": {"lr": 0.001, "ema": None},
+        "data": {"patch_size": [48, 64, 64]},
+    }
+    write_run_settings(
+        full / "train", fine_tune, phase, weights="trained", source_weights="d1g3", run_identity="b"
+    )
     write_scores(
         full / "evaluation",
         {"v3": (0.95, 0.5, 0.7), "v6": (0.85, 0.45, 0.65), "v7": (0.6, 0.2, 0.3)},
@@ -517,3 +540,27 @@ def test_a_run_without_results_says_what_is_missing(tmp_path):
     assert "Evaluation means: not found (<code>results/bare/evaluation/summary.json" in page
     assert "Loss curves (train/steps.csv of any run): no input given" in page
     assert "<img" not in page
+
+
+# --------------------------------------------------------------------------- settings
+def test_settings_show_what_differs_between_runs_first(rendered):
+    """Every run's train/settings.json side by side: the keys that differ (EMA, init_from, the
+    residual blocks, the patch) in the first table, the rest after; an ensemble trained
+    nothing of its own."""
+    _, page, _ = rendered
+    section = block(page, "settings")
+    tables = re.findall(r"<table>.*?</table>", section, re.S)
+    assert len(tables) == 2
+    differ, same = ({r[0]: r[1:] for r in table_rows(t)[1:]} for t in tables)
+    assert table_rows(tables[0])[0] == ["setting", "exp001", "exp001_full", "ens1"]
+    assert differ["init_from"] == ["null", "exp001", "(no training)"]
+    assert differ["train.ema.decay"] == ["0.999", "(not set)", "(no training)"]
+    assert differ["train.ema"] == ["(not set)", "null", "(no training)"]
+    assert differ["model.block"][:2] == ["plain", "residual"]
+    assert differ["model.blocks_per_stage"][:2] == ["null", "[1,2]"]
+    assert differ["data.patch_size"][:2] == ["[32,48,48]", "[48,64,64]"]
+    assert differ["weights"][:2] == ["ema", "trained"]
+    assert differ["source_weights"][:2] == ["null", "d1g3"]
+    assert "model.filters" not in differ and same["model.filters"][:2] == ["[8,16]", "[8,16]"]
+    assert same["phase.batch_size"][:2] == ["2", "2"]
+    assert "results/exp001/train/settings.json" in section

@@ -205,6 +205,21 @@ def test_two_experiments_a_cross_validation_and_an_ensemble_in_one_run(tmp_path:
         shown = [float(x) for x in re.findall(r">(-?\d+\.\d+)<", rows[run])]
         assert any(abs(x - score) < 5e-4 for x in shown), (run, score, rows[run])
 
+    # Its settings table puts first what tiny_b changed (from each run's train/settings.json).
+    settings = html[html.index('id="settings"') :]
+    differ = re.search(r"<table>.*?</table>", settings, re.S).group(0)
+    differ_rows = {
+        cells[0]: cells[1:]
+        for cells in (
+            re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row)
+            for row in re.findall(r"<tr>(.*?)</tr>", differ, re.S)
+        )
+    }
+    assert differ_rows["setting"] == runs
+    assert differ_rows["train.lr"][:2] == ["0.001", "0.004"]  # the schema default, and its own
+    assert differ_rows["train.seed"][1] == "1" and differ_rows["train.lr"][3] == "(no training)"
+    assert "model.filters" not in differ_rows
+
     # An edit to one experiment reruns that experiment's jobs (and what is built from them),
     # never another experiment's.
     exp_b = work / "config/experiments/tiny_b.yaml"

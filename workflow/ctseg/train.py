@@ -56,6 +56,7 @@ from ctseg.losses import compute_losses, loss_settings
 from ctseg.model import build_model, parameter_digest
 from ctseg.preempt import StopRequest, shielded
 from ctseg.probes import GpuMonitor, host_rss_bytes
+from ctseg.run_settings import write_run_settings
 from ctseg.run_state import Run
 from ctseg.stopping import Stopping
 from ctseg.summaries import step_columns
@@ -367,6 +368,15 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
     flush_logs(run)
     if run.ranks.main and run.stopping.stopped is None:
         publish_logs(run.log_dir, run.out_dir)
+        if not run.trial:
+            write_run_settings(
+                run.out_dir,
+                run.exp,
+                run.phase,
+                weights="ema" if run.ema is not None else "trained",
+                source_weights=run.identity.get("source_weights"),
+                run_identity=identity_digest(run.identity),
+            )
         if final_weights is not None:
             save_checkpoint(final_weights, run.final_state())
     # A collective: no rank returns before rank 0's files are written.

@@ -778,6 +778,7 @@ def report_inputs(run):
         inputs += [
             f"{run_dir(run)}/train/steps.csv",
             f"{run_dir(run)}/train/epochs.csv",
+            f"{run_dir(run)}/train/settings.json",
             *trial_summaries(run),
         ]
     return inputs

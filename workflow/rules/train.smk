@@ -63,6 +63,7 @@ rule train_model:
         weights="results/{exp}/last.pt",
         steps="results/{exp}/train/steps.csv",
         epochs="results/{exp}/train/epochs.csv",
+        settings="results/{exp}/train/settings.json",
     log:
         "results/logs/train/{exp}.log",
     benchmark:

@@ -16,11 +16,12 @@ value) onto ``<body data-images-ok data-images-total>``, so a headless browser's
 
 Several runs (`build_runs_report`: experiments, folds and ensembles, each a directory
 results/<run>/, see `runs`) share one page: a comparison table with every run's loss curves
-(`compare`), the same slice of each volume for every run (`overlays`), then each run's own
+(`compare`), every run's settings side by side (`settings`), the same slice of each volume for
+every run (`overlays`), then each run's own
 sections (phases, training, evaluation, provenance, post-processing, timings), and the shared
 (preprocessing) timings. `build_report` is the one-run page of the single-run options.
 
-One module per section: `phases`, `training`, `scores` (evaluation), `provenance` (which
+One module per section: `phases`, `training`, `settings`, `scores` (evaluation), `provenance` (which
 volumes a score comes from and whether anything was fitted on them), `postprocess`,
 `overlays`, `timings`, `compare`; `runs` finds a run's files, `markup` holds the shared HTML
 pieces and `page` the page around them.
@@ -42,6 +43,7 @@ from ctseg.report.postprocess import postprocess_section
 from ctseg.report.provenance import provenance_block, read_provenance
 from ctseg.report.runs import Run, run_from_dir
 from ctseg.report.scores import evaluation_section
+from ctseg.report.settings import settings_section
 from ctseg.report.timings import timing_section
 from ctseg.report.training import training_section
 
@@ -91,6 +93,7 @@ def build_report(
     sections = [
         phase_section(list(run.phase_summaries), src),
         training_section(train_dir, src),
+        settings_section([run], src),
         evaluation_section(evaluation_dir, src),
         provenance_block(read_provenance(run, src)),
         postprocess_section(postprocess_dir, src),
@@ -151,6 +154,7 @@ def build_runs_report(
     facts = [read_run(run, src) for run in loaded]
     sections = [
         comparison_section(facts),
+        settings_section(loaded, src),
         runs_overlay_section(overlays, [(r.name, r.predictions_dir) for r in loaded], src),
         *(_run_sections(run, src) for run in loaded),
         timing_section(benchmarks_dir, src, "Shared timings (jobs of no run: preprocessing)"),

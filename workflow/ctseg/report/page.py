@@ -64,6 +64,7 @@ def sources_section(src: Sources) -> str:
 NAV = (
     ("phases", "Phases"),
     ("training", "Training"),
+    ("settings", "Settings"),
     ("evaluation", "Evaluation"),
     ("provenance", "Provenance"),
     ("overlays", "Overlays"),
@@ -94,7 +95,7 @@ def page(
 ) -> str:
     """The page; with `runs`, the header and navigation name the runs (several-run report)."""
     if runs:
-        links = [("comparison", "Comparison"), ("overlays", "Overlays")]
+        links = [("comparison", "Comparison"), ("settings", "Settings"), ("overlays", "Overlays")]
         links += [(f"run-{anchor(r)}", r) for r in runs]
         links += [("timings", "Shared timings"), ("sources", "Files")]
         names = ", ".join(f"<b>{esc(r)}</b>" for r in runs)
