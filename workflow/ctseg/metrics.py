@@ -54,12 +54,12 @@ import cc3d
 import numpy as np
 from numba import njit
 from skimage.metrics import variation_of_information
-from skimage.morphology import skeletonize
 
 from ctseg import surface_dice as _surface
 from ctseg.betti_matching import matched_counts
 from ctseg.io import CtsegError
 from ctseg.machine import available_cpus
+from ctseg.thinning import slices_skeleton
 
 TopoMethod = Literal["betti_matching", "betti_counts"]
 TOPO_METHODS = ("betti_matching", "betti_counts")
@@ -409,17 +409,11 @@ def medial_surface(mask: np.ndarray, threads: int = 1) -> np.ndarray:
 
 
 def _axis_skeleton(mask: np.ndarray, axis: int) -> np.ndarray:
-    skeleton = np.zeros_like(mask)
-    moved = np.moveaxis(mask, axis, 0)
-    out = np.moveaxis(skeleton, axis, 0)  # a view: writing to it fills `skeleton`
-    for i in np.flatnonzero(moved.any(axis=(1, 2))):
-        # Thinning is local and treats outside the image as background, so the skeleton of
-        # the slice's bounding box is the slice's skeleton (a third less work on sheets).
-        rows = np.flatnonzero(moved[i].any(axis=1))
-        cols = np.flatnonzero(moved[i].any(axis=0))
-        box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))
-        out[i][box] = skeletonize(moved[i][box])
-    return skeleton
+    # The 2D skeleton of every slice across `axis`, bit for bit skimage's skeletonize
+    # (ctseg.thinning, tests/test_thinning.py): numba kernels that release the GIL and thin
+    # each slice within its bounding box (thinning is local and treats outside the image as
+    # background), slices shared among numba.get_num_threads() threads.
+    return slices_skeleton(mask, axis)
 
 
 def cldice(pred: np.ndarray, gt: np.ndarray, threads: int = 1) -> float:
