@@ -404,16 +404,17 @@ def dice(pred: np.ndarray, gt: np.ndarray) -> float:
 def medial_surface(mask: np.ndarray, threads: int = 1) -> np.ndarray:
     """Union of per-slice 2D skeletons along z, y and x (the project's sheet skeleton)."""
     mask = np.asarray(mask, dtype=bool)
-    per_axis = _map_threads(lambda axis: _axis_skeleton(mask, axis), range(3), threads)
+    per_axis = [_axis_skeleton(mask, axis, threads) for axis in range(3)]
     return per_axis[0] | per_axis[1] | per_axis[2]
 
 
-def _axis_skeleton(mask: np.ndarray, axis: int) -> np.ndarray:
+def _axis_skeleton(mask: np.ndarray, axis: int, threads: int = 1) -> np.ndarray:
     # The 2D skeleton of every slice across `axis`, bit for bit skimage's skeletonize
     # (ctseg.thinning, tests/test_thinning.py): numba kernels that release the GIL and thin
     # each slice within its bounding box (thinning is local and treats outside the image as
-    # background), slices shared among numba.get_num_threads() threads.
-    return slices_skeleton(mask, axis)
+    # background), slices shared among `threads` threads (passed on: numba's own thread
+    # setting is per calling thread, and clDice may run in a thread of its own).
+    return slices_skeleton(mask, axis, threads)
 
 
 def cldice(pred: np.ndarray, gt: np.ndarray, threads: int = 1) -> float:
@@ -589,13 +590,13 @@ def score_volume(
         result["cldice"] = cldice(pred_bin, gt_bin)
     elif implementation == "ctseg":
         pred_bin, gt_bin = prepare_masks(pred, gt)  # its checks and messages
-        # clDice's skeletons (about a third of a 320^3 score) hold the GIL in skimage, and
-        # the Betti matching kernels release it: computed side by side, the one's time hides
-        # in the other's (with 2 cores, 7 s instead of 11 s).
+        # clDice (a diagnostic) on one thread beside the score's terms: its kernels and the
+        # Betti matching's release the GIL, and the matching's tiles leave a core idle at
+        # their end (five dear tiles of eight at 320^3), which clDice's 1.8 s then fills.
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as pool:
-            cldice_value = pool.submit(cldice, pred_bin, gt_bin)
+            cldice_value = pool.submit(cldice, pred_bin, gt_bin, 1)
             label = LabelSide.of(np.asarray(gt), threads)
             result = competition_terms(
                 pred_bin,
