@@ -85,6 +85,7 @@ def bench_search(row: dict, key: str, volume: Volume, space: SearchSpace, thread
     row[f"{key}_pruned"] = sum(c.pruned for c in candidates)
     row[f"{key}_choice"] = best.settings.label()
     row[f"{key}_mean"] = best.mean()
+    row[f"{key}_rss_gb"] = peak_rss_gb()  # the process's high-water mark so far
 
 
 def bench_size(size: int, threads: int, tune: bool, unpruned: bool, workdir: Path) -> dict:
@@ -174,7 +175,8 @@ def main() -> None:
                     f"{size}^3: {what} {row[f'{key}_s']:.1f} s per volume, "
                     f"{row[f'{key}_candidates']} candidates ({row[f'{key}_pruned']} pruned), "
                     f"x{row[f'{key}_s'] / row['score_s']:.1f} one score; chose "
-                    f"{row[f'{key}_choice']} (mean {row[f'{key}_mean']:.6f})",
+                    f"{row[f'{key}_choice']} (mean {row[f'{key}_mean']:.6f}); peak RSS so far "
+                    f"{row[f'{key}_rss_gb']:.2f} GB",
                     flush=True,
                 )
                 name = {"tune": "tune", "tune32": "tune32", "unpruned": "tune_unpruned"}[key]

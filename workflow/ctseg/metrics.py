@@ -704,7 +704,11 @@ SUMMARY_COLUMNS = (
 
 
 # Peak memory of one scoring process on a 320^3 pair (measured, bench/metrics.py): the volumes,
-# the label's side, one tile's Betti matching per thread and the skeletons of clDice.
+# the label's side, one tile's Betti matching per thread and the skeletons of clDice: 1.5 to
+# 1.7 GB for a model-like mask, 2.6 GB for the bench's process after the pruned search (its own
+# arrays included; the rules add 1 GB of margin). Noise costs more: the exact TopoScore of a
+# 320^3 mask of weak probabilities thresholded at 0.1 took 5.2 GB (and 315 s), which the
+# search prunes by its bound but evaluate would pay for predictions that noisy.
 WORKER_MEMORY_GB = 2.0
 
 
