@@ -49,11 +49,11 @@ Candidates that cannot win are pruned, not scored: the exact TopoScore (Betti ma
 of a score's cost, and most of all on the noisy masks of low thresholds. Every candidate first
 gets an upper bound of its score: its exact SurfaceDice and VOI, and TopoScore with each
 dimension's matched count m_k replaced by min(p_k, g_k) (the feature counts alone, no matching;
-the score rises with every m_k). Highest bound first, a candidate is then scored exactly unless
-its bound is below the best mean already known; a pruned candidate's exact mean is at most its
-bound, so it could not have been chosen, and the search chooses exactly what scoring every
-candidate would. candidates.csv keeps pruned candidates with their bound (``score_bound``,
-``pruned``) and no score; the default (threshold 0.5) is always scored.
+the score rises with every m_k). The candidate of highest bound is scored exactly first, then
+every other whose bound is not below the best mean known by then; a pruned candidate's exact
+mean is at most its bound, so it could not have been chosen, and the search chooses exactly
+what scoring every candidate would. candidates.csv keeps pruned candidates with their bound
+(``score_bound``, ``pruned``) and no score; the default (threshold 0.5) is always scored.
 
 Each stage's candidates of one volume are scored together, by one process: the label's side of
 the score (`ctseg.metrics.LabelSide`: its ignore mask, surfel borders, components and tiles'
@@ -439,9 +439,9 @@ class _Scorer:
         """Score a stage's candidates exactly where they could win; prune the rest.
 
         Every candidate first gets its bound (SurfaceDice, VOI, and TopoScore with m_k =
-        min(p_k, g_k), which needs no Betti matching). Then, highest bound first, a candidate
-        is scored exactly unless its bound is below the best exact mean known (`best`, the
-        search's best so far, or a candidate of this stage already scored). A pruned
+        min(p_k, g_k), which needs no Betti matching). The candidate of highest bound is then
+        scored exactly, and after it every candidate whose bound is not below the best exact
+        mean known (`best`, the search's best so far, or this stage's first). A pruned
         candidate's exact mean is at most its bound, so below a mean the stage has: the
         search chooses what it would have chosen by scoring every candidate. The default
         settings are always scored (tuned.json reports the gain over them)."""
@@ -451,17 +451,17 @@ class _Scorer:
                 c.scores = dict(c.bounds)
             self.bar.update(len(fresh) * len(self.volumes))
             return
-        first = [c for c in fresh if c.settings == DEFAULT_SETTINGS]
+        # The highest bound first, with the default: their exact scores set the bar. The rest
+        # that could still beat it are then scored together, one job per volume (a worker
+        # reads a volume's label side once per job, so one job per candidate would read it
+        # again and again on a real val split).
+        ranked = sorted(fresh, key=Candidate.bound, reverse=True)  # stable: ties in order
+        first = [c for c in fresh if c.settings == DEFAULT_SETTINGS or c is ranked[0]]
         self.score(first, exact=True)
         known = max([best, *(c.mean() for c in first)])
-        for c in sorted(fresh, key=Candidate.bound, reverse=True):  # stable: ties in order
-            if not c.pruned:
-                continue
-            if c.bound() < known - PRUNE_MARGIN:
-                self.bar.update(len(self.volumes))  # decided without its exact score
-                continue
-            self.score([c], exact=True)
-            known = max(known, c.mean())
+        rest = [c for c in ranked if c.pruned and c.bound() >= known - PRUNE_MARGIN]
+        self.score(rest, exact=True)
+        self.bar.update(sum(c.pruned for c in fresh) * len(self.volumes))  # decided by bound
 
     def close(self) -> None:
         self.bar.close()
