@@ -327,6 +327,7 @@ def test_only_rank_0_writes(runs: dict) -> None:
         "settings/tddp.yaml",
         "split.csv",
         "train/epochs.csv",
+        "train/settings.json",  # what the run was trained with (the report's settings)
         "train/steps.csv",
     ]
     # Rank 0 alone printed the summary.
