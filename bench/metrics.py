@@ -50,15 +50,8 @@ from ctseg.tuning import SearchSpace, Volume, search
 
 TERMS = ("score", "surface_dice", "voi_score", "topo_score", "dice", "cldice")
 COUNTS = tuple(f"topo_{c}{k}" for k in range(3) for c in "mpg")
-# The default search of issue 18 (20 candidates): today's space without the fixed hysteresis
-# pair, hysteresis along z, plugging, patching and closing.
-PREVIOUS_SEARCH = {
-    "hysteresis_pairs": (),
-    "hysteresis_modes": ("3d",),
-    "plug_holes_max_area": (),
-    "patch_holes_max_area": (),
-    "closing_radii": (),
-}
+# The default search of issue 18 (20 candidates): today's without the winners' stages.
+PREVIOUS_SEARCH = tuning.WINNERS_STAGES_OFF
 
 
 def make_pair(size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

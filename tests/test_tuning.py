@@ -414,13 +414,7 @@ def test_pruning_chooses_what_scoring_every_candidate_chooses(tmp_path: Path, mo
     found is not scored exactly; the search still picks the candidate, and the mean, that
     scoring every candidate picks."""
     volumes = [surface_case(tmp_path, "a", 6), surface_case(tmp_path, "b", 7)]
-    space = tuning.SearchSpace(
-        hysteresis_modes=("3d",),
-        hysteresis_pairs=(),
-        plug_holes_max_area=(),
-        patch_holes_max_area=(),
-        closing_radii=(),
-    )
+    space = tuning.SearchSpace(**tuning.WINNERS_STAGES_OFF)
     best, candidates = tuning.search(volumes, space)
     monkeypatch.setattr(tuning, "PRUNE_MARGIN", math.inf)  # nothing is pruned
     full_best, full = tuning.search(volumes, space)
@@ -484,13 +478,7 @@ def flat_sheet(shape=(32, 32, 32)) -> tuple[np.ndarray, np.ndarray]:
 
 def only_new_stage(stage: str) -> tuning.SearchSpace:
     """The default search with every other new stage off (each test shows its own stage)."""
-    off = {
-        "hysteresis_pairs": (),
-        "hysteresis_modes": ("3d",),
-        "plug_holes_max_area": (),
-        "patch_holes_max_area": (),
-        "closing_radii": (),
-    }
+    off = tuning.WINNERS_STAGES_OFF
     default = tuning.SearchSpace()
     on = {
         "hysteresis": ("hysteresis_pairs", "hysteresis_modes"),
@@ -526,13 +514,7 @@ def test_default_search_is_32_candidates_a_volume_and_says_so(tmp_path: Path, ca
     assert space.describe().split("(")[1] in help_text
     # The new stages off: the search before them, 20.
     assert only_new_stage("plug_holes").max_candidates() == 22
-    old = tuning.SearchSpace(
-        hysteresis_pairs=(),
-        hysteresis_modes=("3d",),
-        plug_holes_max_area=(),
-        patch_holes_max_area=(),
-        closing_radii=(),
-    )
+    old = tuning.SearchSpace(**tuning.WINNERS_STAGES_OFF)
     assert old.max_candidates() == 20
 
     # A run's bound is in its log, tuned.json and candidates.csv, and the run stays within it.
@@ -669,13 +651,7 @@ def test_with_the_new_stages_off_the_search_is_the_previous_one(tmp_path: Path):
     the same order as the 20-candidate search; with them on, these first, with the same
     scores, and the same choice (none of the new candidates scores higher)."""
     volumes = [surface_case(tmp_path, "a", 6), surface_case(tmp_path, "b", 7)]
-    off = tuning.SearchSpace(
-        hysteresis_pairs=(),
-        hysteresis_modes=("3d",),
-        plug_holes_max_area=(),
-        patch_holes_max_area=(),
-        closing_radii=(),
-    )
+    off = tuning.SearchSpace(**tuning.WINNERS_STAGES_OFF)
     best_off, off_candidates = tuning.search(volumes, off, topo_method="betti_counts")
     best_on, on_candidates = tuning.search(volumes, topo_method="betti_counts")
     assert [c.stage for c in off_candidates] == [

@@ -134,6 +134,15 @@ MIN_FOREGROUND_VOXELS = 1000
 # keeps the proof free of any assumption about rounding.
 PRUNE_MARGIN = 1e-9
 BOUND_METHOD = "betti_counts"
+# The winners' stages off (the fixed hysteresis pair, hysteresis along z, plugging, patching,
+# closing): the 20-candidate search as it was before them, `SearchSpace(**WINNERS_STAGES_OFF)`.
+WINNERS_STAGES_OFF: dict[str, tuple] = {
+    "hysteresis_pairs": (),
+    "hysteresis_modes": ("3d",),
+    "plug_holes_max_area": (),
+    "patch_holes_max_area": (),
+    "closing_radii": (),
+}
 
 
 @dataclass(frozen=True)
@@ -286,23 +295,7 @@ def competition_score(
     computes them (its functions), without the diagnostics Dice and clDice that the search does
     not need (clDice's skeletons cost more than the score's other terms)."""
     label = LabelSide.of(np.asarray(gt))
-    return _terms(label.prepare(pred), label, topo_method)
-
-
-def _terms(
-    pred_bin: np.ndarray,
-    label: LabelSide,
-    topo_method: str,
-    threads: int = 1,
-    tile_cache: dict | None = None,
-) -> dict[str, float]:
-    result = competition_terms(
-        pred_bin,
-        label,
-        topo_method=topo_method,  # type: ignore[arg-type]
-        threads=threads,
-        tile_cache=tile_cache,
-    )
+    result = competition_terms(label.prepare(pred), label, topo_method=topo_method)
     return {term: result[term] for term in SCORE_TERMS}
 
 
