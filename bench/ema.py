@@ -1,5 +1,5 @@
-"""The EMA update's cost (`ctseg.ema.WeightAverage.update`, torch._foreach ops) against a plain
-per-parameter loop of the same arithmetic, on one experiment's model.
+"""The EMA update's cost (`ctseg.training.ema.WeightAverage.update`, torch._foreach ops) against a
+plain per-parameter loop of the same arithmetic, on one experiment's model.
 
     python bench/ema.py [--experiment config/experiments/resenc_24gb.yaml] [--device cuda]
     python bench/ema.py --model '{"filters": [32, 64], ...}'   # a model section, no config
@@ -27,8 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from ctseg.ema import WeightAverage  # noqa: E402
-from ctseg.model import build_model  # noqa: E402
+from ctseg.network.model import build_model  # noqa: E402
+from ctseg.training.ema import WeightAverage  # noqa: E402
 
 
 def timed(update, device: torch.device, updates: int) -> float:

@@ -1,4 +1,5 @@
-"""Ensemble benchmark: `ctseg.ensemble.ensemble_volume` against a whole-volume mean, same run.
+"""Ensemble benchmark: `ctseg.inference.ensemble.ensemble_volume` against a whole-volume mean, same
+run.
 
     python bench/ensemble.py           # 3 members of 64 x 256 x 256 and of 256 x 256 x 256
     python bench/ensemble.py --quick   # 3 members of 32 x 128 x 128 and of 128 x 128 x 128
@@ -27,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from ctseg.ensemble import ensemble_volume  # noqa: E402
+from ctseg.inference.ensemble import ensemble_volume  # noqa: E402
 from ctseg.store import create_volume, open_volume  # noqa: E402
 
 ATTRS = {

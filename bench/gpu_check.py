@@ -27,10 +27,11 @@ It writes one JSON (``--json``) and prints a RESULT line for each GPU-only path:
 
 The last line is always the summary. speedup_vs_phase0 is the chosen phase's trial samples/s over
 phase 0's in the same run, score the competition score of the held-out test volumes; tflops and
-mfu are each trial's (ctseg.flops, ctseg.peaks: counted FLOPs x samples/s, over the dense peak
-of the precision in use). The packed-batch unpack from pinned memory runs in the trials of the
-phases with pin_memory and device prefetch; its line is ok when every one of them ran ok on CUDA.
-The exit status is 1 when a step fails (the step and the tail of its log are printed), a phase's
+mfu are each trial's (ctseg.network.flops, ctseg.network.peaks: counted FLOPs x samples/s, over the
+dense peak of the precision in use). The packed-batch unpack from pinned memory runs in the trials
+of the phases with pin_memory and device prefetch; its line is ok when every one of them ran ok on
+CUDA. The exit status is 1 when a step fails (the step and the tail of its log are printed), a
+phase's
 trial ends ``failed`` or the inference comparison fails.
 
 Time (an H200, 16 cores): the landed check took 316 s at --trial-steps 20 --train-steps 200

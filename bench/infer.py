@@ -11,7 +11,8 @@ MONAI is a bench-only extra: ``.venv/bin/pip install -e '.[bench]'`` (``--skip-m
 the rest without it).
 
 Figures:
-- voxels/s of `ctseg.infer.infer_volume` (batch 4 by default, Gaussian blending; the volume
+- voxels/s of `ctseg.inference.infer.infer_volume` (batch 4 by default, Gaussian blending; the
+volume
   is resident, and a streamed run is shown beside it) against the baseline below, on the same
   U-Net (filters 16-32-64-128, instance norm: a realistic width for a CPU, so the forward
   dominates) and the same volume. Both use the same window positions, Gaussian map, device
@@ -139,7 +140,7 @@ def save_weights(path: Path, config: dict, window: tuple[int, int, int]) -> Path
     """Random-init weights in the format train.py writes (last.pt)."""
     import torch
 
-    from ctseg.model import build_model
+    from ctseg.network.model import build_model
 
     torch.manual_seed(0)
     model = build_model(config)
@@ -159,8 +160,8 @@ def decisive_weights(path: Path, config: dict, window, store: Path) -> Path:
     logit of the volume's first window, so that about half the voxels are foreground."""
     import torch
 
-    from ctseg import infer
-    from ctseg.model import build_model
+    from ctseg.inference import infer
+    from ctseg.network.model import build_model
     from ctseg.store import open_volume
 
     torch.manual_seed(0)
@@ -196,7 +197,7 @@ def pointwise_weights(path: Path) -> Path:
 def load(weights: str, device):
     import torch
 
-    from ctseg import infer
+    from ctseg.inference import infer
 
     if weights.endswith(".pointwise.pt"):
         model = torch.nn.Conv3d(1, 1, 1)
@@ -225,7 +226,7 @@ def child_stream(
     device_budget: str = "",
 ) -> float:
     """`infer_volume` into a float16 store; an empty device budget means the host budget."""
-    from ctseg import infer
+    from ctseg.inference import infer
 
     device = infer.pick_device()
     win = tuple(int(w) for w in window.split(","))
@@ -261,7 +262,7 @@ def child_compare(
     import torch
     from monai.inferers import sliding_window_inference
 
-    from ctseg import infer
+    from ctseg.inference import infer
     from ctseg.store import open_volume
 
     device = infer.pick_device()
@@ -328,8 +329,8 @@ def child_loop(weights: str, store: str, dest: str, window: str, tuned: str = "0
     """
     import torch
 
-    from ctseg import infer
-    from ctseg.data import tune_malloc
+    from ctseg.data.heap import tune_malloc
+    from ctseg.inference import infer
     from ctseg.store import create_volume, open_volume
 
     if tuned == "1":
@@ -407,7 +408,7 @@ def speed(
     batch: int,
     repeat: int,
 ) -> float:
-    from ctseg import infer
+    from ctseg.inference import infer
 
     store = make_store(workdir / "speed.zarr", shape)
     weights = save_weights(workdir / "unet.pt", UNET, window)
@@ -510,7 +511,7 @@ def check_same_grid(shape, window) -> None:
     """The agreement check compares implementations only where both use the same windows."""
     import itertools
 
-    from ctseg import infer
+    from ctseg.inference import infer
 
     ours = [infer.window_starts(s, w, OVERLAP) for s, w in zip(shape, window, strict=True)]
     theirs = monai_grid(shape, window)
@@ -549,7 +550,7 @@ def monai(
     pointwise: bool = False,
 ) -> float:
     """ctseg's voxels/s / MONAI's, after checking that the two agree (module docstring)."""
-    from ctseg import infer
+    from ctseg.inference import infer
 
     check_same_grid(shape, window)
     config = full_model_config() if full_model else UNET

@@ -245,7 +245,7 @@ def cpu_seconds(pid: int) -> dict[int, float]:
 
 # ---------------------------------------------------------------- child side
 def make_dataset(spec: Mapping[str, Any], run: Mapping[str, Any], length: int) -> Any:
-    from ctseg.patches import PatchDataset
+    from ctseg.data.patches import PatchDataset
 
     data = load_yaml(EXPERIMENT)["data"]
     return PatchDataset(
@@ -278,7 +278,7 @@ class HostLayout:
 def make_loader(spec: Mapping[str, Any], run: Mapping[str, Any], phase: dict, length: int) -> Any:
     import torch
 
-    from ctseg.loader import build_loader
+    from ctseg.data.loader import build_loader
 
     dataset = make_dataset(spec, run, length)
     if run["layout"] == "host":
@@ -482,10 +482,10 @@ def measure(spec: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict]:
 # ---------------------------------------------------------------- data
 def build_data(workdir: Path, size: int, n_records: int) -> tuple[list[str], dict[str, str]]:
     """Demo volumes -> Zarr store with precomputed targets -> raw and zarr scratch copies."""
-    from ctseg.convert import convert_volume
-    from ctseg.demo_data import generate_demo
-    from ctseg.stage import stage_records
-    from ctseg.targets import compute_targets
+    from ctseg.preprocess.convert import convert_volume
+    from ctseg.preprocess.demo_data import generate_demo
+    from ctseg.preprocess.stage import stage_records
+    from ctseg.preprocess.targets import compute_targets
 
     config = load_yaml(CONFIG)
     convert, targets = config["convert"], config["targets"]

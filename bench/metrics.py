@@ -17,10 +17,10 @@ Per size:
 4. `tune_s_per_volume`: the 20-candidate search of issue 18 (`PREVIOUS_SEARCH`: the default
    space without the winners' stages added since) on the one volume, and its ratio to one
    score; `tune32_...`: the same for today's default search (32 candidates,
-   `ctseg.tuning.SearchSpace()`); `tune_pruned_...`: how many candidates each search decided by
-   their bound, without an exact score (`ctseg.tuning`, "pruned"). With `--unpruned`, the
-   20-candidate search again with nothing pruned (every candidate scored exactly: the search
-   before pruning), its time and whether it chose the same.
+   `ctseg.postprocess.tuning.SearchSpace()`); `tune_pruned_...`: how many candidates each search
+   decided by their bound, without an exact score (`ctseg.postprocess.tuning`, "pruned"). With
+   `--unpruned`, the 20-candidate search again with nothing pruned (every candidate scored exactly:
+   the search before pruning), its time and whether it chose the same.
 
 Run: python bench/metrics.py [--sizes 128 320] [--threads N] [--no-tune] [--unpruned]
 """
@@ -41,12 +41,17 @@ import numpy as np
 import tifffile
 from scipy import ndimage
 
-from ctseg import tuning
-from ctseg.demo_data import synthesize_volume
+from ctseg.evaluation.metrics import (
+    prepare_masks,
+    score_volume,
+    surface_dice,
+    surface_dice_reference,
+)
 from ctseg.machine import available_cpus
-from ctseg.metrics import prepare_masks, score_volume, surface_dice, surface_dice_reference
+from ctseg.postprocess import tuning
+from ctseg.postprocess.tuning import SearchSpace, Volume, search
+from ctseg.preprocess.demo_data import synthesize_volume
 from ctseg.store import create_volume
-from ctseg.tuning import SearchSpace, Volume, search
 
 TERMS = ("score", "surface_dice", "voi_score", "topo_score", "dice", "cldice")
 COUNTS = tuple(f"topo_{c}{k}" for k in range(3) for c in "mpg")

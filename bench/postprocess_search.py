@@ -29,9 +29,9 @@ import tifffile
 sys.path.insert(0, str(Path(__file__).parent))
 from metrics import make_pair  # noqa: E402  (bench/metrics.py's volume, the same data)
 
-from ctseg.masks import binary_mask  # noqa: E402
+from ctseg.postprocess.masks import binary_mask  # noqa: E402
+from ctseg.postprocess.tuning import SearchSpace, Volume, search  # noqa: E402
 from ctseg.store import create_volume  # noqa: E402
-from ctseg.tuning import SearchSpace, Volume, search  # noqa: E402
 
 OLD = SearchSpace(
     hysteresis_pairs=(),

@@ -64,7 +64,7 @@ def fastest(run: Callable[[int], float]) -> float:
 
 # ---------------------------------------------------------------- child-side measurements
 def child_convert(source: str, dest: str) -> float:
-    from ctseg.convert import convert_volume
+    from ctseg.preprocess.convert import convert_volume
 
     def once(i: int) -> float:
         start = time.perf_counter()
@@ -141,7 +141,7 @@ def child_histogram(source: str) -> float:
     """The exact histogram convert counts (its default budget's piece size), whole volume."""
     import tifffile
 
-    from ctseg.convert import HISTOGRAM_SHARE, _Histogram
+    from ctseg.preprocess.convert import HISTOGRAM_SHARE, _Histogram
 
     volume = tifffile.imread(source)
 
@@ -169,7 +169,7 @@ def child_sha256(source: str) -> float:
 def child_precompute(
     label_store: str, dest: str, workers: str, method: str = "distance_ridge"
 ) -> float:
-    from ctseg.targets import compute_targets
+    from ctseg.preprocess.targets import compute_targets
 
     start = time.perf_counter()
     compute_targets(
@@ -222,8 +222,8 @@ def measure(mode: str, *args: str) -> dict:
 
 
 def make_volume(workdir: Path, size: int) -> tuple[Path, Path]:
-    from ctseg.convert import convert_volume
-    from ctseg.demo_data import generate_demo
+    from ctseg.preprocess.convert import convert_volume
+    from ctseg.preprocess.demo_data import generate_demo
 
     dataset = workdir / f"demo{size}"
     if not dataset.exists():

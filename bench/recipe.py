@@ -214,7 +214,7 @@ def scores_of(summary_dir: Path) -> dict[str, dict[str, float]]:
 def identity_of(run_dir: Path) -> dict[str, Any]:
     """The run identity in the model's own resumable checkpoint (what training really ran)."""
     sys.path.insert(0, str(REPO / "workflow"))
-    from ctseg.checkpoint import load_checkpoint
+    from ctseg.training.checkpoint import load_checkpoint
 
     state = load_checkpoint(run_dir / "checkpoints" / "resume.pt")
     return dict(state.get("identity") or {})

@@ -3,7 +3,8 @@
     python bench/train.py --quick                    # exp001 on CPU, phases 0-5, a few steps
     python bench/train.py --experiment exp001_full   # the starting point's model, phases 0-6
 
-For each phase it runs `ctseg.trials.run_trial`: `trial.steps` training steps with the phase's
+For each phase it runs `ctseg.trials.trials.run_trial`: `trial.steps` training steps with the
+phase's
 loader settings, then the same model on batches already on the device (the compute ceiling).
 It prints samples/s, the data-wait fraction and the feed efficiency (samples/s / ceiling) per
 phase; with ``--status-quo`` it first runs the real starting point (README.md, "The starting
@@ -48,10 +49,10 @@ def load_experiment(name: str) -> dict:
 
 def build_scratch(workdir: Path, n_records: int, size: int, clip: float) -> tuple[Path, list[str]]:
     """Demo volumes -> Zarr -> targets -> raw scratch, exactly the pipeline's steps."""
-    from ctseg.convert import convert_volume
-    from ctseg.demo_data import generate_demo
-    from ctseg.stage import stage_records
-    from ctseg.targets import compute_targets
+    from ctseg.preprocess.convert import convert_volume
+    from ctseg.preprocess.demo_data import generate_demo
+    from ctseg.preprocess.stage import stage_records
+    from ctseg.preprocess.targets import compute_targets
 
     demo = workdir / "demo"
     generate_demo(demo, n_train=n_records, n_test=0, shape=(size,) * 3, scroll_ids=[1, 2], seed=0)
@@ -94,8 +95,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
 
-    from ctseg.train import pick_device
-    from ctseg.trials import run_trial
+    from ctseg.training.distributed import pick_device
+    from ctseg.trials.trials import run_trial
 
     exp = load_experiment(args.experiment)
     phases = yaml.safe_load((REPO / "config/phases.yaml").read_text())["phases"]

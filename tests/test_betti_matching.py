@@ -1,4 +1,4 @@
-"""Exact Betti matching (ctseg.betti_matching): matched counts known by construction, the
+"""Exact Betti matching (ctseg.evaluation.betti_matching): matched counts known by construction, the
 reference's own answers on seeded volumes, and properties every matching must have."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from ctseg.betti_matching import matched_counts
-from ctseg.metrics import tile_feature_counts, topo_counts
+from ctseg.evaluation.betti_matching import matched_counts
+from ctseg.evaluation.metrics import tile_feature_counts, topo_counts
 
 
 def _sheets(shape=(12, 20, 20), planes=(2, 6, 10)) -> np.ndarray:
@@ -224,7 +224,7 @@ def test_reordered_value0_block_gives_the_reference_order_counts():
     first, the others in descending key order) and claiming a free pivot without building the
     column (the shortcuts) give the same dimension-1 flags and count as the reference's column
     order with every column built."""
-    from ctseg import betti_matching as bm
+    from ctseg.evaluation import betti_matching as bm
 
     total = 0
     for pred, gt in _shortcut_pairs():

@@ -1,4 +1,5 @@
-"""Tests for `ctseg.convert`: exact round trips, exact statistics, bounded memory, and a clear
+"""Tests for `ctseg.preprocess.convert`: exact round trips, exact statistics, bounded memory, and a
+clear
 error with nothing left behind for every kind of bad input."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import tifffile
 import zarr.codecs
 
 from ctseg.cli import main as cli_main
-from ctseg.convert import (
+from ctseg.io import CtsegError, sha256_file, sha256_files
+from ctseg.preprocess.convert import (
     MIN_PAIR_PIECE,
     _Histogram,
     _inspect,
@@ -24,7 +26,6 @@ from ctseg.convert import (
     convert_volume,
     read_header,
 )
-from ctseg.io import CtsegError, sha256_file, sha256_files
 from ctseg.store import create_volume, open_volume
 
 SHAPE = (40, 50, 60)

@@ -1,9 +1,9 @@
-"""Tests for the patch stream (ctseg.patches, ctseg.loader, ctseg.device_batches) and
-ctseg.augment on tiny synthetic scratch directories.
+"""Tests for the patch stream (ctseg.data.patches, ctseg.data.loader, ctseg.data.device_batches) and
+ctseg.data.augment on tiny synthetic scratch directories.
 
 Each scratch record is written here from a synthetic label: oblique sheets (tilted away from
 every slicing plane, so the medial surface is local enough for the targets' halo) plus a ball of
-ignore. Targets come from `ctseg.targets.targets_reference` on the whole volume.
+ignore. Targets come from `ctseg.preprocess.targets.targets_reference` on the whole volume.
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ import numpy as np
 import pytest
 import torch
 
-from ctseg import augment as aug
-from ctseg.device_batches import DevicePrefetcher, to_device
+from ctseg.data import augment as aug
+from ctseg.data.device_batches import DevicePrefetcher, to_device
+from ctseg.data.loader import build_loader
+from ctseg.data.packing import SAMPLE_KEYS
+from ctseg.data.patches import PatchDataset
 from ctseg.io import CtsegError
-from ctseg.loader import build_loader
-from ctseg.packing import SAMPLE_KEYS
-from ctseg.patches import PatchDataset
+from ctseg.preprocess.targets import SKELETON_HALO, targets_reference
 from ctseg.store import create_in_group, create_volume, pack_masks
-from ctseg.targets import SKELETON_HALO, targets_reference
 
 PATCH = (16, 24, 24)
 CLIP = 4.0
 TUBE = 2
 METHOD = "medial_surface"
-HALO = max(math.ceil(CLIP), TUBE + SKELETON_HALO)  # what ctseg.targets records as `halo`
+HALO = max(math.ceil(CLIP), TUBE + SKELETON_HALO)  # what ctseg.preprocess.targets records as `halo`
 PARAMS = {"clip_distance": CLIP, "skeleton_method": METHOD, "tube_dilations": TUBE, "halo": HALO}
 AUGMENT = {
     "flip": True,
@@ -160,7 +160,7 @@ def assert_same(s1: dict, s2: dict, keys=SAMPLE_KEYS) -> None:
 
 
 def padded_crop(volume: np.ndarray, start, size, fill) -> np.ndarray:
-    """Independent of ctseg.patches: pad generously with np.pad, then slice."""
+    """Independent of ctseg.data.patches: pad generously with np.pad, then slice."""
     m = max(size)
     big = np.pad(volume, m, constant_values=fill)
     return big[tuple(slice(s + m, s + m + n) for s, n in zip(start, size, strict=True))]
@@ -265,7 +265,8 @@ def test_flips_and_permutations_keep_precomputed_targets_exact(scratch):
     """Recompute targets on the whole flipped/permuted volume, crop, and compare: all equal.
 
     The medial surface is the union of per-slice skeletons in all 8 orientations of the square
-    (ctseg.targets), so it is equivariant under the cube's symmetries like the distance is.
+    (ctseg.preprocess.targets), so it is equivariant under the cube's symmetries like the distance
+    is.
     """
     ds = dataset(scratch, fg_fraction=1.0, length=24)
     seen_perm = seen_flip = 0
@@ -549,30 +550,3 @@ def test_device_prefetcher_cpu_passthrough(scratch):
         expected = to_device(batch, "cpu")
         for key in ("image", "label", "sdt", "tube"):
             assert torch.equal(got[key], expected[key]), key
-
-
-def test_ctseg_data_still_names_what_it_used_to():
-    """Importers not yet moved to the split modules get the very same objects."""
-    import ctseg.data
-    from ctseg import device_batches, heap, loader, packing, patches
-
-    homes = {
-        "PatchDataset": patches,
-        "SamplePlan": patches,
-        "MASK_PAD": patches,
-        "SAMPLE_KEYS": packing,
-        "PackedBatch": packing,
-        "PackedLayout": packing,
-        "unpack_bits": packing,
-        "build_loader": loader,
-        "PackedLoader": loader,
-        "StreamSampler": loader,
-        "seed_worker": loader,
-        "MP_CONTEXTS": loader,
-        "to_device": device_batches,
-        "DevicePrefetcher": device_batches,
-        "tune_malloc": heap,
-    }
-    assert set(ctseg.data.__all__) == set(homes)
-    for name, module in homes.items():
-        assert getattr(ctseg.data, name) is getattr(module, name), name

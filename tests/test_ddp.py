@@ -40,11 +40,13 @@ from training_setup import (
 )
 from training_setup import EXPERIMENT as TRAIN_EXPERIMENT
 
-from ctseg.flops import count_flops
+from ctseg.config import configured_gpus
+from ctseg.data.loader import StreamSampler
 from ctseg.io import CtsegError
-from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
-from ctseg.loader import StreamSampler
-from ctseg.train import configured_gpus, ddp_phase, train
+from ctseg.network.flops import count_flops
+from ctseg.training.distributed import ddp_phase
+from ctseg.training.train import train
+from ctseg.trials.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
 
 EXPERIMENT = copy.deepcopy(TRAIN_EXPERIMENT)
 EXPERIMENT["name"] = "tddp"
@@ -57,8 +59,8 @@ HOOK = """
 import json, os, sys
 from pathlib import Path
 
-import ctseg.feeds
-import ctseg.train
+import ctseg.training.feeds
+import ctseg.training.train
 from ctseg.cli import main
 
 rank = int(os.environ["RANK"])
@@ -72,7 +74,7 @@ def note(**event):
 
 
 # The training feed's to_device sees every training batch (validation has its own).
-real_to_device = ctseg.feeds.to_device
+real_to_device = ctseg.training.feeds.to_device
 
 
 def to_device(batch, *args, **kwargs):
@@ -91,9 +93,10 @@ def recorded(kind, real):
     return wrapper
 
 
-ctseg.feeds.to_device = to_device
-ctseg.train.save_checkpoint = recorded("save_checkpoint", ctseg.train.save_checkpoint)
-ctseg.train.append_rows = recorded("append_rows", ctseg.train.append_rows)
+ctseg.training.feeds.to_device = to_device
+ctseg.training.train.save_checkpoint = recorded("save_checkpoint",
+ctseg.training.train.save_checkpoint)
+ctseg.training.train.append_rows = recorded("append_rows", ctseg.training.train.append_rows)
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -10,11 +10,8 @@ import pytest
 import tifffile
 from scipy import ndimage
 
-from ctseg import demo_realistic
 from ctseg.cli import build_parser
-from ctseg.demo_data import DemoVolume, demo_records, generate_demo, synthesize, synthesize_volume
-from ctseg.io import CtsegError, check_id, sha256_file
-from ctseg.metrics import (
+from ctseg.evaluation.metrics import (
     WEIGHT_SURFACE_DICE,
     WEIGHT_TOPO,
     WEIGHT_VOI,
@@ -25,6 +22,10 @@ from ctseg.metrics import (
     voi,
     voi_score_from_total,
 )
+from ctseg.io import CtsegError, check_id, sha256_file
+from ctseg.preprocess import demo_realistic
+from ctseg.preprocess.demo_data import demo_records, generate_demo, synthesize, synthesize_volume
+from ctseg.preprocess.demo_volume import DemoVolume
 
 SHAPE = (48, 40, 56)  # not a cube, so swapped axes would show
 FULL = np.ones((3, 3, 3), bool)  # 26-connectivity, as the competition's VOI uses

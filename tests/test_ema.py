@@ -1,4 +1,4 @@
-"""The EMA of the weights (`train.ema`, ctseg.ema): its update, what validation and last.pt
+"""The EMA of the weights (`train.ema`, ctseg.training.ema): its update, what validation and last.pt
 use, a bit-exact resume, and its place in the run identity.
 
 The same tiny training as test_train (tests/training_setup.py), on the CPU, one thread.
@@ -16,14 +16,14 @@ import pytest
 import torch
 from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch, torch_globals
 
-import ctseg.feeds
-import ctseg.train
-from ctseg.checkpoint import identity_changes, load_checkpoint, run_identity
-from ctseg.ema import WeightAverage
-from ctseg.model import portable_state_dict
-from ctseg.preempt import stop_on_signals
+import ctseg.training.feeds
+import ctseg.training.train
+from ctseg.network.model import portable_state_dict
 from ctseg.run_settings import flat_settings, read_run_settings
-from ctseg.train import train
+from ctseg.training.checkpoint import identity_changes, load_checkpoint, run_identity
+from ctseg.training.ema import WeightAverage
+from ctseg.training.preempt import stop_on_signals
+from ctseg.training.train import train
 
 EMA = {"decay": 0.5, "start_step": 2}
 
@@ -121,14 +121,14 @@ def runs(scratch: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Two epochs of three steps with the EMA, and the same without it."""
     root = tmp_path_factory.mktemp("ema_runs")
     evaluated: list[dict[str, torch.Tensor]] = []
-    real = ctseg.train.evaluate
+    real = ctseg.training.train.evaluate
 
     def spy(model, *args, **kwargs):
         evaluated.append(portable_state_dict(model))
         return real(model, *args, **kwargs)
 
     with torch_globals(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ctseg.train, "evaluate", spy)
+        patch.setattr(ctseg.training.train, "evaluate", spy)
         run(scratch, root / "ema", experiment(EMA))
     with torch_globals():
         run(scratch, root / "plain", experiment(None))
@@ -165,14 +165,14 @@ def test_an_interrupted_run_with_ema_resumes_bit_for_bit(
 ) -> None:
     """Stopped by SIGUSR1 during step 5 (mid-epoch checkpoint of step 5), then run again: the
     same average, weights and logs as the uninterrupted run's."""
-    real = ctseg.feeds.to_device
+    real = ctseg.training.feeds.to_device
 
     def to_device(batch, *args, **kwargs):
         if int(batch["index"][0]) == 4:
             os.kill(os.getpid(), signal.SIGUSR1)
         return real(batch, *args, **kwargs)
 
-    monkeypatch.setattr(ctseg.feeds, "to_device", to_device)
+    monkeypatch.setattr(ctseg.training.feeds, "to_device", to_device)
     with stop_on_signals() as stop:
         assert run(scratch, tmp_path, experiment(EMA), stop=stop)["saved_step"] == 5
     monkeypatch.undo()

@@ -1,4 +1,5 @@
-"""ctseg.ensemble: the ensemble file's checks, the streamed weighted mean, and tuned weights."""
+"""ctseg.inference.ensemble: the ensemble file's checks, the streamed weighted mean, and tuned
+weights."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import tifffile
 import yaml
 
 from ctseg.cli import main
-from ctseg.ensemble import (
+from ctseg.config import load_ensemble
+from ctseg.inference.ensemble import (
     BYTES_PER_VOXEL,
     ensemble_volume,
-    load_ensemble,
     load_weights,
     slab_depth,
     tune_weights,
@@ -24,7 +25,7 @@ from ctseg.io import CtsegError
 from ctseg.store import create_volume, open_volume
 
 REPO = Path(__file__).resolve().parents[1]
-# What ctseg.infer.infer_volume records (tests/test_infer.py checks infer writes these).
+# What ctseg.inference.infer.infer_volume records (tests/test_infer.py checks infer writes these).
 INFER_ATTRS = {
     "source": "results/preprocessed/demo/zarr/images/a.zarr",
     "window": [8, 16, 16],
@@ -83,8 +84,8 @@ def test_weights_one_zero_reproduce_the_first_member_exactly(probs, tmp_path):
 
 
 def test_the_mean_is_weighted_and_postprocess_reads_it(probs, tmp_path):
-    from ctseg.infer import write_mask
-    from ctseg.masks import PostprocessSettings
+    from ctseg.inference.infer import write_mask
+    from ctseg.postprocess.masks import PostprocessSettings
 
     a, b = probs
     out = tmp_path / "ens" / "v.zarr"
@@ -315,8 +316,8 @@ def test_stores_written_by_infer_are_ensembled_and_checked(tmp_path):
     ensembled give them back, and a different overlap is refused."""
     import torch
 
-    from ctseg.infer import infer_volume
-    from ctseg.model import build_model
+    from ctseg.inference.infer import infer_volume
+    from ctseg.network.model import build_model
 
     image = tmp_path / "img.zarr"
     volume = np.random.default_rng(1).integers(0, 256, size=(16, 16, 16), dtype=np.uint8)

@@ -27,11 +27,11 @@ from conftest import BIN, TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snake
 from training_setup import EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch
 
 from ctseg.cli import main as cli_main
-from ctseg.convert import convert_volume
 from ctseg.io import CtsegError
-from ctseg.stage import stage_records
+from ctseg.preprocess.convert import convert_volume
+from ctseg.preprocess.stage import stage_records
+from ctseg.preprocess.targets import compute_targets
 from ctseg.store import create_volume, open_volume
-from ctseg.targets import compute_targets
 
 # Big enough that the temporary store exists for a while, small enough to convert in a second.
 KILL_SHAPE = (96, 256, 256)
@@ -286,7 +286,7 @@ def staged(tmp_path_factory) -> Path:
 def test_stage_running_out_of_space_is_one_line_and_leaves_no_partial_record(
     staged, tmp_path, monkeypatch, capsys
 ):
-    from ctseg import stage
+    from ctseg.preprocess import stage
 
     real = stage._HashingWriter.write
 
@@ -359,7 +359,7 @@ def test_restaging_repairs_what_the_scratch_check_found(staged, tmp_path, capsys
 
     stage_records(str(staged / "store"), TRAIN_IDS + VAL_IDS, scratch)
 
-    from ctseg.stage import check_staged
+    from ctseg.preprocess.stage import check_staged
 
     check_staged(scratch, TRAIN_IDS + VAL_IDS)
 

@@ -1,5 +1,5 @@
-"""Fine-tuning (`init_from`, `ctseg train --init-from`, ctseg.finetune): the run starts from
-the source weights with a fresh optimizer and schedule, refuses a source of another model
+"""Fine-tuning (`init_from`, `ctseg train --init-from`, ctseg.training.finetune): the run starts
+from the source weights with a fresh optimizer and schedule, refuses a source of another model
 naming the layer, and its identity follows the source's weights.
 
 The same tiny training as test_train (tests/training_setup.py), shortened to 2 steps.
@@ -16,15 +16,15 @@ import torch
 from conftest import settings_args
 from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch, torch_globals
 
-import ctseg.train
-from ctseg.checkpoint import load_checkpoint, save_checkpoint
+import ctseg.training.train
 from ctseg.cli import main
-from ctseg.finetune import source_weights, state_digest
 from ctseg.io import CtsegError
-from ctseg.model import build_model, portable_state_dict
-from ctseg.recipe import lr_at, scaled_lr
+from ctseg.network.model import build_model, portable_state_dict
 from ctseg.run_settings import read_run_settings
-from ctseg.train import train
+from ctseg.training.checkpoint import load_checkpoint, save_checkpoint
+from ctseg.training.finetune import source_weights, state_digest
+from ctseg.training.recipe import lr_at, scaled_lr
+from ctseg.training.train import train
 
 FINE_TUNE = copy.deepcopy(EXPERIMENT)
 FINE_TUNE.update(name="tiny_finetune", init_from="tiny_source")
@@ -74,7 +74,7 @@ def test_a_fine_tune_starts_from_the_source_with_a_fresh_optimizer_and_schedule(
 ) -> None:
     source = source_file(tmp_path / "source.pt", seed=123)
     first: list[dict] = []
-    real = ctseg.train.train_step
+    real = ctseg.training.train.train_step
 
     def spy(run, batches):
         if not first:
@@ -82,7 +82,7 @@ def test_a_fine_tune_starts_from_the_source_with_a_fresh_optimizer_and_schedule(
             first.append({"weights": weights, "step": run.step, "adam": dict(run.optimizer.state)})
         return real(run, batches)
 
-    monkeypatch.setattr(ctseg.train, "train_step", spy)
+    monkeypatch.setattr(ctseg.training.train, "train_step", spy)
     fine_tune(scratch, tmp_path, tmp_path / "source.pt")
     (start,) = first
     assert start["step"] == 0 and start["adam"] == {}

@@ -1,4 +1,4 @@
-"""Counted FLOPs (ctseg.flops) against a hand count, against torch's own FLOP counter, and
+"""Counted FLOPs (ctseg.network.flops) against a hand count, against torch's own FLOP counter, and
 exp001_full's figure the issue quotes."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from ctseg.flops import NORM_FLOPS_PER_ELEMENT, Efficiency, count_flops
-from ctseg.model import build_model
-from ctseg.peaks import Peak
+from ctseg.network.flops import NORM_FLOPS_PER_ELEMENT, Efficiency, count_flops
+from ctseg.network.model import build_model
+from ctseg.network.peaks import Peak
 
 REPO = Path(__file__).resolve().parents[1]
 

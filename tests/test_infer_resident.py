@@ -12,12 +12,12 @@ import tifffile
 import torch
 from torch import nn
 
-from ctseg import infer
 from ctseg.cli import main as cli_main
+from ctseg.inference import infer
 from ctseg.io import CtsegError
-from ctseg.model import build_model
+from ctseg.network.model import build_model
 from ctseg.store import create_volume, open_volume
-from ctseg.train import save_checkpoint
+from ctseg.training.checkpoint import save_checkpoint
 
 LOW, HIGH = 20.0, 220.0
 

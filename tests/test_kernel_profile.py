@@ -1,5 +1,6 @@
-"""A phase trial's efficiency figures and kernel profile (ctseg.kernel_profile, ctseg.flops in
-ctseg.trials), from one real trial on the CPU with the tiny training setup, and the classifier
+"""A phase trial's efficiency figures and kernel profile (ctseg.trials.kernel_profile,
+ctseg.network.flops in ctseg.trials.trials), from one real trial on the CPU with the tiny training
+setup, and the classifier
 on names as torch.profiler and cuDNN/inductor write them."""
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval
 from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, build_scratch, torch_globals
 
-from ctseg.diagnosis import diagnose
-from ctseg.flops import count_flops
-from ctseg.kernel_profile import (
+from ctseg.network.flops import count_flops
+from ctseg.summaries import EFFICIENCY_COLUMNS, TrialSummary
+from ctseg.trials.diagnosis import diagnose
+from ctseg.trials.kernel_profile import (
     CLASSES,
     PROFILE_STEPS,
     _kernel_class,
@@ -24,8 +26,7 @@ from ctseg.kernel_profile import (
     knob,
     summarise,
 )
-from ctseg.summaries import EFFICIENCY_COLUMNS, TrialSummary
-from ctseg.trials import run_trial
+from ctseg.trials.trials import run_trial
 
 
 @pytest.fixture(scope="module")

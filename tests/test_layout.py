@@ -21,7 +21,7 @@ from ctseg.layout import (
     target_params,
     target_store,
 )
-from ctseg.stage import stage_records
+from ctseg.preprocess.stage import stage_records
 
 IDS = TRAIN_IDS + VAL_IDS
 

@@ -3,7 +3,7 @@
 The reference is the host layout (`SAMPLE_KEYS`: ten tensors per sample, as the loader sent
 them before) built by `default_collate` from `PatchDataset.__getitem__`; the packed batch must
 give the same device batch bit for bit. Scratch records are written here: uint8 and uint16
-images, targets from `ctseg.targets.targets_reference`.
+images, targets from `ctseg.preprocess.targets.targets_reference`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import yaml
 from jsonschema import Draft202012Validator
 from torch.utils.data import default_collate
 
-import ctseg.slots
-from ctseg.device_batches import DevicePrefetcher, to_device
-from ctseg.loader import build_loader
-from ctseg.packing import SAMPLE_KEYS, PackedBatch, PackedLayout, unpack_bits
-from ctseg.patches import PatchDataset
+import ctseg.data.slots
+from ctseg.data.device_batches import DevicePrefetcher, to_device
+from ctseg.data.loader import build_loader
+from ctseg.data.packing import SAMPLE_KEYS, PackedBatch, PackedLayout, unpack_bits
+from ctseg.data.patches import PatchDataset
+from ctseg.preprocess.targets import targets_reference
 from ctseg.store import MASK_BITS, pack_masks
-from ctseg.targets import targets_reference
 
 PATCH = (12, 20, 20)
 CLIP = 4.0
@@ -185,13 +185,13 @@ def test_uint16_and_mixed_batches(scratch):
 def spy_slots(monkeypatch) -> list[tuple[int, int, int]]:
     """Record the slot of every worker batch the main process receives."""
     slots: list[tuple[int, int, int]] = []
-    claim = ctseg.slots.SlotReturns.claim
+    claim = ctseg.data.slots.SlotReturns.claim
 
     def spy(self, rows, slot, in_slot):
         slots.append(slot)
         return claim(self, rows, slot, in_slot)
 
-    monkeypatch.setattr(ctseg.slots.SlotReturns, "claim", spy)
+    monkeypatch.setattr(ctseg.data.slots.SlotReturns, "claim", spy)
     return slots
 
 
@@ -211,11 +211,11 @@ def test_workers_reuse_their_buffers_without_corrupting_held_batches(
 ):
     """Slots of dropped batches are reused; batches the caller keeps stay intact."""
     if not count_references:  # as where torch has no reference count: copies instead
-        monkeypatch.setattr(ctseg.slots, "use_count", None)
+        monkeypatch.setattr(ctseg.data.slots, "use_count", None)
     slots = spy_slots(monkeypatch)
     # The main process looks a slot up here when a batch arrives by the slot's name.
     mapped = LookUps()
-    monkeypatch.setattr(ctseg.slots, "MAPPED_SLOTS", mapped)
+    monkeypatch.setattr(ctseg.data.slots, "MAPPED_SLOTS", mapped)
     ds = dataset(scratch, length=60)
     inline = list(build_loader(ds, {**PHASE, "workers": 0}, seed=0))
     assert not slots  # no workers, no slots
@@ -310,10 +310,10 @@ def test_slot_goes_back_when_nothing_refers_to_the_batch(scratch, monkeypatch):
     """What PackedLoader does with each worker batch, step by step."""
     import queue
 
-    pool = ctseg.slots.SlotPool(None)
+    pool = ctseg.data.slots.SlotPool(None)
     ds = dataset(scratch)
     returns = [queue.SimpleQueue(), queue.SimpleQueue()]
-    lender = ctseg.slots.SlotReturns(returns)
+    lender = ctseg.data.slots.SlotReturns(returns)
     sent = ds.packed([0, 1], pool)
     assert sent.in_slot and not sent.by_name and sent.slot[1:] == (os.getpid(), 0)
     slot = (1, *sent.slot[1:])  # as if worker 1 had sent it
@@ -339,7 +339,7 @@ def test_slot_goes_back_when_nothing_refers_to_the_batch(scratch, monkeypatch):
     assert arrived.in_slot and arrived.rows.data_ptr() == rows.data_ptr()
     assert torch.equal(arrived.rows, expected)
     # Without a reference count the batch is copied and the slot goes back at once.
-    monkeypatch.setattr(ctseg.slots, "use_count", None)
+    monkeypatch.setattr(ctseg.data.slots, "use_count", None)
     batch = ds.packed([2])
     copied = lender.claim(batch.rows, (0, 11, 3), in_slot=True)
     assert copied.data_ptr() != batch.rows.data_ptr()

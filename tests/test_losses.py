@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from scipy import ndimage
 
 from ctseg.io import CtsegError
-from ctseg.losses import (
+from ctseg.network.losses import (
     TERMS,
     boundary_minimum,
     compute_losses,
@@ -424,7 +424,7 @@ def test_loss_settings_validates_a_config_mapping():
 
 
 def test_model_deep_supervision_outputs_fit_the_loss_on_an_odd_patch():
-    from ctseg.model import UNet3D
+    from ctseg.network.model import UNet3D
 
     shape = (1, 1, 15, 19, 21)
     batch = make_batch(shape)

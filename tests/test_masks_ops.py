@@ -1,5 +1,6 @@
-"""The winners' post-processing operations of ctseg.masks on hand-built volumes: closing,
-per-slice hole plugging, patching of large holes, hysteresis along z; and how binary_mask and
+"""The winners' post-processing operations of ctseg.postprocess.masks on hand-built volumes:
+closing, per-slice hole plugging, patching of large holes, hysteresis along z; and how binary_mask
+and
 the settings carry them."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from ctseg.io import CtsegError
-from ctseg.masks import (
+from ctseg.postprocess.masks import (
     PostprocessSettings,
     binary_mask,
     close,

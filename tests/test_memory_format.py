@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ctseg.infer import load_model
-from ctseg.model import build_model, portable_state_dict, tensor_bytes
-from ctseg.train import parameter_digest, save_checkpoint
+from ctseg.inference.infer import load_model
+from ctseg.network.model import build_model, parameter_digest, portable_state_dict, tensor_bytes
+from ctseg.training.checkpoint import save_checkpoint
 
 CONFIG = {"filters": [4, 8], "deep_supervision": False}
 PATCH = [16, 16, 16]
@@ -68,7 +68,7 @@ def test_weights_saved_from_channels_last_load_in_either_format(
     x = torch.randn(1, 1, 16, 16, 16)
     with torch.no_grad():
         expected = last(x.contiguous(memory_format=CHANNELS_LAST))
-    # Through ctseg.infer.load_model, as `ctseg infer` loads them.
+    # Through ctseg.inference.infer.load_model, as `ctseg infer` loads them.
     loaded, patch = load_model(path, "cpu")
     loaded = loaded.to(memory_format=load_as)
     with torch.no_grad():

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import tifffile
 
-from ctseg import metrics
-from ctseg.io import CtsegError
-from ctseg.metrics import (
+from ctseg.evaluation import metrics
+from ctseg.evaluation.metrics import (
     axis_cuts,
     betti_numbers,
     cldice,
@@ -22,6 +21,7 @@ from ctseg.metrics import (
     tile_feature_counts,
     topo_counts,
 )
+from ctseg.io import CtsegError
 
 N = 32  # small enough that the whole file runs in seconds
 
@@ -540,7 +540,7 @@ def test_medial_surface_equals_whole_slice_skeletons():
     from scipy import ndimage
     from skimage.morphology import skeletonize
 
-    from ctseg.metrics import medial_surface
+    from ctseg.evaluation.metrics import medial_surface
 
     rng = np.random.default_rng(5)
     for i in range(12):

@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from ctseg.io import CtsegError
-from ctseg.model import (
+from ctseg.network.model import (
     BLOCKS,
     NORMS,
     UNet3D,
     build_model,
     count_parameters,
-    model_summary,
     parameter_digest,
     saved_activation_bytes,
     stage_parameters,
 )
+from ctseg.network.summary import model_summary
 
 SMALL = (4, 8, 16, 32)
 
@@ -132,16 +132,16 @@ def test_checkpointing_gives_the_same_outputs_gradients_and_running_stats(
 
 
 def test_checkpointing_is_off_in_eval_and_without_grad(monkeypatch):
-    import ctseg.model
+    import ctseg.network.model
 
     calls = []
-    real = ctseg.model.checkpoint
+    real = ctseg.network.model.checkpoint
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ctseg.model, "checkpoint", spy)
+    monkeypatch.setattr(ctseg.network.model, "checkpoint", spy)
     model = UNet3D(filters=(2, 4), checkpointing=True)
     x = seeded_input((1, 1, 4, 4, 4))
     with torch.no_grad():

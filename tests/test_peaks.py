@@ -1,4 +1,5 @@
-"""The device peak (ctseg.peaks): the table's lookup by the names CUDA reports, the precision in
+"""The device peak (ctseg.network.peaks): the table's lookup by the names CUDA reports, the
+precision in
 use, and the measured fallback for a CPU or an unknown card."""
 
 from __future__ import annotations
@@ -6,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctseg import peaks
-from ctseg.peaks import device_peak, precision_in_use, probe_peak, table_peak
+from ctseg.network import peaks
+from ctseg.network.peaks import device_peak, precision_in_use, probe_peak, table_peak
 
 
 @pytest.mark.parametrize(

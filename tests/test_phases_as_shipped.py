@@ -47,13 +47,13 @@ PAUSE_HOOK = """
 import os, sys, time
 from pathlib import Path
 
-import ctseg.data
+import ctseg.data.patches
 from ctseg.cli import main
 from ctseg.config import load_phases
 
 pause_at = int(os.environ["CTSEG_TEST_PAUSE_AT"])
 marker = Path(os.environ["CTSEG_TEST_MARKER"])
-real_plan = ctseg.data.PatchDataset.plan
+real_plan = ctseg.data.patches.PatchDataset.plan
 
 
 def plan(self, index):
@@ -64,7 +64,7 @@ def plan(self, index):
     return real_plan(self, index)
 
 
-ctseg.data.PatchDataset.plan = plan
+ctseg.data.patches.PatchDataset.plan = plan
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -33,10 +33,11 @@ from training_setup import (
     weights,
 )
 
-import ctseg.feeds
 import ctseg.io
-import ctseg.train
-from ctseg.checkpoint import (
+import ctseg.training.feeds
+import ctseg.training.train
+from ctseg.io import CtsegError
+from ctseg.training.checkpoint import (
     PREVIOUS,
     append_rows,
     load_checkpoint,
@@ -45,9 +46,8 @@ from ctseg.checkpoint import (
     trim_logs,
     verify_checksum,
 )
-from ctseg.io import CtsegError
-from ctseg.preempt import RESUMABLE_EXIT, shielded, stop_on_signals
-from ctseg.train import train
+from ctseg.training.preempt import RESUMABLE_EXIT, shielded, stop_on_signals
+from ctseg.training.train import train
 
 BIN = Path(sys.executable).parent
 
@@ -93,14 +93,14 @@ def same_weights(a: Path, b: Path) -> bool:
 
 def signal_at_sample(monkeypatch: pytest.MonkeyPatch, index: int, signum: int) -> None:
     """Send `signum` to this process when the loop fetches sample `index` (mid-step)."""
-    real = ctseg.feeds.to_device
+    real = ctseg.training.feeds.to_device
 
     def to_device(batch, *args, **kwargs):
         if int(batch["index"][0]) == index:
             os.kill(os.getpid(), signum)
         return real(batch, *args, **kwargs)
 
-    monkeypatch.setattr(ctseg.feeds, "to_device", to_device)
+    monkeypatch.setattr(ctseg.training.feeds, "to_device", to_device)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_a_child_started_while_shielded_outlives_a_sigterm() -> None:
 
 def test_a_checkpoint_carries_a_checksum_that_finds_64_changed_bytes(tmp_path: Path) -> None:
     path = tmp_path / "resume.pt"
-    ctseg.train.save_checkpoint(path, {"step": 3, "w": torch.arange(4096.0)})
+    ctseg.training.train.save_checkpoint(path, {"step": 3, "w": torch.arange(4096.0)})
     assert verify_checksum(path) is True
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
@@ -258,14 +258,14 @@ def test_checkpoint_minutes_checkpoints_mid_epoch_without_changing_the_run(
     scratch: Path, reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     saved: list[int] = []
-    real = ctseg.train.save_checkpoint
+    real = ctseg.training.train.save_checkpoint
 
     def spy(path, payload, **kw):
         if path.name == "resume.pt":
             saved.append(int(payload["step"]))
         return real(path, payload, **kw)
 
-    monkeypatch.setattr(ctseg.train, "save_checkpoint", spy)
+    monkeypatch.setattr(ctseg.training.train, "save_checkpoint", spy)
     exp = experiment(checkpoint_minutes=1e-9)  # due after every step
     summary = run(scratch, tmp_path, exp)
     assert saved == [1, 2, 3, 4, 5, 6]  # steps 1, 2, 4, 5 are mid-epoch
@@ -285,13 +285,13 @@ def test_a_disk_too_small_for_the_checkpoint_stops_before_the_epoch(
     scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     steps: list[int] = []
-    real = ctseg.train.train_step
+    real = ctseg.training.train.train_step
 
     def counting(run_, batches):
         steps.append(run_.step)
         return real(run_, batches)
 
-    monkeypatch.setattr(ctseg.train, "train_step", counting)
+    monkeypatch.setattr(ctseg.training.train, "train_step", counting)
     monkeypatch.setattr(ctseg.io, "free_bytes", lambda _path: 1000)
     with pytest.raises(CtsegError, match=r"free space to save the checkpoint of epoch 0"):
         run(scratch, tmp_path)
@@ -302,14 +302,14 @@ def test_log_every_appends_the_rows_every_n_steps_and_prints_a_line(
     scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     appended: list[list[int]] = []
-    real = ctseg.train.append_rows
+    real = ctseg.training.train.append_rows
 
     def spy(path, rows):
         if path.name == "steps.csv" and rows:
             appended.append([int(r["step"]) for r in rows])
         return real(path, rows)
 
-    monkeypatch.setattr(ctseg.train, "append_rows", spy)
+    monkeypatch.setattr(ctseg.training.train, "append_rows", spy)
     train(
         experiment(log_every=2),
         PHASE,
@@ -336,12 +336,12 @@ HOOK = """
 import os, sys, time
 from pathlib import Path
 
-import ctseg.feeds
+import ctseg.training.feeds
 from ctseg.cli import main
 
 pause_at = int(os.environ["CTSEG_TEST_PAUSE_AT"])
 marker = Path(os.environ["CTSEG_TEST_MARKER"])
-real_to_device = ctseg.feeds.to_device
+real_to_device = ctseg.training.feeds.to_device
 
 
 def to_device(batch, *args, **kwargs):
@@ -353,7 +353,7 @@ def to_device(batch, *args, **kwargs):
     return real_to_device(batch, *args, **kwargs)
 
 
-ctseg.feeds.to_device = to_device
+ctseg.training.feeds.to_device = to_device
 sys.exit(main(sys.argv[1:]))
 """
 SIGNAL_EXP = experiment(epochs=2, steps_per_epoch=5, checkpoint_minutes=30, log_every=2)

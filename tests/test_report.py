@@ -26,7 +26,8 @@ from conftest import copy_workflow, run_snakemake
 from matplotlib import image as mpimg
 
 from ctseg.io import CtsegError
-from ctseg.report import IMAGE_CHECK_SCRIPT, build_report
+from ctseg.report import build_report
+from ctseg.report.page import IMAGE_CHECK_SCRIPT
 from ctseg.store import create_volume
 from ctseg.summaries import TrialSummary, step_columns
 
@@ -191,7 +192,7 @@ PHASES = [
             "step_time_vs_previous": 0.328,
             "speedup_vs_previous": 6.0937,
         },
-        # Efficiency and kernel profile (summary version 3), as ctseg.trials records them.
+        # Efficiency and kernel profile (summary version 3), as ctseg.trials.trials records them.
         version=3,
         tflops=5.625,
         mfu=0.0360577,
@@ -544,7 +545,7 @@ def test_precision_is_shown_as_recorded(report):
 
 def test_the_report_computes_no_verdict(tmp_path):
     """Nothing in ctseg.report imports the diagnosis; a summary's verdict is never redone."""
-    code = "import sys, ctseg.report; print('ctseg.diagnosis' in sys.modules)"
+    code = "import sys, ctseg.report; print('ctseg.trials.diagnosis' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.strip() == "False", proc.stderr
     # A recorded verdict that its figures would not give stays as recorded.

@@ -21,15 +21,14 @@ from training_setup import (
 )
 
 from ctseg.config import load_experiment, load_phases
-from ctseg.model import (
-    BYTES_PER_PARAMETER,
-    PEAK_FACTOR,
+from ctseg.network.model import (
     build_model,
     count_parameters,
     parameter_digest,
     saved_activation_bytes,
 )
-from ctseg.train import train
+from ctseg.network.summary import BYTES_PER_PARAMETER, PEAK_FACTOR
+from ctseg.training.train import train
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
 STARTING_POINT = "exp001_full"
@@ -69,7 +68,7 @@ def test_a_preset_is_the_starting_point_with_another_model(name):
 @pytest.mark.parametrize("name", PRESETS)
 def test_a_preset_fits_its_card_under_each_of_its_phases_by_the_estimate(name):
     """The sizing in the file's comment, recomputed: under every phase the trials run, the
-    estimated peak (ctseg.model.PEAK_FACTOR x (saved activations + weights, gradients and
+    estimated peak (ctseg.network.model.PEAK_FACTOR x (saved activations + weights, gradients and
     AdamW state)) stays within trial.vram_limit_gb with a quarter to spare."""
     exp = experiment(name)
     phases = load_phases(CONFIG / "phases.yaml")

@@ -1,8 +1,8 @@
 """A run never resumes a checkpoint it did not write, and never loses one.
 
-The run identity (ctseg.checkpoint.run_identity) names everything that determines the trained
-weights. These tests change one thing at a time and check what resumes, what is set aside and
-what the weights come out as; the end-to-end check goes through `snakemake train`.
+The run identity (ctseg.training.checkpoint.run_identity) names everything that determines the
+trained weights. These tests change one thing at a time and check what resumes, what is set aside
+and what the weights come out as; the end-to-end check goes through `snakemake train`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import yaml
 from conftest import TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake
 from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch, weights
 
-import ctseg.checkpoint
 import ctseg.io
-import ctseg.recipe
+import ctseg.training.checkpoint
+import ctseg.training.recipe
 from ctseg.io import CtsegError
-from ctseg.train import identity_changes, run_identity, save_checkpoint, train
+from ctseg.training.checkpoint import identity_changes, run_identity, save_checkpoint
+from ctseg.training.train import train
 
 DATA = {"train:a": "f1", "train:b": "f2", "val:c": "f3"}
 
@@ -223,7 +224,7 @@ def test_a_disk_that_fills_during_the_save_is_a_message_about_space(
     path = tiny_disk / "resume.pt"
     save_checkpoint(path, {"step": 1, "w": torch.ones(16)})
     # Another process fills the disk between the up-front check and the write.
-    monkeypatch.setattr(ctseg.checkpoint, "check_free_space", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ctseg.training.checkpoint, "check_free_space", lambda *args, **kwargs: None)
     with pytest.raises(CtsegError) as info:
         save_checkpoint(path, {"step": 2, "w": torch.ones(2**19)})  # 2 MiB
     message = str(info.value)
@@ -292,13 +293,13 @@ def test_a_run_resumes_under_a_faster_phase_with_its_kernels(
     )
     torch.save(state, root / "state" / "resume.pt")
     seen = []
-    real = ctseg.recipe.build_optimizer
+    real = ctseg.training.recipe.build_optimizer
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(ctseg.recipe, "build_optimizer", spy)
+    monkeypatch.setattr(ctseg.training.recipe, "build_optimizer", spy)
     summary = train(
         exp,
         {**PHASE, "fused_optimizer": True},

@@ -1,4 +1,5 @@
-"""ctseg.stage: choosing the subset, and copying it to scratch verified, atomic and resumable."""
+"""ctseg.preprocess.stage: choosing the subset, and copying it to scratch verified, atomic and
+resumable."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 import zarr
 
 from ctseg.io import CtsegError, sha256_file
-from ctseg.stage import check_staged, expand_scratch, stage_records
+from ctseg.preprocess.stage import check_staged, expand_scratch, stage_records
 from ctseg.store import (
     MASK_BITS,
     create_in_group,
@@ -196,7 +197,7 @@ def test_raw_slabs_thinner_than_a_chunk_still_assemble_exactly(
 ) -> None:
     """Planes wider than the memory budget are read a few rows at a time."""
     source, expected = store
-    monkeypatch.setattr("ctseg.stage.SLAB_BYTES", 1)
+    monkeypatch.setattr("ctseg.preprocess.stage.SLAB_BYTES", 1)
     stage_records(str(source), ["r0"], tmp_path / "scratch", fmt="raw")
     assert_same_record(read_back(tmp_path / "scratch", "r0", "raw"), expected["r0"])
 
@@ -377,7 +378,7 @@ def test_failed_verification_leaves_no_record(store, tmp_path: Path, monkeypatch
     """Simulates a disk that returns other bytes than were written."""
     source, _ = store
     dest = tmp_path / "scratch"
-    monkeypatch.setattr("ctseg.stage.sha256_file", lambda path: "0" * 64)
+    monkeypatch.setattr("ctseg.preprocess.stage.sha256_file", lambda path: "0" * 64)
     with pytest.raises(CtsegError, match="verification after copy failed"):
         stage_records(str(source), IDS, dest, workers=1)
     assert sorted(os.listdir(dest)) == []
@@ -420,7 +421,7 @@ def test_progress_bar_goes_to_stderr(store, tmp_path: Path, capsys) -> None:
 KILL_RECORDS = 8
 CHILD = (
     "import json, sys\n"
-    "from ctseg.stage import stage_records\n"
+    "from ctseg.preprocess.stage import stage_records\n"
     "stage_records(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], fmt=sys.argv[4], workers=1)\n"
 )
 

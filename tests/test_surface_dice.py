@@ -1,4 +1,5 @@
-"""SurfaceDice (ctseg.surface_dice) against its oracle, DeepMind's surface-distance, which the
+"""SurfaceDice (ctseg.evaluation.surface_dice) against its oracle, DeepMind's surface-distance,
+which the
 competition's scorer calls: the same surfels, areas and distances, so the same values."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from ctseg import surface_dice as sd
-from ctseg.metrics import prepare_masks, surface_dice_reference
+from ctseg.evaluation import surface_dice as sd
+from ctseg.evaluation.metrics import prepare_masks, surface_dice_reference
 
 
 def _blobs(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Tests for ctseg.targets: the blockwise targets must equal the whole-volume maths.
+"""Tests for ctseg.preprocess.targets: the blockwise targets must equal the whole-volume maths.
 
 The default skeleton is ``distance_ridge``; the thinning-based ``medial_surface`` is tested
 where its behaviour differs (its documented blockwise limit, the union of slice skeletons).
@@ -23,8 +23,7 @@ from scipy import ndimage
 from skimage.morphology import skeletonize
 
 from ctseg.io import CtsegError
-from ctseg.store import create_volume
-from ctseg.targets import (
+from ctseg.preprocess.targets import (
     RIDGE_CAP,
     SKELETON_HALO,
     _dilate6,
@@ -32,6 +31,7 @@ from ctseg.targets import (
     compute_targets,
     targets_reference,
 )
+from ctseg.store import create_volume
 
 SHAPE = (70, 90, 100)
 CHUNKS = (16, 16, 16)

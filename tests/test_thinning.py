@@ -1,4 +1,5 @@
-"""ctseg.thinning gives skimage's 2D skeletonize bit for bit, slice by slice along any axis."""
+"""ctseg.evaluation.thinning gives skimage's 2D skeletonize bit for bit, slice by slice along any
+axis."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from scipy import ndimage as ndi
 from skimage.morphology import skeletonize
 
-from ctseg.thinning import deletable_table, skeletonize_2d, slices_skeleton
+from ctseg.evaluation.thinning import deletable_table, skeletonize_2d, slices_skeleton
 
 
 def _noise(rng: np.random.Generator, n: int) -> list[np.ndarray]:
@@ -145,7 +146,7 @@ def test_slices_skeleton_equals_skimage_per_slice(axis: int) -> None:
 
 
 def test_axis_skeleton_equals_the_skimage_path() -> None:
-    from ctseg import metrics
+    from ctseg.evaluation import metrics
 
     volume = _volumes()[0]
     for axis in range(3):

@@ -1,4 +1,4 @@
-"""The private torch APIs the packed loader relies on (`ctseg.torch_private`) still exist and
+"""The private torch APIs the packed loader relies on (`ctseg.data.torch_private`) still exist and
 still do what the loader needs, so a torch upgrade that drops or changes one fails here, not in
 a training run; and a torch without one gets a one-line error naming the torch to install."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ctseg import torch_private
+from ctseg.data import torch_private
+from ctseg.data.loader import _as_batch, build_loader
+from ctseg.data.patches import PatchDataset
 from ctseg.io import CtsegError
-from ctseg.loader import _as_batch, build_loader
-from ctseg.patches import PatchDataset
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -48,7 +48,7 @@ def test_new_shared_storage_is_shared_memory():
 
 
 def test_use_count_counts_views_of_a_storage():
-    """What `ctseg.slots.SlotReturns` reads to know a batch is no longer used."""
+    """What `ctseg.data.slots.SlotReturns` reads to know a batch is no longer used."""
     storage = torch.UntypedStorage._new_shared(64)
     count = torch._C._storage_Use_Count
     alone = count(storage._cdata)
@@ -100,7 +100,7 @@ def test_a_missing_private_api_is_one_line_naming_the_torch_to_install(monkeypat
         build_loader(dataset, {"workers": 0, "batch_size": 2}, seed=0)
     text = str(caught.value)
     assert "\n" not in text
-    assert name in text and "ctseg.loader.PackedLoader" in text
+    assert name in text and "ctseg.data.loader.PackedLoader" in text
     assert f"written for torch {torch_private.WRITTEN_FOR}" in text
     assert f"install torch=={torch_private.WRITTEN_FOR}" in text
 

@@ -1,4 +1,5 @@
-"""ctseg.train and ctseg.trials: the training loop, its checkpoints and logs, and phase trials.
+"""ctseg.training.train and ctseg.trials.trials: the training loop, its checkpoints and logs, and
+phase trials.
 
 Everything runs on the CPU with a two-level U-Net on 16^3 patches from three 24^3 records, one
 thread per process. The kill-and-resume check runs real `ctseg train` processes; the rest call
@@ -37,27 +38,21 @@ from training_setup import (
     weights,
 )
 
-import ctseg.feeds
-from ctseg.device_batches import to_device
-from ctseg.flops import Efficiency, count_flops
+import ctseg.training.feeds
+from ctseg.data.device_batches import to_device
+from ctseg.data.loader import build_loader
+from ctseg.data.patches import PatchDataset
 from ctseg.io import CtsegError
-from ctseg.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
-from ctseg.loader import build_loader
-from ctseg.losses import TERMS, compute_losses, loss_settings
 from ctseg.machine import available_cpus
-from ctseg.model import build_model
-from ctseg.patches import PatchDataset
+from ctseg.network.flops import Efficiency, count_flops
+from ctseg.network.losses import TERMS, compute_losses, loss_settings
+from ctseg.network.model import build_model
 from ctseg.summaries import SUMMARY_VERSION
-from ctseg.train import (
-    load_checkpoint,
-    lr_at,
-    rng_state,
-    save_checkpoint,
-    scaled_lr,
-    set_rng_state,
-    train,
-)
-from ctseg.trials import choose_phase, run_trial
+from ctseg.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ctseg.training.recipe import lr_at, scaled_lr
+from ctseg.training.train import train
+from ctseg.trials.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
+from ctseg.trials.trials import choose_phase, run_trial
 
 BIN = Path(sys.executable).parent
 STEP_COLUMNS = [
@@ -124,13 +119,13 @@ def record_indices(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """Observe which samples each micro-batch of train() holds (the feed's to_device sees every
     one)."""
     seen: list[list[int]] = []
-    real = ctseg.feeds.to_device
+    real = ctseg.training.feeds.to_device
 
     def spy(batch, *args, **kwargs):
         seen.append(batch["index"].tolist())
         return real(batch, *args, **kwargs)
 
-    monkeypatch.setattr(ctseg.feeds, "to_device", spy)
+    monkeypatch.setattr(ctseg.training.feeds, "to_device", spy)
     return seen
 
 
@@ -524,12 +519,12 @@ PAUSE_HOOK = """
 import os, sys, time
 from pathlib import Path
 
-import ctseg.feeds
+import ctseg.training.feeds
 from ctseg.cli import main
 
 pause_at = int(os.environ["CTSEG_TEST_PAUSE_AT"])
 marker = Path(os.environ["CTSEG_TEST_MARKER"])
-real_to_device = ctseg.feeds.to_device
+real_to_device = ctseg.training.feeds.to_device
 
 
 def to_device(batch, *args, **kwargs):
@@ -540,7 +535,7 @@ def to_device(batch, *args, **kwargs):
     return real_to_device(batch, *args, **kwargs)
 
 
-ctseg.feeds.to_device = to_device
+ctseg.training.feeds.to_device = to_device
 sys.exit(main(sys.argv[1:]))
 """
 RESUME_EXP = experiment(train={"epochs": 3, "steps_per_epoch": 4})
@@ -767,7 +762,7 @@ def test_trial_summary_and_comparison_with_the_previous_phase(
     steps = pd.read_csv(tmp_path / "phase1" / "steps.csv")
     ceiling = pd.read_csv(tmp_path / "phase1" / "ceiling" / "steps.csv")
     # trial.ceiling_steps is 2, but the ceiling runs at least as many steps as the real run.
-    # + the profiler's warm-up step and the profiled steps (ctseg.kernel_profile)
+    # + the profiler's warm-up step and the profiled steps (ctseg.trials.kernel_profile)
     assert len(steps) == 3 and len(ceiling) == 3 + PROFILE_WARMUP + PROFILE_STEPS
     assert steps["data_wait_s"].gt(0).all()
     measured = steps["step_s"].iloc[1:]  # trial.warmup_steps = 1 left out
@@ -825,7 +820,7 @@ OOM_WRAPPER = """
 import resource, sys
 
 import pandas  # noqa: F401
-import ctseg.trials  # torch, the model, the data path: everything a trial imports
+import ctseg.trials.trials  # torch, the model, the data path: everything a trial imports
 from ctseg.cli import main
 
 # A hard address-space limit 1 GiB above what the process maps now: a real allocation failure

@@ -1,4 +1,4 @@
-"""A trial's diagnosis (ctseg.diagnosis) and its summary.json (ctseg.summaries.TrialSummary).
+"""A trial's diagnosis (ctseg.trials.diagnosis) and its summary.json (ctseg.summaries.TrialSummary).
 
 The verdict tests generate summaries over the whole range of figures (data wait, host-to-device,
 feed efficiency and its band, step-time spread, step counts) and check every verdict against
@@ -16,7 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ctseg.diagnosis import (
+from ctseg.formatting import fmt, pct
+from ctseg.io import CtsegError
+from ctseg.machine import available_cpus
+from ctseg.summaries import STEP_COLUMNS, SUMMARY_VERSION, TrialSummary, loss_terms, step_columns
+from ctseg.trials.diagnosis import (
     BAND_STANDARD_ERRORS,
     DATA_WAIT_LIMIT,
     FEED_EFFICIENCY_LIMIT,
@@ -27,16 +31,6 @@ from ctseg.diagnosis import (
     diagnose,
     feed_efficiency_band,
     step_stats,
-)
-from ctseg.formatting import fmt, pct
-from ctseg.io import CtsegError
-from ctseg.machine import available_cpus
-from ctseg.summaries import (
-    STEP_COLUMNS,
-    SUMMARY_VERSION,
-    TrialSummary,
-    loss_terms,
-    step_columns,
 )
 
 SETTINGS = {
@@ -66,7 +60,7 @@ def measured(
     settings: dict | None = None,
     **extra: object,
 ) -> TrialSummary:
-    """An ok trial's summary with these figures (as ctseg.trials writes them)."""
+    """An ok trial's summary with these figures (as ctseg.trials.trials writes them)."""
     stats = {"n": n, "median_s": median, "iqr_s": iqr, "mad_s": iqr / 2, "median_se_s": 0.0}
     return TrialSummary(
         phase=int(extra.pop("phase", 0)),
@@ -325,7 +319,7 @@ def test_step_columns_put_the_loss_terms_after_the_total():
 
 
 def test_one_cpu_count_for_the_package():
-    import ctseg.targets
+    import ctseg.preprocess.targets
 
     assert 1 <= available_cpus() <= (__import__("os").cpu_count() or 1)
-    assert ctseg.targets.available_cpus is available_cpus
+    assert ctseg.preprocess.targets.available_cpus is available_cpus

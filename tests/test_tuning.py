@@ -19,10 +19,11 @@ import yaml
 import zarr
 from conftest import TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake
 
-from ctseg import cli, tuning
+from ctseg import cli
+from ctseg.evaluation.metrics import score_volume
 from ctseg.io import CtsegError
-from ctseg.masks import PostprocessSettings, binary_mask, hysteresis
-from ctseg.metrics import score_volume
+from ctseg.postprocess import tuning
+from ctseg.postprocess.masks import PostprocessSettings, binary_mask, hysteresis
 from ctseg.store import create_volume
 
 NOISE_BLOBS = [(12, 5, 5), (12, 20, 10), (26, 10, 20), (2, 15, 15)]

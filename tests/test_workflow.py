@@ -15,10 +15,10 @@ import yaml
 import zarr
 from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
-from ctseg.masks import binary_mask
-from ctseg.report import fmt
-from ctseg.targets import targets_reference
-from ctseg.tuning import load_tuned
+from ctseg.formatting import fmt
+from ctseg.postprocess.masks import binary_mask
+from ctseg.postprocess.tuning import load_tuned
+from ctseg.preprocess.targets import targets_reference
 
 
 def test_precompute_targets_end_to_end(workflow_dir: Path):

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ctseg.stage import stage_records
+from ctseg.preprocess.stage import stage_records
+from ctseg.preprocess.targets import compute_targets
 from ctseg.store import create_volume
-from ctseg.targets import compute_targets
 
 SHAPE = (24, 24, 24)
 TRAIN_IDS, VAL_IDS = ["a", "b"], ["c"]

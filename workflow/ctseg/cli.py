@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ctseg.io import CtsegError
 
 if TYPE_CHECKING:
-    from ctseg.train import Ranks
+    from ctseg.training.distributed import Ranks
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -69,7 +69,7 @@ def _phases(path: str) -> object:
 
 
 def cmd_demo_data(args: argparse.Namespace) -> None:
-    from ctseg.demo_data import generate_demo
+    from ctseg.preprocess.demo_data import generate_demo
 
     generate_demo(
         Path(args.out),
@@ -83,7 +83,7 @@ def cmd_demo_data(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from ctseg.convert import convert_volume
+    from ctseg.preprocess.convert import convert_volume
     from ctseg.store import open_volume
 
     expect_shape = None
@@ -106,7 +106,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def cmd_targets(args: argparse.Namespace) -> None:
-    from ctseg.targets import compute_targets
+    from ctseg.preprocess.targets import compute_targets
 
     summary = compute_targets(
         Path(args.label),
@@ -137,7 +137,7 @@ def cmd_split(args: argparse.Namespace) -> None:
 def cmd_stage(args: argparse.Namespace) -> None:
     import pandas as pd
 
-    from ctseg.stage import expand_scratch, stage_records
+    from ctseg.preprocess.stage import expand_scratch, stage_records
 
     # The records training reads; a test split is never staged (nor trained on).
     table = pd.read_csv(args.split_csv, dtype={"id": str})
@@ -172,7 +172,7 @@ def _phase_settings(phases: dict, phase: str) -> tuple[int, dict]:
 def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
     """The scratch copy to train from; with --stage-from, staged here first (per_job): by rank
     0 under torchrun, while the others wait."""
-    from ctseg.stage import check_staged, expand_scratch, stage_records
+    from ctseg.preprocess.stage import check_staged, expand_scratch, stage_records
 
     scratch = expand_scratch(args.scratch)
     if args.stage_from:
@@ -192,13 +192,13 @@ def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
 
 
 # `ctseg train` and `ctseg trial` run as one process, or as `gpus` processes under
-# `torchrun --standalone --nproc_per_node <gpus> -m ctseg.cli ...` (DDP, see ctseg.train): each
-# process joins the process group for the whole command, and only rank 0 prints and writes.
+# `torchrun --standalone --nproc_per_node <gpus> -m ctseg.cli ...` (DDP, see ctseg.training.train):
+# each process joins the process group for the whole command, and only rank 0 prints and writes.
 
 
 def cmd_trial(args: argparse.Namespace) -> None:
-    from ctseg.train import ddp_phase, pick_device, process_group, torchrun_ranks
-    from ctseg.trials import run_trial, summary_json
+    from ctseg.training.distributed import ddp_phase, pick_device, process_group, torchrun_ranks
+    from ctseg.trials.trials import run_trial, summary_json
 
     device = pick_device(args.device)
     phase_id, phase = _phase_settings(args.phases, args.phase)
@@ -225,10 +225,10 @@ def cmd_trial(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from ctseg.distributed import ddp_phase, pick_device, process_group, torchrun_ranks
-    from ctseg.preempt import RESUMABLE_EXIT, stop_on_signals
-    from ctseg.train import train
-    from ctseg.trials import choose_phase
+    from ctseg.training.distributed import ddp_phase, pick_device, process_group, torchrun_ranks
+    from ctseg.training.preempt import RESUMABLE_EXIT, stop_on_signals
+    from ctseg.training.train import train
+    from ctseg.trials.trials import choose_phase
 
     device = pick_device(args.device)
     first = torchrun_ranks().main
@@ -264,7 +264,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_infer(args: argparse.Namespace) -> None:
-    from ctseg.infer import load_model, pick_device, predict_record
+    from ctseg.inference.infer import load_model, predict_record
+    from ctseg.training.distributed import pick_device
 
     # Before the (long) inference, which would otherwise run only to have postprocess refuse it.
     if not 0 <= args.threshold < 1:
@@ -291,7 +292,7 @@ def cmd_infer(args: argparse.Namespace) -> None:
 
 
 def cmd_tune_postprocess(args: argparse.Namespace) -> None:
-    from ctseg.tuning import SearchSpace, tune_postprocess, volumes_from_paths
+    from ctseg.postprocess.tuning import SearchSpace, tune_postprocess, volumes_from_paths
 
     given = {
         "thresholds": args.thresholds,
@@ -322,9 +323,9 @@ def cmd_tune_postprocess(args: argparse.Namespace) -> None:
 
 
 def cmd_postprocess(args: argparse.Namespace) -> None:
-    from ctseg.infer import write_mask
-    from ctseg.masks import PostprocessSettings
-    from ctseg.tuning import load_tuned
+    from ctseg.inference.infer import write_mask
+    from ctseg.postprocess.masks import PostprocessSettings
+    from ctseg.postprocess.tuning import load_tuned
 
     if args.settings:
         settings = load_tuned(Path(args.settings))
@@ -344,13 +345,13 @@ def cmd_postprocess(args: argparse.Namespace) -> None:
 
 
 def cmd_score(args: argparse.Namespace) -> None:
-    from ctseg.metrics import score_files
+    from ctseg.evaluation.metrics import score_files
 
     print(json.dumps(score_files(Path(args.pred), Path(args.gt)), indent=1))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from ctseg.metrics import evaluate_pairs
+    from ctseg.evaluation.metrics import evaluate_pairs
 
     summary = evaluate_pairs(
         [Path(p) for p in args.predictions],
@@ -372,7 +373,7 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def cmd_model_summary(args: argparse.Namespace) -> None:
-    from ctseg.model import model_summary
+    from ctseg.network.summary import model_summary
 
     exp = _experiment(args.experiment)
     patch = args.patch or exp["data"]["patch_size"]  # type: ignore[index]
@@ -609,7 +610,7 @@ def _tune_postprocess_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probabilities", nargs="+", required=True, help="<id>.zarr from infer")
     p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
     p.add_argument("--out", required=True, help="directory for tuned.json and candidates.csv")
-    # Defaults (None): ctseg.tuning.SearchSpace's, the grid its docstring describes.
+    # Defaults (None): ctseg.postprocess.tuning.SearchSpace's, the grid its docstring describes.
     p.add_argument("--thresholds", type=float, nargs="+", default=None, help="0.1 .. 0.9")
     p.add_argument("--refine-step", type=float, default=None, help="0.05; 0: no refinement")
     p.add_argument(
@@ -747,7 +748,7 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_ensemble(args: argparse.Namespace) -> None:
-    from ctseg.ensemble import ensemble_volume, load_weights
+    from ctseg.inference.ensemble import ensemble_volume, load_weights
 
     if args.weights_file:
         weights, where = load_weights(Path(args.weights_file), args.names), args.weights_file
@@ -764,7 +765,7 @@ def cmd_ensemble(args: argparse.Namespace) -> None:
 
 
 def cmd_tune_ensemble(args: argparse.Namespace) -> None:
-    from ctseg.ensemble import tune_weights
+    from ctseg.inference.ensemble import tune_weights
 
     members = [(m[0], [Path(p) for p in m[1:]]) for m in args.member]
     summary = tune_weights(

@@ -16,8 +16,10 @@ through this module, so a setting is parsed once, by the same code, wherever it 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +386,169 @@ def settings_used(exp: Experiment, phase: Phase | None, step: str) -> dict[str, 
     if phase is not None:
         used["phase"] = thaw(dict(phase))
     return used
+
+
+def configured_gpus(exp: Mapping[str, Any], phase: Mapping[str, Any]) -> int:
+    """GPUs (torchrun processes) a run trains on: the phase's ``gpus`` where it sets one, else
+    the experiment's ``train.gpus``, else 1."""
+    return int(phase.get("gpus") or exp["train"].get("gpus") or 1)
+
+
+# ----------------------------------------------------------------------------- ensembles
+# config/ensembles/<name>.yaml: members (experiments or folds) and their weights, or tuned.
+# Run names as ctseg.config spells them: <experiment> or <experiment>.fold<i>.
+FOLD_MEMBER = re.compile(r"(?P<experiment>[A-Za-z0-9_-]+)\.fold(?P<fold>[0-9]+)")
+
+
+# Which runs exist: experiment name -> its split.folds (None: no folds), a set of names (none
+# with folds), or a callable giving the folds and raising KeyError for an unknown name.
+KnownRuns = Mapping[str, int | None] | Collection[str] | Callable[[str], int | None]
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str  # as written: exp001 or exp001.fold2
+    experiment: str
+    fold: int | None
+
+
+@dataclass(frozen=True)
+class Ensemble:
+    name: str
+    members: tuple[Member, ...]
+    weights: tuple[float, ...] | None  # None: tuned
+    tune_step: float
+    path: str
+
+    @property
+    def tuned(self) -> bool:
+        return self.weights is None
+
+    @property
+    def member_names(self) -> list[str]:
+        return [m.name for m in self.members]
+
+
+def default_step(n_members: int) -> float:
+    """The tuning grid's step: 0.25 up to 4 members (at most 35 points), 0.5 above."""
+    return 0.25 if n_members <= 4 else 0.5
+
+
+def _folds_of(known: KnownRuns) -> Callable[[str], int | None]:
+    if isinstance(known, Mapping):
+        return lambda name: known[name]
+    if callable(known):
+        return known
+    names = set(known)
+
+    def lookup(name: str) -> int | None:
+        if name not in names:
+            raise KeyError(name)
+        return None
+
+    return lookup
+
+
+def _known_list(known: KnownRuns) -> str:
+    if callable(known) and not isinstance(known, Mapping):
+        return ""
+    return f" (experiments: {', '.join(sorted(known)) or 'none'})"
+
+
+def check_weights(weights: Sequence[float], n_members: int, where: str) -> list[float]:
+    """The weights divided by their sum; a wrong count, a negative, non-finite or all-zero list
+    is a one-line error naming `where`."""
+    values = list(weights)
+    if len(values) != n_members:
+        raise CtsegError(
+            f"{where}: {len(values)} weights for {n_members} members: give one per member"
+        )
+    if any(isinstance(w, bool) or not isinstance(w, int | float) for w in values):
+        raise CtsegError(f"{where}: weights {values}: expected numbers")
+    if any(not math.isfinite(w) for w in values):
+        raise CtsegError(f"{where}: weights {values}: expected finite numbers")
+    if any(w < 0 for w in values):
+        raise CtsegError(f"{where}: negative weight in {values}: weights must be >= 0")
+    total = float(sum(values))
+    if total <= 0:
+        raise CtsegError(f"{where}: weights {values} are all zero: give at least one > 0")
+    return [float(w) / total for w in values]
+
+
+def _member(
+    text: str, folds_of: Callable[[str], int | None], known: KnownRuns, where: str
+) -> Member:
+    found = FOLD_MEMBER.fullmatch(text)
+    experiment = found["experiment"] if found else text
+    try:
+        folds = folds_of(experiment)
+    except KeyError:
+        raise CtsegError(
+            f"{where}: unknown member {text!r}: no experiment {experiment!r}{_known_list(known)}"
+        ) from None
+    if not found:
+        return Member(text, experiment, None)
+    fold = int(found["fold"])
+    if not folds:
+        raise CtsegError(
+            f"{where}: member {text!r}: experiment {experiment!r} declares no split.folds, "
+            "so it has no folds; name the experiment itself or give it split.folds"
+        )
+    if not 0 <= fold < folds:
+        raise CtsegError(
+            f"{where}: member {text!r}: fold index {fold} out of range: experiment "
+            f"{experiment!r} has split.folds: {folds} (folds 0..{folds - 1})"
+        )
+    return Member(text, experiment, fold)
+
+
+def ensemble_from(data: Any, where: str, known: KnownRuns) -> Ensemble:
+    """An `Ensemble` from a mapping (as read from YAML), checked against the runs in `known`."""
+    if not isinstance(data, Mapping):
+        raise CtsegError(f"{where}: expected a mapping with name, members and weights")
+    checked = validated(data, "ensemble", where)
+    name = checked["name"]
+    folds_of = _folds_of(known)
+    try:
+        folds_of(name)
+    except KeyError:
+        pass
+    else:
+        raise CtsegError(
+            f"{where}: name {name!r} is also an experiment's: both would write results/{name}/; "
+            "rename the ensemble"
+        )
+    texts = checked["members"]
+    duplicates = sorted({m for m in texts if texts.count(m) > 1})
+    if duplicates:
+        raise CtsegError(f"{where}: members listed twice: {duplicates}; list each once")
+    members = tuple(_member(t, folds_of, known, where) for t in texts)
+
+    weights: tuple[float, ...] | None = None
+    if checked["weights"] != "tuned":
+        check_weights(checked["weights"], len(members), f"{where}: weights")
+        weights = tuple(float(w) for w in checked["weights"])
+    else:
+        # Folds of one experiment have no common held-out data: fold i's val records are in
+        # fold j's training set, so any score of their mean would be optimistic.
+        fold_experiments = [m.experiment for m in members if m.fold is not None]
+        shared = sorted({e for e in fold_experiments if fold_experiments.count(e) > 1})
+        if shared:
+            raise CtsegError(
+                f"{where}: weights: tuned needs held-out data no member trained on, and folds of "
+                f"{shared[0]!r} hold out different records; give numbers (e.g. equal weights)"
+            )
+
+    step = checked["tune_step"] if checked["tune_step"] is not None else default_step(len(members))
+    if abs(1 / step - round(1 / step)) > 1e-9:
+        raise CtsegError(f"{where}: tune_step: {step} does not divide 1 (e.g. 0.25, 0.2, 0.5)")
+    return Ensemble(name, members, weights, float(step), where)
+
+
+def load_ensemble(path: str | Path, known: KnownRuns) -> Ensemble:
+    """config/ensembles/<name>.yaml, checked; its `name` must be the file's name."""
+    path = Path(path)
+    ens = ensemble_from(read_yaml(path), str(path), known)
+    if ens.name != path.stem:
+        raise CtsegError(f"{path}: name {ens.name!r} differs from the file name {path.stem!r}")
+    return ens

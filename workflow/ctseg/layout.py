@@ -15,8 +15,8 @@ Scratch: one directory per staged record, ``<scratch>/<id>/``, in one of two for
 - ``raw``: uncompressed ``.npy`` files read through ``np.memmap``: ``image.npy``, ``masks.npy``
   (ignore, foreground, skeleton and tube packed as bit flags, `ctseg.store.MASK_BITS`),
   ``sdt.npy``, ``fg_locations.npy``, and ``meta.json`` (the image attributes, and the targets'
-  attributes under ``targets``). `raw_files` and `raw_meta` say what `ctseg.stage` writes;
-  `open_record` reads it.
+  attributes under ``targets``). `raw_files` and `raw_meta` say what `ctseg.preprocess.stage`
+  writes; `open_record` reads it.
 - ``zarr``: the store's ``image.zarr`` and ``targets.zarr`` copied byte for byte.
 
 Both carry the targets' own parameters (clip distance, skeleton method, ...) from the store's

@@ -11,7 +11,7 @@ without opening any config file. It holds:
 - ``weights``: ``ema`` or ``trained``, which weights last.pt holds;
 - ``source_weights``: for a fine-tune, the digest of the weights it started from (else null);
 - ``run_identity``: the digest of everything that determines the trained weights
-  (`ctseg.checkpoint.run_identity`), as last.pt's ``fingerprint``.
+  (`ctseg.training.checkpoint.run_identity`), as last.pt's ``fingerprint``.
 """
 
 from __future__ import annotations

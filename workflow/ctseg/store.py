@@ -1,7 +1,7 @@
 """Zarr v3 layout shared by every step: how arrays are created, compressed and opened.
 
 Layout (the results contract), under one root per dataset, ``results/preprocessed/<dataset>/``
-(the root a `ctseg.stage` source points at):
+(the root a `ctseg.preprocess.stage` source points at):
 - ``zarr/images/<id>.zarr`` and ``zarr/labels/<id>.zarr``: one 3D array each,
   attributes ``source``, ``source_sha256``, ``shape``, ``dtype``, ``mean``, ``std``,
   ``p0_5``, ``p99_5``.

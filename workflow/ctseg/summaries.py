@@ -18,7 +18,7 @@ from typing import Any
 from ctseg.io import CtsegError, atomic_path
 
 # The columns every steps.csv row has, in file order. The loss terms (one column per term with
-# weight > 0, named as ctseg.losses names them) come between "loss" and "grad_norm": see
+# weight > 0, named as ctseg.network.losses names them) come between "loss" and "grad_norm": see
 # `step_columns`.
 STEP_COLUMNS: tuple[str, ...] = (
     "epoch",
@@ -39,7 +39,7 @@ STEP_COLUMNS: tuple[str, ...] = (
 STEP_OPTIONAL: tuple[str, ...] = ("grad_norm",)
 STEP_REQUIRED: tuple[str, ...] = tuple(c for c in STEP_COLUMNS if c not in STEP_OPTIONAL)
 # Achieved TFLOP/s (model FLOPs, forward and backward) and MFU (a fraction of the peak of the
-# precision in use) at the row's samples/s: ctseg.flops.Efficiency.columns. Last in the row,
+# precision in use) at the row's samples/s: ctseg.network.flops.Efficiency.columns. Last in the row,
 # and optional: logs written before them lack them.
 EFFICIENCY_COLUMNS: tuple[str, ...] = ("tflops", "mfu")
 _TERMS_AFTER = STEP_COLUMNS.index("loss") + 1
@@ -59,7 +59,8 @@ def loss_terms(columns: Iterable[str]) -> list[str]:
 
 def add_efficiency_columns(path: Path, columns: Callable[[float], Mapping[str, float]]) -> None:
     """Rewrite a steps.csv with `EFFICIENCY_COLUMNS` from each row's samples/s (`columns`:
-    ctseg.flops.Efficiency.columns), atomically; a file that has them already is left as is."""
+    ctseg.network.flops.Efficiency.columns), atomically; a file that has them already is left as
+    is."""
     with open(path, newline="") as handle:
         reader = csv.DictReader(handle)
         header = list(reader.fieldnames or [])
@@ -119,7 +120,7 @@ class TrialSummary:
     h2d_s_per_step: float | None = None
     ceiling_samples_per_s: float | None = None
     feed_efficiency: float | None = None
-    # Half-width of the feed efficiency's uncertainty band (see ctseg.diagnosis).
+    # Half-width of the feed efficiency's uncertainty band (see ctseg.trials.diagnosis).
     feed_efficiency_band: float | None = None
     gpu_util_mean: float | None = None
     peak_vram_gb: float | None = None
@@ -134,16 +135,16 @@ class TrialSummary:
     verdict_reason: str | None = None
     next_knob: str | None = None
     thresholds: dict[str, float] = field(default_factory=dict)
-    # Efficiency (version 3): ctseg.flops.FlopCount.to_dict, ctseg.peaks.Peak.to_dict (with
-    # "devices": how many the samples/s ran on), achieved TFLOP/s and MFU (a fraction of the
-    # peak) of the real and the ceiling run.
+    # Efficiency (version 3): ctseg.network.flops.FlopCount.to_dict,
+    # ctseg.network.peaks.Peak.to_dict (with "devices": how many the samples/s ran on), achieved
+    # TFLOP/s and MFU (a fraction of the peak) of the real and the ceiling run.
     flops: dict[str, Any] | None = None
     peak: dict[str, Any] | None = None
     tflops: float | None = None
     mfu: float | None = None
     ceiling_tflops: float | None = None
     ceiling_mfu: float | None = None
-    # The kernel profile (ctseg.kernel_profile.summarise), or {"error": ...}.
+    # The kernel profile (ctseg.trials.kernel_profile.summarise), or {"error": ...}.
     profile: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     version: int | None = None

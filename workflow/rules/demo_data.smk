@@ -9,7 +9,7 @@ rule demo_data:
     conda:
         "../../environment.yml"
     params:
-        shape=shape_arg(config["demo"]["shape"]),
+        shape=rule_args.shape_arg(config["demo"]["shape"]),
         scroll_ids=" ".join(str(s) for s in config["demo"]["scroll_ids"]),
         n_train=config["demo"]["n_train"],
         n_test=config["demo"]["n_test"],

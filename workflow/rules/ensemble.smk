@@ -1,5 +1,5 @@
 # Combined runs: <exp>.cv (an experiment's folds) and config/ensembles/<name>.yaml. Their
-# probabilities are the weighted mean of their members' (ctseg.ensemble); post-processing,
+# probabilities are the weighted mean of their members' (ctseg.inference.ensemble); post-processing,
 # evaluation and the report then treat them exactly like an experiment.
 
 
@@ -20,7 +20,12 @@ rule tune_ensemble:
     # Volumes are scored in parallel, one process per thread, as in evaluate.
     threads: 8
     params:
-        members=lambda wildcards: ensemble_member_args(wildcards.exp),
+        members=lambda wildcards: rule_args.ensemble_member_args(
+            {
+                m: [member_probability(m, i) for i in tune_ids(wildcards.exp)]
+                for m in members(wildcards.exp)
+            }
+        ),
         step=lambda wildcards: ensemble(wildcards.exp).tune_step,
     shell:
         "ctseg tune-ensemble {params.members} --labels {input.labels:q} "
@@ -44,7 +49,12 @@ rule ensemble:
     conda:
         "../../environment.yml"
     params:
-        weights=ensemble_weight_args,
+        weights=lambda wildcards, input: rule_args.ensemble_weight_args(
+            tuned_ensemble(wildcards.exp),
+            input.weights,
+            members(wildcards.exp),
+            [w for _, w in ensemble_inputs(wildcards.exp, wildcards.id)],
+        ),
         budget=config["infer"]["memory_budget_mb"],
     shell:
         "ctseg ensemble --members {input.members:q} {params.weights} "

@@ -23,12 +23,12 @@ rule tune_postprocess:
     # Volumes are scored in parallel as in evaluate, each candidate's masks in turn.
     threads: 8
     resources:
-        mem_mb=lambda wildcards, threads: scoring_mem_mb(
+        mem_mb=lambda wildcards, threads: rule_args.scoring_mem_mb(
             threads, len(tune_ids(wildcards.exp))
         ),
     params:
         out=lambda wildcards, output: Path(output.settings).parent,
-        search=tune_args(),
+        search=rule_args.tune_args(config["infer"]["tune"]),
     shell:
         "ctseg tune-postprocess --probabilities {input.probabilities:q} "
         "--labels {input.labels:q} --out {params.out:q} {params.search} "
@@ -64,15 +64,17 @@ rule evaluate_run:
         "../../environment.yml"
     # Volumes are scored in parallel, one process per volume up to the threads (Snakemake caps
     # them at --cores), the cores left over as threads inside each; a 320^3 volume needs about
-    # 2 GB per process (ctseg.metrics.WORKER_MEMORY_GB).
+    # 2 GB per process (ctseg.evaluation.metrics.WORKER_MEMORY_GB).
     threads: 8
     resources:
-        mem_mb=lambda wildcards, threads: scoring_mem_mb(
+        mem_mb=lambda wildcards, threads: rule_args.scoring_mem_mb(
             threads, len(eval_ids(wildcards.exp))
         ),
     params:
         out=lambda wildcards, output: Path(output.summary).parent,
-        provenance=lambda wildcards: provenance_args(wildcards.exp),
+        provenance=lambda wildcards: rule_args.provenance_args(
+            provenance(wildcards.exp, config["infer"]["postprocess"])
+        ),
     shell:
         "ctseg evaluate --predictions {input.predictions:q} --labels {input.labels:q} "
         "--out {params.out:q} --workers {threads} {params.provenance} > {log:q} 2>&1"

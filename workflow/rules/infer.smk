@@ -53,7 +53,9 @@ rule postprocess:
     conda:
         "../../environment.yml"
     params:
-        settings=postprocess_args,
+        settings=lambda wildcards, input: rule_args.postprocess_args(
+            config["infer"], input.settings
+        ),
     shell:
         "ctseg postprocess {input.probabilities:q} {output.mask:q} {params.settings} "
         "> {log:q} 2>&1"

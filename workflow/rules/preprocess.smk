@@ -10,9 +10,9 @@ rule convert_image:
     conda:
         "../../environment.yml"
     params:
-        chunks=shape_arg(config["convert"]["chunks"]),
-        shards=convert_shards_arg(),
-        codec=codec_arg(),
+        chunks=rule_args.shape_arg(config["convert"]["chunks"]),
+        shards=rule_args.shards_arg(config["convert"]["shards"]),
+        codec=rule_args.codec_arg(config["convert"]["codec"]),
         budget=config["convert"]["memory_budget_mb"],
     shell:
         "ctseg convert {input:q} {output:q} --kind image --chunks {params.chunks} "
@@ -33,9 +33,9 @@ rule convert_label:
     conda:
         "../../environment.yml"
     params:
-        chunks=shape_arg(config["convert"]["chunks"]),
-        shards=convert_shards_arg(),
-        codec=codec_arg(),
+        chunks=rule_args.shape_arg(config["convert"]["chunks"]),
+        shards=rule_args.shards_arg(config["convert"]["shards"]),
+        codec=rule_args.codec_arg(config["convert"]["codec"]),
         budget=config["convert"]["memory_budget_mb"],
     shell:
         "ctseg convert {input.label:q} {output:q} --kind label --like {input.image:q} "
@@ -59,10 +59,10 @@ rule targets:
         clip=config["targets"]["clip_distance"],
         method=config["targets"]["skeleton_method"],
         tube=config["targets"]["tube_dilations"],
-        block=shape_arg(config["targets"]["block"]),
+        block=rule_args.shape_arg(config["targets"]["block"]),
         max_samples=config["targets"]["max_samples"],
         seed=config["targets"]["seed"],
-        codec=codec_arg(),
+        codec=rule_args.codec_arg(config["convert"]["codec"]),
     shell:
         "ctseg targets {input:q} {output:q} --clip-distance {params.clip} "
         "--skeleton-method {params.method} --tube-dilations {params.tube} "

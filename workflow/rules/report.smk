@@ -17,7 +17,7 @@ rule report:
         "../../environment.yml"
     params:
         runs=" ".join(f"--run '{run_dir(run)}'" for run in DEFAULT_RUNS),
-        overlays=overlay_args(),
+        overlays=rule_args.overlay_args(overlay_ids(), IMAGE_STORE, LABEL_STORE),
         # Timings of every job so far; the report lists the files it read.
         benchmarks="results/benchmarks",
     shell:

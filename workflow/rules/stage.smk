@@ -12,7 +12,7 @@ rule split:
     params:
         dataset=lambda wildcards, input: Path(input[0]).parent,
         experiment=lambda wildcards: experiment_file(wildcards.exp),
-        fold=lambda wildcards: fold_arg(wildcards.exp),
+        fold=lambda wildcards: rule_args.fold_arg(fold_of(wildcards.exp)),
         # Rerun when the selection changes, not on other edits of the experiment file.
         settings=lambda wildcards: settings_used(
             run_settings(wildcards.exp), None, "split"

@@ -14,12 +14,19 @@ rule train_trial:
         exp=BASE_RUN,
     conda:
         "../../environment.yml"
-    threads: lambda wildcards: phase_threads(wildcards.exp, int(wildcards.phase))
+    threads:
+        lambda wildcards: rule_args.phase_threads(
+            phase_gpus(wildcards.exp, int(wildcards.phase)),
+            PHASES[int(wildcards.phase)]["workers"],
+        )
     resources:
         gpu=lambda wildcards: phase_gpus(wildcards.exp, int(wildcards.phase)),
-        mem_mb=lambda wildcards: phase_mem_mb(wildcards.exp, int(wildcards.phase)),
+        mem_mb=lambda wildcards: rule_args.phase_mem_mb(
+            phase_gpus(wildcards.exp, int(wildcards.phase)),
+            PHASES[int(wildcards.phase)]["workers"],
+        ),
     params:
-        ctseg=lambda wildcards: launcher(
+        ctseg=lambda wildcards: rule_args.launcher(
             phase_gpus(wildcards.exp, int(wildcards.phase))
         ),
         experiment=lambda wildcards: experiment_file(wildcards.exp),
@@ -74,17 +81,19 @@ rule train_model:
         "../../environment.yml"
     threads:
         lambda wildcards: max(
-            phase_threads(wildcards.exp, p) for p in chosen_phases(wildcards.exp)
+            rule_args.phase_threads(phase_gpus(wildcards.exp, p), PHASES[p]["workers"])
+            for p in chosen_phases(wildcards.exp)
         )
     resources:
         gpu=lambda wildcards: train_gpus(wildcards.exp),
         mem_mb=lambda wildcards: max(
-            phase_mem_mb(wildcards.exp, p) for p in chosen_phases(wildcards.exp)
+            rule_args.phase_mem_mb(phase_gpus(wildcards.exp, p), PHASES[p]["workers"])
+            for p in chosen_phases(wildcards.exp)
         ),
     params:
-        ctseg=lambda wildcards: launcher(train_gpus(wildcards.exp)),
+        ctseg=lambda wildcards: rule_args.launcher(train_gpus(wildcards.exp)),
         experiment=lambda wildcards: experiment_file(wildcards.exp),
-        fold=lambda wildcards: fold_arg(wildcards.exp),
+        fold=lambda wildcards: rule_args.fold_arg(fold_of(wildcards.exp)),
         phases=PHASES_FILE,
         settings=lambda wildcards: train_settings(wildcards.exp),
         phase=config["phase"],
@@ -93,7 +102,7 @@ rule train_model:
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
         state=lambda wildcards: f"{run_dir(wildcards.exp)}/checkpoints",
-        init=init_arg,
+        init=lambda wildcards, input: rule_args.init_arg(input.init),
     # exec: ctseg replaces the shell, so a scheduler's SIGTERM reaches it and not a bash that
     # would die at once; it finishes the step, checkpoints and exits 75 (docs/cluster.md).
     shell:

@@ -4,9 +4,9 @@ overlays and stage timings, in one self-contained file.
 The report only renders. Every figure in the page is read from a file under ``results/`` and
 each section names the files it read (relative paths), so every number traces back to its
 source; the phase trials' verdicts, next knobs, precision and machine facts are the trials' own
-(ctseg.trials), shown as recorded, and "not recorded" where an older summary lacks them. Plots
-are PNGs embedded as base64 data URIs and the CSS is inline: the page opens offline and makes no
-requests. A section whose inputs are missing says so; an input that exists but cannot be read
+(ctseg.trials.trials), shown as recorded, and "not recorded" where an older summary lacks them.
+Plots are PNGs embedded as base64 data URIs and the CSS is inline: the page opens offline and makes
+no requests. A section whose inputs are missing says so; an input that exists but cannot be read
 is a `CtsegError` naming the file (a report built on a corrupt file would be silently wrong).
 
 The page carries one small inline script, inert for a reader: once the page has loaded it

@@ -3,8 +3,9 @@ recorded, as tables and plots.
 
 Everything here is read from the trials' summary.json (`ctseg.summaries.TrialSummary`) and
 steps.csv. The verdict, next knob, step-time spread, thresholds and the machine facts
-(CPU count, device, scratch format) are the trial's own (ctseg.trials, ctseg.diagnosis): a
-summary from an older version without them shows "not recorded"; nothing is worked out here.
+(CPU count, device, scratch format) are the trial's own (ctseg.trials.trials,
+ctseg.trials.diagnosis): a summary from an older version without them shows "not recorded"; nothing
+is worked out here.
 """
 
 from __future__ import annotations
@@ -393,8 +394,8 @@ def _verdict_list(summaries: Sequence[TrialSummary]) -> str:
             if key in thresholds
         )
         note = (
-            f"Each verdict is the trial's own (ctseg.diagnosis), judged on the CPU cores and "
-            f"device it ran on. Thresholds the trials recorded: {esc(rules)}."
+            f"Each verdict is the trial's own (ctseg.trials.diagnosis), judged on the CPU cores "
+            f"and device it ran on. Thresholds the trials recorded: {esc(rules)}."
         )
     else:
         note = f"Thresholds: {NOT_RECORDED} by these trials."

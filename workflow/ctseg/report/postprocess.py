@@ -1,6 +1,6 @@
 """The report's post-processing section: the settings `ctseg tune-postprocess` chose on the val
 split, against the default threshold 0.5, and every candidate it scored (tuned.json and
-candidates.csv, see ctseg.tuning)."""
+candidates.csv, see ctseg.postprocess.tuning)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
 def _choice_block(tuned: Mapping[str, Any]) -> str:
     settings = tuned.get("settings") or {}
     if tuned.get("tuned") is False:
-        # The search was not run (ctseg.tuning: no or too little labelled foreground in val).
+        # The search was not run (ctseg.postprocess.tuning: no or too little labelled foreground in
+        # val).
         setting_rows = [
             [key, "none" if value is None else fmt(value)] for key, value in settings.items()
         ]

@@ -1,0 +1,331 @@
+"""Loss terms for sheet segmentation, each restricted to the labelled voxels.
+
+Inputs: ``logits`` (B, 1, Z, Y, X) and a batch dict on the same device with
+``label`` (0 background, 1 sheet, 2 unlabelled), ``ignore`` (1 = not labelled), and the offline
+targets ``skeleton``, ``tube`` (0/1) and ``sdt`` (signed distance to the sheet in voxels,
+positive outside, negative inside, clipped to [-d, d]). Each may be (B, 1, ...) or (B, ...).
+
+Conventions shared by every term:
+- The valid mask is ``ignore == 0`` (and ``label != 2``, so an unlabelled voxel can never be
+  taken for background). The binary target is ``label == 1``.
+- The prediction is p = sigmoid(logits) on valid voxels and **0 on ignored ones**, as the
+  competition metric zeroes the prediction where GT == 2. Every term is a function of this
+  masked p and of masked targets only, so logits inside the ignore region change no term and
+  receive zero gradient; this matters for clDice, whose pooling would otherwise reach across.
+- Sums run over the whole batch (batch Dice, as nnU-Net's ``batch_dice``): a patch without
+  sheet voxels then does not produce a Dice of 0 against a near-empty prediction.
+- Ratios use ``SMOOTH`` = 1 in numerator and denominator (the clDice and Skeleton Recall
+  reference implementations do the same). An all-ignore batch therefore gives 0 for every
+  term, with zero (finite) gradients.
+- Reductions are in float32 with autocast disabled, so bf16/fp16 logits are safe.
+
+Terms (all are minimised by the perfect prediction p = (label == 1) on valid voxels):
+- ``bce``: BCEWithLogits with ``pos_weight``, mean over valid voxels; minimum 0.
+- ``dice``: 1 - (2 sum(p t) + s) / (sum(p) + sum(t) + s); minimum 0.
+- ``cldice``: clDice (Shit et al. 2021) between the soft skeleton of p and the precomputed GT
+  skeleton; minimum 0.
+- ``skel_recall``: Skeleton Recall (Kirchhoff et al. 2024), 1 - soft recall of p on the tube;
+  the paper's loss is -recall, shifted here by 1 so that perfect = 0; minimum 0.
+- ``boundary``: boundary loss (Kervadec et al.), mean over valid voxels of p * sdt / d. Its
+  minimum is **negative**: mean(min(sdt, 0)) / d over valid voxels, reached by the perfect
+  prediction (p = 1 where sdt < 0, p = 0 where sdt > 0). Kervadec et al. use it next to a
+  region loss (Dice), not alone.
+
+Deep supervision (a list of logits [full, 1/2, 1/4, ...] from `ctseg.network.model.UNet3D`): level
+k's
+targets come from the full-resolution ones with 2**k x 2**k x 2**k cells (ceil-mode, matching
+the model's far-end padding), see `downsample_targets`. Level weights default to 1, 1/2, 1/4, ...
+normalised to sum 1 (nnU-Net's halving; nnU-Net also zeroes the lowest level, which our model
+has no head for anyway). The total is sum_k w_k total_k, and each **logged term is the same
+level-weighted sum** sum_k w_k term_k, so total == sum_name weight_name * terms[name] always
+holds. Without deep supervision the terms are simply the full-resolution ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ctseg.io import CtsegError
+
+TERMS = ("bce", "dice", "cldice", "skel_recall", "boundary")
+SMOOTH = 1.0
+# Which batch entries each term needs beyond label and ignore.
+TERM_TARGETS = {"cldice": "skeleton", "skel_recall": "tube", "boundary": "sdt"}
+
+
+# -- targets ------------------------------------------------------------------------------------
+
+
+def _as_5d(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    if value.ndim == len(shape) - 1:
+        value = value.unsqueeze(1)
+    if value.shape != shape:
+        raise CtsegError(f"batch[{name!r}] has shape {tuple(value.shape)}; logits {tuple(shape)}")
+    return value
+
+
+def prepare_targets(
+    batch: Mapping[str, torch.Tensor], shape: torch.Size, needed: Sequence[str] = ()
+) -> dict[str, torch.Tensor]:
+    """Float32 targets at full resolution, all zeroed outside the valid mask.
+
+    Returns ``valid`` and ``target`` (0/1), plus ``skeleton`` and ``tube`` (restricted to the
+    target: the Skeleton Recall reference multiplies its tube by the GT, and a skeleton lies in
+    the foreground by definition) and ``sdt`` (in voxels; `boundary_term` clamps it to [-d, d],
+    which also tames an inf from an all-foreground block) when needed.
+    """
+    for key in ("label", *needed):
+        if key not in batch:
+            raise KeyError(f"batch has no {key!r} (needed by the configured loss terms)")
+    label = _as_5d("label", batch["label"], shape)
+    valid = label != 2
+    if "ignore" in batch:
+        valid = valid & (_as_5d("ignore", batch["ignore"], shape) == 0)
+    target = (label == 1) & valid
+    out = {"valid": valid.float(), "target": target.float()}
+    for key in ("skeleton", "tube"):
+        if key in needed:
+            out[key] = ((_as_5d(key, batch[key], shape) != 0) & target).float()
+    if "sdt" in needed:
+        out["sdt"] = torch.where(valid, _as_5d("sdt", batch["sdt"], shape).float(), 0.0)
+    return out
+
+
+def _pool_max(x: torch.Tensor, factor: int) -> torch.Tensor:
+    return F.max_pool3d(x, factor, stride=factor, ceil_mode=True)
+
+
+def downsample_targets(targets: Mapping[str, torch.Tensor], factor: int) -> dict[str, torch.Tensor]:
+    """Targets for a 1/factor output, one coarse voxel per factor**3 cell.
+
+    - ``target``, ``skeleton``, ``tube``: max over the cell, so a 1-2 voxel sheet survives.
+    - ``valid``: a cell is valid when its max is known: it holds a labelled sheet voxel (the
+      max is 1 whatever the unlabelled ones are) or has no unlabelled voxel at all.
+    - ``sdt``: min over the cell (still in full-resolution voxels, still divided by the same d),
+      so sdt < 0 exactly where the coarse target is 1; averaging would cancel a 2-voxel sheet
+      against its surroundings.
+    """
+    if factor == 1:
+        return dict(targets)
+    out = {k: _pool_max(v, factor) for k, v in targets.items() if k not in ("valid", "sdt")}
+    all_valid = -_pool_max(-targets["valid"], factor)
+    out["valid"] = torch.maximum(out["target"], all_valid)
+    if "sdt" in targets:
+        # Ignored voxels hold 0 in the masked sdt; give them +inf so they cannot win the min.
+        sdt = torch.where(targets["valid"] > 0, targets["sdt"], torch.inf)
+        sdt = -_pool_max(-sdt, factor)
+        out["sdt"] = torch.where(out["valid"] > 0, sdt, 0.0)
+    return out
+
+
+# -- soft skeleton (Shit et al. 2021, reference implementation) ---------------------------------
+
+
+def soft_erode(x: torch.Tensor) -> torch.Tensor:
+    """Min-pool with a 3D cross: the minimum of three 1D min-pools along z, y and x."""
+    p1 = -F.max_pool3d(-x, (3, 1, 1), stride=1, padding=(1, 0, 0))
+    p2 = -F.max_pool3d(-x, (1, 3, 1), stride=1, padding=(0, 1, 0))
+    p3 = -F.max_pool3d(-x, (1, 1, 3), stride=1, padding=(0, 0, 1))
+    return torch.minimum(torch.minimum(p1, p2), p3)
+
+
+def soft_dilate(x: torch.Tensor) -> torch.Tensor:
+    return F.max_pool3d(x, 3, stride=1, padding=1)
+
+
+def soft_open(x: torch.Tensor) -> torch.Tensor:
+    return soft_dilate(soft_erode(x))
+
+
+def soft_skeleton(x: torch.Tensor, iterations: int = 3) -> torch.Tensor:
+    """Soft morphological skeleton of a (B, C, Z, Y, X) map in [0, 1]."""
+    skel = F.relu(x - soft_open(x))
+    for _ in range(iterations):
+        x = soft_erode(x)
+        delta = F.relu(x - soft_open(x))
+        skel = skel + F.relu(delta - skel * delta)
+    return skel
+
+
+# -- terms --------------------------------------------------------------------------------------
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    return (num + SMOOTH) / (den + SMOOTH)
+
+
+def bce_term(logits: torch.Tensor, t: dict[str, torch.Tensor], pos_weight: float) -> torch.Tensor:
+    """``logits`` are float32 and already zeroed on ignored voxels."""
+    weight = torch.tensor(pos_weight, dtype=logits.dtype, device=logits.device)
+    loss = F.binary_cross_entropy_with_logits(
+        logits, t["target"], pos_weight=weight, reduction="none"
+    )
+    return (loss * t["valid"]).sum() / t["valid"].sum().clamp_min(1.0)
+
+
+def dice_term(p: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    target = t["target"]
+    return 1.0 - _ratio(2.0 * (p * target).sum(), p.sum() + target.sum())
+
+
+def cldice_term(p: torch.Tensor, t: dict[str, torch.Tensor], iterations: int) -> torch.Tensor:
+    # p is 0 on ignored voxels, so its skeleton never sees the network's output there, and is
+    # itself 0 there (x - open(x) <= 0 where x = 0).
+    skel_pred = soft_skeleton(p, iterations)
+    tprec = _ratio((skel_pred * t["target"]).sum(), skel_pred.sum())
+    tsens = _ratio((t["skeleton"] * p).sum(), t["skeleton"].sum())
+    return 1.0 - 2.0 * tprec * tsens / (tprec + tsens)
+
+
+def skel_recall_term(p: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return 1.0 - _ratio((p * t["tube"]).sum(), t["tube"].sum())
+
+
+def boundary_term(
+    p: torch.Tensor, t: dict[str, torch.Tensor], clip_distance: float
+) -> torch.Tensor:
+    sdt = t["sdt"].clamp(-clip_distance, clip_distance) / clip_distance
+    return (p * sdt).sum() / t["valid"].sum().clamp_min(1.0)
+
+
+def boundary_minimum(batch: Mapping[str, torch.Tensor], clip_distance: float) -> torch.Tensor:
+    """The documented minimum of ``boundary``: mean(min(sdt, 0)) / d over valid voxels."""
+    label = batch["label"]
+    shape = label.shape if label.ndim == 5 else label.unsqueeze(1).shape
+    t = prepare_targets(batch, shape, ["sdt"])
+    sdt = t["sdt"].clamp(-clip_distance, clip_distance) / clip_distance
+    return sdt.clamp_max(0.0).sum() / t["valid"].sum().clamp_min(1.0)
+
+
+def level_terms(
+    logits: torch.Tensor,
+    t: dict[str, torch.Tensor],
+    names: Sequence[str],
+    *,
+    pos_weight: float,
+    cldice_iterations: int,
+    clip_distance: float,
+) -> dict[str, torch.Tensor]:
+    """The named terms for one output and its (already downsampled) targets."""
+    valid = t["valid"] > 0
+    # Masking the logits before the sigmoid keeps even NaN or inf in the ignore region from
+    # reaching a term or a gradient (0 * NaN is NaN in backward, a zeroed input is not).
+    logits = torch.where(valid, logits.float(), 0.0)
+    p = torch.where(valid, torch.sigmoid(logits), 0.0)
+    out = {}
+    for name in names:
+        if name == "bce":
+            out[name] = bce_term(logits, t, pos_weight)
+        elif name == "dice":
+            out[name] = dice_term(p, t)
+        elif name == "cldice":
+            out[name] = cldice_term(p, t, cldice_iterations)
+        elif name == "skel_recall":
+            out[name] = skel_recall_term(p, t)
+        else:
+            out[name] = boundary_term(p, t, clip_distance)
+    return out
+
+
+def deep_supervision_weights(n_levels: int) -> list[float]:
+    """1, 1/2, 1/4, ... normalised to sum 1."""
+    raw = [0.5**k for k in range(n_levels)]
+    return [w / sum(raw) for w in raw]
+
+
+def _check_weights(weights: Mapping[str, float]) -> dict[str, float]:
+    unknown = sorted(set(weights) - set(TERMS))
+    if unknown:
+        raise CtsegError(f"loss weights: unknown term(s) {unknown}; known: {list(TERMS)}")
+    for name, w in weights.items():
+        if not w >= 0:  # also rejects NaN
+            raise CtsegError(f"loss weight {name}={w!r}: must be >= 0")
+    return {name: float(weights[name]) for name in TERMS if weights.get(name, 0) > 0}
+
+
+def _check_level_weights(ds_weights: Sequence[float] | None, n_levels: int) -> list[float]:
+    if ds_weights is None:
+        return deep_supervision_weights(n_levels)
+    ds_weights = [float(w) for w in ds_weights]
+    if len(ds_weights) != n_levels:
+        raise CtsegError(f"ds_weights has {len(ds_weights)} entries for {n_levels} outputs")
+    if any(not w >= 0 for w in ds_weights) or sum(ds_weights) <= 0:
+        raise CtsegError(f"ds_weights={ds_weights}: must be >= 0 with a positive sum")
+    # Normalised like the default, so switching deep supervision on keeps the loss scale.
+    return [w / sum(ds_weights) for w in ds_weights]
+
+
+def compute_losses(
+    logits_or_list: torch.Tensor | Sequence[torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+    *,
+    pos_weight: float = 1.0,
+    cldice_iterations: int = 3,
+    clip_distance: float = 8.0,
+    ds_weights: Sequence[float] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(total, terms): total = sum over terms of weights[name] * terms[name].
+
+    Terms whose weight is 0 (or absent) are neither computed nor reported. For a list of
+    logits (deep supervision, [full, 1/2, 1/4, ...]) each term is the level-weighted sum
+    sum_k ds_weights[k] * term_k, with ds_weights normalised to sum 1 (default 1, 1/2, 1/4, ...).
+    ``clip_distance`` must be the d the sdt was clipped at.
+    """
+    active = _check_weights(weights)
+    if clip_distance <= 0:
+        raise CtsegError(f"clip_distance={clip_distance!r}: must be > 0")
+    if cldice_iterations < 0:
+        raise CtsegError(f"cldice_iterations={cldice_iterations!r}: must be >= 0")
+    outputs = [logits_or_list] if torch.is_tensor(logits_or_list) else list(logits_or_list)
+    if not outputs:
+        raise CtsegError("no logits given")
+    level_w = _check_level_weights(ds_weights, len(outputs))
+    full = outputs[0]
+    if full.ndim != 5 or full.shape[1] != 1:
+        raise CtsegError(f"logits of shape {tuple(full.shape)}: expected (B, 1, Z, Y, X)")
+    names = list(active)
+    needed = [TERM_TARGETS[n] for n in names if n in TERM_TARGETS]
+
+    # Autocast off: the loss runs in float32 whatever precision the network ran in.
+    with torch.autocast(device_type=full.device.type, enabled=False):
+        targets = prepare_targets(batch, full.shape, needed)
+        terms: dict[str, Any] = {}
+        for k, (logits, w) in enumerate(zip(outputs, level_w, strict=True)):
+            if w == 0:
+                continue
+            t = downsample_targets(targets, 2**k)
+            if logits.shape != t["target"].shape:
+                raise CtsegError(
+                    f"output {k} has shape {tuple(logits.shape)}; expected "
+                    f"{tuple(t['target'].shape)} (1/{2**k} of {tuple(full.shape[2:])}, ceil)"
+                )
+            level = level_terms(
+                logits,
+                t,
+                names,
+                pos_weight=pos_weight,
+                cldice_iterations=cldice_iterations,
+                clip_distance=clip_distance,
+            )
+            for name, value in level.items():
+                terms[name] = terms.get(name, 0.0) + w * value
+        total = sum((active[n] * terms[n] for n in names), full.new_zeros((), dtype=torch.float32))
+    return total, terms
+
+
+def loss_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for `compute_losses` from a config mapping with ``weights`` and the
+    optional ``pos_weight``, ``cldice_iterations``, ``clip_distance``, ``ds_weights``."""
+    allowed = {"weights", "pos_weight", "cldice_iterations", "clip_distance", "ds_weights"}
+    unknown = sorted(set(cfg) - allowed)
+    if unknown:
+        raise CtsegError(f"loss config: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    if "weights" not in cfg:
+        raise CtsegError("loss config: 'weights' is required")
+    _check_weights(cfg["weights"])
+    return dict(cfg)

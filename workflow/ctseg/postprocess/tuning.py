@@ -1,0 +1,721 @@
+"""Post-processing chosen by the competition score on the val split's probabilities.
+
+Top solutions of the Vesuvius surface-detection competition gained 0.02 to 0.035 from
+post-processing chosen against the score (docs/metric.md, "What the field found"): the threshold,
+hysteresis (in 3D and along z), removing small components, filling holes, plugging small holes
+slice by slice, patching large holes in sheets, a morphological closing. `tune_postprocess`
+searches these settings (`ctseg.postprocess.masks.PostprocessSettings`) on probability stores
+already written by `ctseg infer` (the model is not run again) against their labels, scoring every
+candidate with the exact competition score (`ctseg.evaluation.metrics`, Betti matching by default),
+and writes
+
+* ``tuned.json``: the chosen settings, their mean score, the default's (threshold 0.5 and
+  nothing else) and the gain over it, the search space and its size;
+* ``candidates.csv``: one row per candidate scored: the stage, the settings, the mean score and
+  its three terms, and each volume's score.
+
+The search is a bounded coordinate search, one setting at a time, each stage starting from the
+best so far (`dataclasses.replace` of it, so a stage keeps every setting chosen before it; a full
+grid over eight settings would cost thousands of exact scores per volume):
+
+1. ``threshold``: every threshold of the grid (0.5 always among them);
+2. ``refine``: the best threshold +- ``refine_step``;
+3. ``hysteresis``: with the best threshold t, for each offset d the pairs (low t, high t + d),
+   which drop weak blobs that never reach t + d, and (low t - d, high t), which keep weak
+   voxels attached to surface above t; then each fixed pair of ``hysteresis_pairs`` (the 8th
+   place's 0.5/0.9). Every pair in each mode of ``hysteresis_modes``, all 3D ones first: ``z``
+   keeps a weak voxel only when its own z-slice connects it to a confident one
+   (`ctseg.postprocess.masks.hysteresis_z`);
+4. ``min_component``: each minimum component size with the best binarisation;
+5. ``fill_holes``: 3D cavity filling on top of the best;
+6. ``plug_holes``: each area of ``plug_holes_max_area``: enclosed holes up to that many voxels
+   filled in every slice along z, y and x (`ctseg.postprocess.masks.plug_holes`);
+7. ``patch_holes``: each area of ``patch_holes_max_area`` above the chosen plug area: larger
+   holes filled where they lie inside a sheet (`ctseg.postprocess.masks.patch_holes`);
+8. ``closing``: each radius of ``closing_radii`` (`ctseg.postprocess.masks.close`, a cube of side 2r
++ 1).
+
+The order of 4 to 8 is the 1st place's (small components, plug, large holes, closing). At most
+``max_candidates`` candidates (`SearchSpace.stage_bounds` per stage: 9 + 2 + 10 + 4 + 1 + 2 + 2
++ 2 = 32 with the defaults; 20 with stages 6 to 8, the fixed pairs and the z mode off, the
+search before they existed, which it then repeats candidate for candidate) are scored on each
+volume; the log, tuned.json (``search``) and candidates.csv (``max_candidates``) say that bound.
+A candidate already scored in an earlier stage is not scored again. A candidate replaces the
+best only when it scores strictly higher, so ties keep the simpler settings found first. The
+search is greedy: a new kind of candidate that wins a stage (hysteresis along z) changes the
+base of every later stage, so it can end below the search without that kind, on the very
+volumes it tunes on; where none wins, the later stages are those of the search without it.
+
+Candidates that cannot win are pruned, not scored: the exact TopoScore (Betti matching) is most
+of a score's cost, and most of all on the noisy masks of low thresholds. Every candidate first
+gets an upper bound of its score: its exact SurfaceDice and VOI, and TopoScore with each
+dimension's matched count m_k replaced by min(p_k, g_k) (the feature counts alone, no matching;
+the score rises with every m_k). The candidate of highest bound is scored exactly first, then
+every other whose bound is not below the best mean known by then; a pruned candidate's exact
+mean is at most its bound, so it could not have been chosen, and the search chooses exactly
+what scoring every candidate would. candidates.csv keeps pruned candidates with their bound
+(``score_bound``, ``pruned``) and no score; the default (threshold 0.5) is always scored.
+
+Each stage's candidates of one volume are scored together, by one process: the label's side of
+the score (`ctseg.evaluation.metrics.LabelSide`: its ignore mask, surfel borders, components and
+tiles'
+feature counts) is computed once per volume and reused by every candidate, as are the tiles
+and whole masks that a candidate shares bit for bit with one already scored; the diagnostics
+Dice and clDice are not computed. ``workers`` is the number of cores: a process per volume up to
+that many (spawned, like `ctseg evaluate`), the cores left over as threads inside each
+(`ctseg.evaluation.metrics.plan_workers`; a process needs about `metrics.WORKER_MEMORY_GB` at
+320^3). The score is the same function either way, so a parallel search gives the same result as a
+serial one.
+
+A val split with no labelled foreground, or less than ``MIN_FOREGROUND_VOXELS`` surface voxels
+in all, is not searched: the score of near-empty labels is decided by the empty cases of its
+terms (a prediction of nothing scores SurfaceDice 0 or 1), so a search there fits noise (on
+such a split it once chose threshold 0.1 with hole filling: 99.5% foreground). tuned.json then
+keeps the default settings and says why (``tuned: false``, ``reason``), and so do the log and
+the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from ctseg.evaluation.metrics import (
+    TOPO_METHODS,
+    LabelSide,
+    TopoMethod,
+    competition_terms,
+    overlap_terms,
+    plan_workers,
+    read_label,
+    topo_counts,
+    with_topology,
+)
+from ctseg.io import CtsegError, atomic_path, check_id
+from ctseg.postprocess.masks import (
+    CLOSING_RADII,
+    HYSTERESIS_MODES,
+    PostprocessSettings,
+    binary_mask,
+    settings_from_mapping,
+)
+
+DEFAULT_SETTINGS = PostprocessSettings()
+TUNED_JSON = "tuned.json"
+CANDIDATES_CSV = "candidates.csv"
+STAGES = (
+    "threshold",
+    "refine",
+    "hysteresis",
+    "min_component",
+    "fill_holes",
+    "plug_holes",
+    "patch_holes",
+    "closing",
+)
+SCORE_TERMS = ("score", "surface_dice", "voi_score", "topo_score")
+# Fewer labelled surface voxels than this over the whole val split (a 2-voxel sheet of about
+# 22 x 22 voxels) and the search is not run: see the module docstring.
+MIN_FOREGROUND_VOXELS = 1000
+# A candidate is pruned only when its bound is below the best exact mean by more than this: the
+# bound is computed by the same arithmetic as the score, so it is never below it, and the margin
+# keeps the proof free of any assumption about rounding.
+PRUNE_MARGIN = 1e-9
+BOUND_METHOD = "betti_counts"
+# The winners' stages off (the fixed hysteresis pair, hysteresis along z, plugging, patching,
+# closing): the 20-candidate search as it was before them, `SearchSpace(**WINNERS_STAGES_OFF)`.
+WINNERS_STAGES_OFF: dict[str, tuple] = {
+    "hysteresis_pairs": (),
+    "hysteresis_modes": ("3d",),
+    "plug_holes_max_area": (),
+    "patch_holes_max_area": (),
+    "closing_radii": (),
+}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    thresholds: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    refine_step: float = 0.05
+    hysteresis_offsets: tuple[float, ...] = (0.1, 0.2)
+    min_component_voxels: tuple[int, ...] = (16, 64, 256, 1024)
+    fill_holes: bool = True
+    hysteresis_modes: tuple[str, ...] = HYSTERESIS_MODES
+    hysteresis_pairs: tuple[tuple[float, float], ...] = ((0.5, 0.9),)  # the 8th place's
+    plug_holes_max_area: tuple[int, ...] = (16, 64)
+    patch_holes_max_area: tuple[int, ...] = (256, 1024)
+    closing_radii: tuple[int, ...] = (1, 2)
+
+    def __post_init__(self) -> None:
+        if not self.thresholds or any(not 0 < t < 1 for t in self.thresholds):
+            raise CtsegError(f"thresholds {list(self.thresholds)}: expected values in (0, 1)")
+        if not 0 <= self.refine_step < 1:
+            raise CtsegError(f"refine_step={self.refine_step!r}: expected 0 <= step < 1")
+        if any(not 0 < d < 1 for d in self.hysteresis_offsets):
+            raise CtsegError(
+                f"hysteresis_offsets {list(self.hysteresis_offsets)}: expected values in (0, 1)"
+            )
+        if any(isinstance(n, bool) or int(n) != n or n < 1 for n in self.min_component_voxels):
+            raise CtsegError(
+                f"min_component_voxels {list(self.min_component_voxels)}: expected integers "
+                ">= 1 (keeping every component is always a candidate)"
+            )
+        if not self.hysteresis_modes or any(
+            m not in HYSTERESIS_MODES for m in self.hysteresis_modes
+        ):
+            raise CtsegError(
+                f"hysteresis_modes {list(self.hysteresis_modes)}: expected one or more of "
+                f"{list(HYSTERESIS_MODES)}"
+            )
+        for pair in self.hysteresis_pairs:
+            if len(pair) != 2 or not 0 < pair[0] < pair[1] < 1:
+                raise CtsegError(
+                    f"hysteresis_pairs {[list(p) for p in self.hysteresis_pairs]}: expected "
+                    "[low, high] pairs with 0 < low < high < 1"
+                )
+        for name in ("plug_holes_max_area", "patch_holes_max_area"):
+            areas = getattr(self, name)
+            if any(isinstance(a, bool) or int(a) != a or a < 1 for a in areas):
+                raise CtsegError(
+                    f"{name} {list(areas)}: expected integers >= 1 (none: the stage is off)"
+                )
+        if any(isinstance(r, bool) or r not in CLOSING_RADII[1:] for r in self.closing_radii):
+            raise CtsegError(
+                f"closing_radii {list(self.closing_radii)}: expected values among "
+                f"{list(CLOSING_RADII[1:])} (none: no closing)"
+            )
+
+    def grid(self) -> list[float]:
+        """The stage-1 thresholds: the grid plus the default 0.5, sorted, without repeats."""
+        return sorted({_round(t) for t in (*self.thresholds, DEFAULT_SETTINGS.threshold)})
+
+    def pairs(self) -> list[tuple[float, float]]:
+        """The fixed hysteresis pairs, rounded, without repeats, in the order given."""
+        return list(dict.fromkeys((_round(lo), _round(hi)) for lo, hi in self.hysteresis_pairs))
+
+    def modes(self) -> list[str]:
+        """The hysteresis modes, 3D first (ties then keep the plain 3D hysteresis)."""
+        return [m for m in HYSTERESIS_MODES if m in self.hysteresis_modes]
+
+    def stage_bounds(self) -> dict[str, int]:
+        """Each stage's candidates per volume at most (fewer when values leave (0, 1), repeat
+        or were scored in an earlier stage)."""
+        return {
+            "threshold": len(self.grid()),
+            "refine": 2 if self.refine_step > 0 else 0,
+            "hysteresis": (2 * len(self.hysteresis_offsets) + len(self.pairs()))
+            * len(self.modes()),
+            "min_component": len(set(self.min_component_voxels)),
+            "fill_holes": 1 if self.fill_holes else 0,
+            "plug_holes": len(set(self.plug_holes_max_area)),
+            "patch_holes": len(set(self.patch_holes_max_area)),
+            "closing": len(set(self.closing_radii)),
+        }
+
+    def max_candidates(self) -> int:
+        """Candidates scored per volume at most: the sum of `stage_bounds`."""
+        return sum(self.stage_bounds().values())
+
+    def describe(self) -> str:
+        """The bound as the log says it: `at most 32 candidates per volume (threshold 9 + ...)`."""
+        parts = " + ".join(f"{k} {n}" for k, n in self.stage_bounds().items() if n)
+        return f"at most {self.max_candidates()} candidates per volume ({parts})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "thresholds": self.grid(),
+            "refine_step": self.refine_step,
+            "hysteresis_offsets": list(self.hysteresis_offsets),
+            "min_component_voxels": sorted(set(self.min_component_voxels)),
+            "fill_holes": self.fill_holes,
+            "hysteresis_modes": self.modes(),
+            "hysteresis_pairs": [list(p) for p in self.pairs()],
+            "plug_holes_max_area": sorted(set(self.plug_holes_max_area)),
+            "patch_holes_max_area": sorted(set(self.patch_holes_max_area)),
+            "closing_radii": sorted(set(self.closing_radii)),
+            "stage_bounds": self.stage_bounds(),
+            "max_candidates": self.max_candidates(),
+        }
+
+
+@dataclass(frozen=True)
+class Volume:
+    id: str
+    probabilities: Path
+    label: Path
+
+
+@dataclass
+class Candidate:
+    stage: str
+    settings: PostprocessSettings
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # volume id -> terms
+    # volume id -> terms with TopoScore's upper bound (m_k = min(p_k, g_k)): what the search
+    # knows of a candidate before, or instead of, its exact score
+    bounds: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def mean(self, term: str = "score") -> float:
+        """The mean over the volumes of the exact term; NaN for a pruned candidate."""
+        if not self.scores:
+            return math.nan
+        return float(np.mean([s[term] for s in self.scores.values()]))
+
+    def bound(self) -> float:
+        """The mean score's upper bound (each volume's score with TopoScore's bound)."""
+        return float(np.mean([s["score"] for s in self.bounds.values()]))
+
+    @property
+    def pruned(self) -> bool:
+        """Not scored exactly: its bound was below a score the search already had."""
+        return not self.scores
+
+
+def _round(x: float) -> float:
+    """Grid values without float noise (0.1 + 0.2 is not 0.3)."""
+    return round(float(x), 4)
+
+
+# ----------------------------------------------------------------------------- scoring
+def competition_score(
+    pred: np.ndarray, gt: np.ndarray, topo_method: TopoMethod = "betti_matching"
+) -> dict[str, float]:
+    """The competition score of one volume and its three terms, as
+    `ctseg.evaluation.metrics.score_volume` computes them (its functions), without the diagnostics
+    Dice and clDice that the search does
+    not need (clDice's skeletons cost more than the score's other terms)."""
+    label = LabelSide.of(np.asarray(gt))
+    result = competition_terms(label.prepare(pred), label, topo_method=topo_method)
+    return {term: result[term] for term in SCORE_TERMS}
+
+
+@functools.lru_cache(maxsize=1)
+def _probabilities(path: str) -> np.ndarray:
+    from ctseg.store import open_volume
+
+    try:
+        arr = open_volume(path)
+    except Exception as exc:
+        raise CtsegError(f"{path}: cannot open the probability store: {exc}") from exc
+    if arr.ndim != 3:
+        raise CtsegError(f"{path}: expected a 3D probability volume, got shape {arr.shape}")
+    return np.asarray(arr[...])
+
+
+@dataclass
+class _LabelState:
+    """A val volume's label side and what its candidates share: the tiles' counts, each
+    candidate's mask (bit-packed, with its digest) and each mask's SurfaceDice and VOI."""
+
+    side: LabelSide
+    tiles: dict = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)  # settings -> (digest, packed bits)
+    overlap: dict = field(default_factory=dict)  # digest -> overlap_terms
+
+    def mask_of(self, probs: np.ndarray, settings: dict[str, Any]) -> tuple[bytes, np.ndarray]:
+        """The candidate's prepared mask and its digest (built once per candidate: the exact
+        pass comes after the bound pass)."""
+        from ctseg.evaluation.metrics import _digest
+
+        key = tuple(sorted(settings.items()))
+        if key in self.masks:
+            digest, packed = self.masks[key]
+            shape = self.side.gt.shape
+            return digest, np.unpackbits(packed, count=int(np.prod(shape))).view(bool).reshape(
+                shape
+            )
+        mask, _ = binary_mask(probs, PostprocessSettings(**settings))
+        pred_bin = self.side.prepare(mask)
+        digest = _digest(pred_bin)
+        self.masks[key] = (digest, np.packbits(pred_bin))
+        return digest, pred_bin
+
+
+@functools.lru_cache(maxsize=1)
+def _label_state(path: str, threads: int) -> _LabelState:
+    # The same reader (and checks) as evaluate's; kept while this volume's candidates are scored.
+    return _LabelState(LabelSide.of(read_label(Path(path)), threads))
+
+
+def _score_volume_job(
+    job: tuple[str, str, list[dict[str, Any]], str, int, bool],
+) -> list[dict[str, float]]:
+    """One volume's terms for a list of candidates: with `exact`, the exact score; else the
+    score with TopoScore's upper bound (`BOUND_METHOD`: no Betti matching). Module-level so a
+    process pool can pickle it. Candidates whose masks (after the ignore step) are equal share
+    their SurfaceDice and VOI, and tiles equal bit for bit share their counts."""
+    probs_path, label_path, settings_list, topo_method, threads, exact = job
+    probs = _probabilities(probs_path)
+    state = _label_state(label_path, threads)
+    if probs.shape != state.side.gt.shape:
+        raise CtsegError(
+            f"shape mismatch: probabilities {probs_path} have shape {probs.shape}, "
+            f"label {label_path} has shape {state.side.gt.shape}"
+        )
+    method = topo_method if exact else BOUND_METHOD
+    results = []
+    for settings in settings_list:
+        digest, pred_bin = state.mask_of(probs, settings)
+        if digest not in state.overlap:
+            state.overlap[digest] = overlap_terms(pred_bin, state.side, threads=threads)
+        counts, used = topo_counts(
+            pred_bin,
+            state.side.gt,
+            method,  # type: ignore[arg-type]
+            label_tiles=state.side.tiles,
+            threads=threads,
+            tile_cache=state.tiles,
+        )
+        terms = with_topology(state.overlap[digest], counts, used)
+        results.append({term: terms[term] for term in SCORE_TERMS})
+    return results
+
+
+def _pool_init(threads: int) -> None:
+    """A scoring process keeps to its share of the cores (numba's pool would take them all)."""
+    import numba
+
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+
+
+class _Scorer:
+    """Scores candidates on every volume, in-process or in a pool, with one progress bar."""
+
+    def __init__(
+        self, volumes: Sequence[Volume], workers: int, topo_method: str, total: int
+    ) -> None:
+        self.volumes = list(volumes)
+        self.topo_method = topo_method
+        processes, self.threads = plan_workers(workers, len(self.volumes))
+        self.pool = (
+            ProcessPoolExecutor(
+                processes,
+                mp_context=get_context("spawn"),
+                initializer=_pool_init,
+                initargs=(self.threads,),
+            )
+            if processes > 1
+            else None
+        )
+        self.bar = tqdm(total=total * len(self.volumes), desc="tune-postprocess", unit="score")
+
+    def score(self, candidates: Sequence[Candidate], exact: bool) -> None:
+        """Each candidate's terms on every volume: exact (`Candidate.scores`) or with
+        TopoScore's bound (`Candidate.bounds`)."""
+        if not candidates:
+            return
+        settings = [c.settings.as_dict() for c in candidates]
+        jobs = [
+            (str(v.probabilities), str(v.label), settings, self.topo_method, self.threads, exact)
+            for v in self.volumes
+        ]
+        mapped = (
+            self.pool.map(_score_volume_job, jobs) if self.pool else map(_score_volume_job, jobs)
+        )
+        for v, results in zip(self.volumes, mapped, strict=True):
+            for c, result in zip(candidates, results, strict=True):
+                (c.scores if exact else c.bounds)[v.id] = result
+            if exact:
+                self.bar.update(len(candidates))
+
+    def score_stage(self, fresh: Sequence[Candidate], best: float) -> None:
+        """Score a stage's candidates exactly where they could win; prune the rest.
+
+        Every candidate first gets its bound (SurfaceDice, VOI, and TopoScore with m_k =
+        min(p_k, g_k), which needs no Betti matching). The candidate of highest bound is then
+        scored exactly, and after it every candidate whose bound is not below the best exact
+        mean known (`best`, the search's best so far, or this stage's first). A pruned
+        candidate's exact mean is at most its bound, so below a mean the stage has: the
+        search chooses what it would have chosen by scoring every candidate. The default
+        settings are always scored (tuned.json reports the gain over them)."""
+        self.score(fresh, exact=False)
+        if self.topo_method == BOUND_METHOD:  # the bound is the score itself
+            for c in fresh:
+                c.scores = dict(c.bounds)
+            self.bar.update(len(fresh) * len(self.volumes))
+            return
+        # The highest bound first, with the default: their exact scores set the bar. The rest
+        # that could still beat it are then scored together, one job per volume (a worker
+        # reads a volume's label side once per job, so one job per candidate would read it
+        # again and again on a real val split).
+        ranked = sorted(fresh, key=Candidate.bound, reverse=True)  # stable: ties in order
+        first = [c for c in fresh if c.settings == DEFAULT_SETTINGS or c is ranked[0]]
+        self.score(first, exact=True)
+        known = max([best, *(c.mean() for c in first)])
+        rest = [c for c in ranked if c.pruned and c.bound() >= known - PRUNE_MARGIN]
+        self.score(rest, exact=True)
+        self.bar.update(sum(c.pruned for c in fresh) * len(self.volumes))  # decided by bound
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+# ----------------------------------------------------------------------------- search
+def _stage_candidates(
+    stage: str, best: PostprocessSettings, space: SearchSpace
+) -> list[PostprocessSettings]:
+    """A stage's candidates, each the best so far with that stage's setting changed (replace,
+    never a constructor call by position: a later stage must keep what an earlier one chose)."""
+    return list(dict.fromkeys(_stage_settings(stage, best, space)))
+
+
+def _stage_settings(
+    stage: str, best: PostprocessSettings, space: SearchSpace
+) -> list[PostprocessSettings]:
+    replace = dataclasses.replace
+    t = best.threshold
+    if stage == "refine":
+        step = space.refine_step
+        return [
+            replace(best, threshold=_round(x))
+            for x in (t - step, t + step)
+            if step > 0 and 0 < x < 1
+        ]
+    if stage == "hysteresis":
+        pairs = []
+        for d in space.hysteresis_offsets:
+            pairs += [(t, t + d), (t - d, t)]
+        pairs += space.pairs()
+        return [
+            replace(best, threshold=_round(low), hysteresis_high=_round(high), hysteresis_mode=m)
+            for m in space.modes()
+            for low, high in pairs
+            if 0 < low < high < 1
+        ]
+    if stage == "min_component":
+        return [
+            replace(best, min_component_voxels=int(n))
+            for n in sorted(set(space.min_component_voxels))
+        ]
+    if stage == "fill_holes":
+        if not space.fill_holes or best.fill_holes:
+            return []
+        return [replace(best, fill_holes=True)]
+    if stage == "plug_holes":
+        return [
+            replace(best, plug_holes_max_area=int(a))
+            for a in sorted(set(space.plug_holes_max_area))
+        ]
+    if stage == "patch_holes":
+        # Holes up to the plug area are already filled: patching up to it would change nothing.
+        return [
+            replace(best, patch_holes_max_area=int(a))
+            for a in sorted(set(space.patch_holes_max_area))
+            if a > best.plug_holes_max_area
+        ]
+    if stage == "closing":
+        return [replace(best, closing_radius=int(r)) for r in sorted(set(space.closing_radii))]
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def search(
+    volumes: Sequence[Volume],
+    space: SearchSpace = SearchSpace(),
+    *,
+    workers: int = 1,
+    topo_method: TopoMethod = "betti_matching",
+) -> tuple[Candidate, list[Candidate]]:
+    """The best candidate (highest mean score over the volumes) and every candidate scored."""
+    if not volumes:
+        raise CtsegError("nothing to tune on: no volume with probabilities and a label")
+    if workers < 1:
+        raise CtsegError(f"workers must be at least 1, got {workers}")
+    if topo_method not in TOPO_METHODS:
+        raise CtsegError(f"unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}")
+    scored: dict[PostprocessSettings, Candidate] = {}
+    bound = space.max_candidates()
+    scorer = _Scorer(volumes, min(workers, bound * len(volumes)), topo_method, bound)
+    try:
+        first = [Candidate("threshold", PostprocessSettings(threshold=t)) for t in space.grid()]
+        scorer.score_stage(first, -math.inf)
+        scored.update((c.settings, c) for c in first)
+        # The first of equals (the simplest); pruned candidates score below the best.
+        best = max((c for c in first if not c.pruned), key=Candidate.mean)
+        for stage in STAGES[1:]:
+            fresh = [
+                Candidate(stage, s)
+                for s in _stage_candidates(stage, best.settings, space)
+                if s not in scored
+            ]
+            scorer.score_stage(fresh, best.mean())
+            scored.update((c.settings, c) for c in fresh)
+            for c in fresh:
+                if not c.pruned and c.mean() > best.mean():
+                    best = c
+    finally:
+        scorer.close()
+        # The in-process path caches volumes by path: a later search must read them afresh.
+        _probabilities.cache_clear()
+        _label_state.cache_clear()
+    return best, list(scored.values())
+
+
+def candidates_table(
+    candidates: Sequence[Candidate], best: Candidate, max_candidates: int | None = None
+) -> pd.DataFrame:
+    """One row per candidate; ``max_candidates`` (the search's bound, on every row) says how
+    many rows the search could have had."""
+    rows = []
+    for i, c in enumerate(candidates):
+        row: dict[str, Any] = {"candidate": i, "stage": c.stage, **c.settings.as_dict()}
+        row["label"] = c.settings.label()
+        row.update({term: c.mean(term) for term in SCORE_TERMS})
+        row["score_bound"] = c.bound() if c.bounds else math.nan
+        row["pruned"] = c.pruned
+        row.update({f"score_{vid}": s["score"] for vid, s in c.scores.items()})
+        row["chosen"] = c is best
+        row["max_candidates"] = max_candidates
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _method(space: SearchSpace) -> str:
+    stages = [k for k, n in space.stage_bounds().items() if n]
+    return "coordinate search: " + ", ".join(stages)
+
+
+def tune_postprocess(
+    volumes: Sequence[Volume],
+    out_dir: Path,
+    space: SearchSpace = SearchSpace(),
+    *,
+    workers: int = 1,
+    topo_method: TopoMethod = "betti_matching",
+) -> dict[str, Any]:
+    """Search, then write ``<out_dir>/tuned.json`` and ``<out_dir>/candidates.csv``
+    (each to a temporary path, renamed when complete); returns what tuned.json holds."""
+    ids = [v.id for v in volumes]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise CtsegError(f"volumes with the same id {duplicates}: their scores would collide")
+    t0 = time.perf_counter()
+    foreground = labelled_foreground(volumes)
+    reason = untunable_reason(foreground)
+    if reason is not None:
+        print(f"tune-postprocess: not tuned, default settings kept: {reason}", file=sys.stderr)
+        summary = {
+            "tuned": False,
+            "reason": reason,
+            "settings": DEFAULT_SETTINGS.as_dict(),
+            "label": DEFAULT_SETTINGS.label(),
+            "score": None,
+            "terms": {},
+            "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": None},
+            "gain_over_default": None,
+            "topo_method": topo_method,
+            "volumes": ids,
+            "foreground_voxels": foreground,
+            "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
+            "candidates": 0,
+            "pruned": 0,
+            "search": {"method": "not run: " + reason, **space.as_dict()},
+            "candidates_csv": CANDIDATES_CSV,
+            "seconds": time.perf_counter() - t0,
+        }
+        _write_outputs(Path(out_dir), summary, pd.DataFrame(columns=_CANDIDATE_COLUMNS))
+        return summary
+    best, candidates = search(volumes, space, workers=workers, topo_method=topo_method)
+    seconds = time.perf_counter() - t0
+    default = next(c for c in candidates if c.settings == DEFAULT_SETTINGS)
+    summary = {
+        "tuned": True,
+        "reason": None,
+        "settings": best.settings.as_dict(),
+        "label": best.settings.label(),
+        "score": best.mean(),
+        "terms": {term: best.mean(term) for term in SCORE_TERMS[1:]},
+        "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": default.mean()},
+        "gain_over_default": best.mean() - default.mean(),
+        "topo_method": topo_method,
+        "volumes": ids,
+        "foreground_voxels": foreground,
+        "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
+        "candidates": len(candidates),
+        "pruned": sum(c.pruned for c in candidates),
+        "search": {"method": _method(space), **space.as_dict()},
+        "candidates_csv": CANDIDATES_CSV,
+        "seconds": seconds,
+    }
+    table = candidates_table(candidates, best, space.max_candidates())
+    _write_outputs(Path(out_dir), summary, table)
+    print(
+        f"tune-postprocess: {len(candidates)} candidates scored of {space.describe()} "
+        f"({summary['pruned']} pruned: their bound was below a score already found); chosen "
+        f"{best.settings.label()} (mean score {best.mean():.4f}, default {default.mean():.4f})",
+        file=sys.stderr,
+    )
+    return summary
+
+
+_CANDIDATE_COLUMNS = ["candidate", "stage", *PostprocessSettings().as_dict(), "label"]
+_CANDIDATE_COLUMNS += [*SCORE_TERMS, "score_bound", "pruned", "chosen", "max_candidates"]
+
+
+def _write_outputs(out_dir: Path, summary: dict[str, Any], table: pd.DataFrame) -> None:
+    text = json.dumps(summary, indent=1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Both written to temporaries first, then renamed one after the other: a failure on the
+    # way leaves the previous pair as it was, never a new table beside an old choice.
+    with (
+        atomic_path(out_dir / CANDIDATES_CSV) as csv_tmp,
+        atomic_path(out_dir / TUNED_JSON) as json_tmp,
+    ):
+        table.to_csv(csv_tmp, index=False)
+        json_tmp.write_text(text)
+
+
+def labelled_foreground(volumes: Sequence[Volume]) -> dict[str, int]:
+    """Surface voxels (label 1) of each volume's label, read with evaluate's checks."""
+    return {v.id: int(np.count_nonzero(read_label(v.label) == 1)) for v in volumes}
+
+
+def untunable_reason(foreground: dict[str, int]) -> str | None:
+    """Why a search on volumes with these foreground counts would fit noise, or None."""
+    total = sum(foreground.values())
+    if total == 0:
+        return f"no labelled foreground (label 1) in the {len(foreground)} val volume(s)"
+    if total < MIN_FOREGROUND_VOXELS:
+        return (
+            f"only {total} labelled foreground voxels (label 1) in the {len(foreground)} val "
+            f"volume(s), fewer than the {MIN_FOREGROUND_VOXELS} needed to tune on"
+        )
+    return None
+
+
+def volumes_from_paths(probabilities: Sequence[Path], labels: Sequence[Path]) -> list[Volume]:
+    """Pair `<id>.zarr` probability stores with their labels (same order), ids from the names."""
+    if len(probabilities) != len(labels):
+        raise CtsegError(f"{len(probabilities)} probability stores but {len(labels)} labels")
+    return [
+        Volume(check_id(Path(p).name.removesuffix(".zarr"), p), Path(p), Path(g))
+        for p, g in zip(probabilities, labels, strict=True)
+    ]
+
+
+def load_tuned(path: Path) -> PostprocessSettings:
+    """The settings tuned.json chose, checked; a bad file is a one-line error naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise CtsegError(f"{path}: tuned settings not found (run ctseg tune-postprocess)") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CtsegError(f"{path}: cannot read the tuned settings: {exc}") from exc
+    if not isinstance(data, dict) or "settings" not in data:
+        raise CtsegError(f'{path}: no "settings" entry (not written by ctseg tune-postprocess?)')
+    return settings_from_mapping(data["settings"], str(path))

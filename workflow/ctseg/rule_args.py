@@ -1,0 +1,153 @@
+"""The command-line options the Snakemake rules pass to `ctseg <step>`, built from the config.
+
+Each serves one rule. They live here rather than in the rule files because `snakemake --lint`
+refuses functions beside rules, and here unit tests reach them (tests/test_rule_args.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Host memory a training job asks the scheduler for: the main process plus each loader
+# worker (a worker holds its prefetched batches and the memmapped patches it touches).
+MAIN_PROCESS_MB = 4000
+WORKER_MB = 1500
+# Host memory of one scoring process at 320^3 (ctseg.evaluation.metrics.WORKER_MEMORY_GB), and
+# the job's own margin.
+SCORING_PROCESS_MB = 2000
+SCORING_MARGIN_MB = 1000
+
+
+def shape_arg(values: Sequence[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+# ----------------------------------------------------------------------------- preprocessing
+def shards_arg(shards: Sequence[int] | None) -> str:
+    return f"--shards {shape_arg(shards)}" if shards else ""
+
+
+def codec_arg(codec: Mapping[str, Any]) -> str:
+    """The codec as `ctseg convert --codec` takes it: NAME,KEY=VALUE,..."""
+    rest = dict(codec)
+    name = rest.pop("name")
+    return ",".join([name, *(f"{k}={v}" for k, v in sorted(rest.items()))])
+
+
+# ----------------------------------------------------------------------------- training
+def fold_arg(fold: int | None) -> str:
+    return f"--fold {fold}" if fold is not None else ""
+
+
+def launcher(gpus: int) -> str:
+    """How a training job starts ctseg: as one process, or as `gpus` DDP processes."""
+    if gpus == 1:
+        return "ctseg"
+    return f"torchrun --standalone --nproc_per_node {gpus} -m ctseg.cli"
+
+
+def phase_threads(gpus: int, workers: int) -> int:
+    """Cores of a training job: per GPU, its process and its loader workers."""
+    return gpus * (max(1, workers) + 1)
+
+
+def phase_mem_mb(gpus: int, workers: int) -> int:
+    return gpus * (MAIN_PROCESS_MB + WORKER_MB * workers)
+
+
+def scratch_args(
+    stage: str, *, manifest_dir: str | None, node_scratch: str, experiment: str, source: str
+) -> str:
+    """--scratch, plus --stage-from when the job stages its own copy (`stage: per_job`; kept
+    unexpanded: $TMPDIR must be the one on the node that runs the job)."""
+    if stage == "per_job":
+        return f"--scratch '{node_scratch}/{experiment}' --stage-from '{source}'"
+    return f"--scratch '{manifest_dir}'"
+
+
+def init_arg(init: Sequence[str]) -> str:
+    return f"--init-from '{init[0]}'" if init else ""
+
+
+# ----------------------------------------------------------------------------- ensembles
+def ensemble_weight_args(
+    tuned: bool, weights_file: str, members: Sequence[str], weights: Sequence[float]
+) -> str:
+    """A tuned ensemble's weights.json and member names, or the weights themselves."""
+    if tuned:
+        return f"--weights-file '{weights_file}' --names {' '.join(members)}"
+    return "--weights " + " ".join(str(w) for w in weights)
+
+
+def ensemble_member_args(probabilities: Mapping[str, Sequence[str]]) -> str:
+    """`--member NAME ZARR...` per member, as ctseg tune-ensemble takes them."""
+    return " ".join(
+        f"--member {member} " + " ".join(f"'{p}'" for p in paths)
+        for member, paths in probabilities.items()
+    )
+
+
+# ----------------------------------------------------------------------------- evaluation
+def provenance_args(provenance: Mapping[str, str]) -> str:
+    return " ".join(f"--provenance {k}={v}" for k, v in provenance.items())
+
+
+def scoring_mem_mb(threads: int, volumes: int) -> int:
+    """Host memory of a scoring job: one process per volume, up to its threads."""
+    return SCORING_MARGIN_MB + SCORING_PROCESS_MB * max(1, min(threads, volumes))
+
+
+def tune_args(tune: Mapping[str, Any]) -> str:
+    """The search space of `ctseg tune-postprocess`, from config infer.tune."""
+
+    def values(option: str, items: Sequence[Any]) -> str:
+        return " ".join([option, *(str(v) for v in items)])
+
+    options = [
+        values("--thresholds", tune["thresholds"]),
+        f"--refine-step {tune['refine_step']}",
+        values("--hysteresis-offsets", tune["hysteresis_offsets"]),
+        values("--min-component-voxels", tune["min_component_voxels"]),
+        "" if tune["fill_holes"] else "--no-fill-holes",
+        values("--hysteresis-pairs", [f"{lo},{hi}" for lo, hi in tune["hysteresis_pairs"]]),
+        values("--hysteresis-modes", tune["hysteresis_modes"]),
+        values("--plug-holes-max-area", tune["plug_holes_max_area"]),
+        values("--patch-holes-max-area", tune["patch_holes_max_area"]),
+        values("--closing-radii", tune["closing_radii"]),
+    ]
+    return " ".join(o for o in options if o)
+
+
+def postprocess_args(infer: Mapping[str, Any], settings: str | None) -> str:
+    """`ctseg postprocess` options: the tuned file, or the fixed values of config infer."""
+    if infer["postprocess"] == "tuned":
+        return f"--settings '{settings}'"
+    high = infer["hysteresis_high"]
+    options = [
+        f"--threshold {infer['threshold']}",
+        f"--hysteresis-high {high}" if high is not None else "",
+        f"--min-component-voxels {infer['min_component_voxels']}",
+        "--fill-holes" if infer["fill_holes"] else "",
+        # The later steps only when on: an unchanged config gives the unchanged command line.
+        (
+            f"--hysteresis-mode {infer['hysteresis_mode']}"
+            if infer["hysteresis_mode"] != "3d"
+            else ""
+        ),
+        *[
+            f"--{key.replace('_', '-')} {infer[key]}"
+            for key in ("plug_holes_max_area", "patch_holes_max_area", "closing_radius")
+            if infer[key]
+        ],
+    ]
+    return " ".join(o for o in options if o)
+
+
+# ----------------------------------------------------------------------------- report
+def overlay_args(ids: Sequence[str], image_store: str, label_store: str) -> str:
+    """--overlay ID IMAGE LABEL for each volume (`image_store`, `label_store`: patterns with
+    {id}); each run's prediction is results/<run>/predictions/<id>.tif."""
+    return " ".join(
+        f"--overlay {i} '{image_store.format(id=i)}' '{label_store.format(id=i)}'" for i in ids
+    )

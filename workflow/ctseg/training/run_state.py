@@ -1,0 +1,149 @@
+"""What a training run holds, where it stands, and what its checkpoints keep of it.
+
+`ctseg.training.train.setup` builds a `Run` once; the loop moves its step, epoch and sample index on
+and collects its log rows. `Run.resume` picks up this run's checkpoint where there is one
+(`ctseg.training.checkpoint.resume_state` decides which). A resume checkpoint
+(`Run.checkpoint_state`) is everything a rerun needs to go on bit for bit: the model,
+optimizer, scheduler, grad scaler and EMA states, the RNG states, the position in the sample
+stream and the current epoch's log rows; `Run.restore` puts them back. The final weights
+(`Run.final_state`) are what inference and a fine-tune read: the EMA's weights where the run
+keeps one (`ctseg.training.ema`), else the trained ones, with the model settings and patch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ctseg.io import check_free_space
+from ctseg.network.flops import Efficiency
+from ctseg.network.model import portable_state_dict
+from ctseg.training.checkpoint import (
+    checkpoint_bytes,
+    identity_digest,
+    restore,
+    resume_state,
+    rng_state,
+    trim_logs,
+)
+from ctseg.training.distributed import Ranks
+from ctseg.training.ema import WeightAverage
+from ctseg.training.probes import GpuMonitor
+from ctseg.training.stopping import Stopping
+
+
+@dataclass
+class Run:
+    """What `setup` builds once, and where the run stands: step, epoch, unwritten log rows."""
+
+    exp: Mapping[str, Any]
+    phase: Mapping[str, Any]
+    ranks: Ranks
+    dev: torch.device
+    model: torch.nn.Module  # the plain module: checkpoints, digests, the EMA's updates
+    step_model: Callable[[torch.Tensor], Any]  # what the step calls: DDP and/or compiled
+    skip_sync: Callable[[], contextlib.AbstractContextManager]  # DDP's no_sync, or nothing
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    ema: WeightAverage | None  # train.ema; None: off
+    losses_cfg: dict[str, Any]
+    autocast_dtype: torch.dtype | None
+    memory_format: torch.memory_format
+    micro_steps: int  # this process's micro-batches per optimizer step
+    effective_batch: int  # samples per optimizer step, all processes together
+    epoch_steps: int
+    total_steps: int
+    trial: bool  # max_steps given: a phase trial, without validation or checkpoints
+    identity: dict[str, Any]  # see ctseg.training.checkpoint.run_identity
+    out_dir: Path
+    log_dir: Path  # state_dir where there is one (see ctseg.training.train.open_logs)
+    resume_path: Path | None
+    gpu: GpuMonitor
+    efficiency: Efficiency  # counted FLOPs per sample and the device's peak: steps.csv's MFU
+    stopping: Stopping  # stop requests and the checkpoint timer (ctseg.training.stopping)
+    log_every: int = 1  # steps between appends of steps.csv
+    step: int = 0
+    epoch: int = 0
+    sample_index: int = 0  # the next sample of the stream this run's feed takes
+    steps_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
+    epoch_rows: list[dict[str, Any]] = field(default_factory=list)  # this epoch's, for its row
+    epochs_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
+    peak_rss_mb: float = 0.0
+
+    @property
+    def weights(self) -> torch.nn.Module:
+        """The weights the run is for: validated, and saved as its final weights (the EMA's
+        where there is one)."""
+        return self.ema.averaged if self.ema is not None else self.model
+
+    def parts(self) -> dict[str, Any]:
+        """What a resume checkpoint keeps the state of, by its entry's name."""
+        parts = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        return {**parts, "scaler": self.scaler, **({"ema": self.ema} if self.ema else {})}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """A resume checkpoint's contents."""
+        return {
+            **{name: part.state_dict() for name, part in self.parts().items()},
+            "model": portable_state_dict(self.model),  # plain strides: see the function
+            "rng": rng_state(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "sample_index": self.sample_index,
+            "epoch_rows": self.epoch_rows,
+            "world_size": self.ranks.world,
+            "fingerprint": identity_digest(self.identity),
+            "identity": self.identity,
+        }
+
+    def resume(self) -> dict[str, Any]:
+        """Every rank loads this run's checkpoint (rank 0 wrote it) and goes on from its state;
+        returns what happened (`ctseg.training.checkpoint.resume_state`)."""
+        if self.resume_path is None:
+            if self.ranks.main:  # a trial's logs in out_dir are its own: start them afresh
+                trim_logs(self.log_dir, 0)
+            return {"resume": "fresh"}
+        state, resumed = resume_state(self.resume_path.parent, self.identity, self.ranks)
+        if state is not None:
+            self.restore(state)
+            if self.ranks.main:
+                where = f"step {self.step} (epoch {self.epoch}) from {self.resume_path}"
+                print(f"resumed at {where}", file=sys.stderr)
+        return resumed
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Go on from a resume checkpoint of this run (`checkpoint_state`)."""
+        restore(state, self.parts())
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.sample_index = int(state["sample_index"])  # where the interrupted run's loader was
+        self.stopping.saved(self.step)
+        # A mid-epoch checkpoint carries the epoch's rows so far: its epochs.csv row needs them.
+        self.epoch_rows = [dict(r) for r in state.get("epoch_rows", [])]
+
+    def check_checkpoint_space(self) -> None:
+        """Before an epoch's first step (and a resumed run's first): the checkpoint at its end
+        must fit, or the epoch would be trained only to be lost."""
+        if self.ranks.main and self.resume_path is not None:
+            copies = [self.ema.averaged] if self.ema is not None else []
+            needed = checkpoint_bytes(self.model, self.optimizer, *copies)
+            check_free_space(
+                self.resume_path.parent, needed, f"save the checkpoint of epoch {self.epoch}"
+            )
+
+    def final_state(self) -> dict[str, Any]:
+        """The final weights file's contents (last.pt: see `ctseg.inference.infer.load_model`)."""
+        return {
+            "model": portable_state_dict(self.weights),
+            "weights": "ema" if self.ema is not None else "trained",
+            "model_config": dict(self.exp["model"]),
+            "patch_size": list(self.exp["data"]["patch_size"]),
+            "fingerprint": identity_digest(self.identity),
+            "step": self.step,
+        }
