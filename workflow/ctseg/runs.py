@@ -130,7 +130,12 @@ class Runs:
         combined = alternatives(
             [f"{n}{CV_SUFFIX}" for n in self.experiment_names] + self.ensemble_names
         )
-        return {"base": base, "trained": trained, "combined": combined, "any": f"{trained}|{combined}"}
+        return {
+            "base": base,
+            "trained": trained,
+            "combined": combined,
+            "any": f"{trained}|{combined}",
+        }
 
     # ------------------------------------------------------------------------- experiments
     def experiment_file(self, run: str) -> str:
@@ -393,9 +398,7 @@ class Runs:
                 "it has no labelled test split and no val split: set split.test_fraction, "
                 "split.val_fraction above 0, or list split.test_ids / split.val_ids"
             )
-        raise CtsegError(
-            f"dataset {self.dataset!r}, run {run!r}: no record to evaluate: {why}"
-        )
+        raise CtsegError(f"dataset {self.dataset!r}, run {run!r}: no record to evaluate: {why}")
 
     def check_tunable(self, run: str) -> None:
         """infer.postprocess: tuned needs held-out volumes to tune on."""
