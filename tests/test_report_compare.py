@@ -431,34 +431,6 @@ def test_bad_runs_are_errors_naming_the_file(tmp_path):
     )
 
 
-def test_the_old_single_run_options_still_work(tmp_path):
-    """`--experiment` with the run's directories: one run, the page as before."""
-    results = make_runs(tmp_path)["results"]
-    out = tmp_path / "old.html"
-    exp = results / "exp001"
-    code = main(
-        [
-            "report",
-            "--out",
-            str(out),
-            "--experiment",
-            "exp001",
-            "--evaluation-dir",
-            str(exp / "evaluation"),
-            "--overlay",
-            "v1",
-            str(tmp_path / "results/preprocessed/demo/zarr/images/v1.zarr"),
-            str(tmp_path / "results/preprocessed/demo/zarr/labels/v1.zarr"),
-            str(exp / "predictions/v1.tif"),
-        ]
-    )
-    assert code == 0
-    page = out.read_text()
-    assert "Experiment <b>exp001</b>" in page and 'id="comparison"' not in page
-    assert "Training logs: no input given" in page and 'id="provenance"' in page
-    assert "of split <b>test</b>" in page
-
-
 def test_gpu_rules_are_the_workflows_gpu_jobs():
     """GPU-hours count the benchmark folders of exactly the rules that request a GPU."""
     found = set()

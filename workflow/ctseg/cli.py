@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 
 from ctseg.io import CtsegError
 
+# `ArgumentParser.add_subparsers().add_parser`: each subcommand's builder adds itself with it.
+AddParser = Callable[..., argparse.ArgumentParser]
+
 if TYPE_CHECKING:
     from ctseg.training.distributed import Ranks
 
@@ -380,8 +383,8 @@ def cmd_model_summary(args: argparse.Namespace) -> None:
     print(model_summary(exp["model"], patch, batch=args.batch))  # type: ignore[index]
 
 
-def _model_summary_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def _model_summary_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "model-summary",
         help="an experiment's model: parameters per level, activation memory, FLOPs",
     )
@@ -392,45 +395,18 @@ def _model_summary_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from ctseg.report import build_report, build_runs_report
+    from ctseg.report import build_runs_report
 
-    def optional(path: str | None) -> Path | None:
-        return Path(path) if path else None
-
-    items = args.overlay or []
-    for item in items:
-        if len(item) not in (3, 4) or (args.run and len(item) != 3):
-            form = "ID IMAGE LABEL" if args.run else "ID IMAGE LABEL PRED"
-            raise CtsegError(f"--overlay {' '.join(item)}: expected {form}")
-    if args.run:
-        single = ("experiment", "train_dir", "evaluation_dir", "postprocess_dir")
-        given = [f"--{k.replace('_', '-')}" for k in single if getattr(args, k)] + (
-            ["--phases"] if args.phases else []
-        )
-        if given:
-            raise CtsegError(f"--run reads each run's own files; drop {', '.join(given)}")
-        build_runs_report(
-            Path(args.out),
-            [Path(r) for r in args.run],
-            overlays=[(i, Path(image), optional(label)) for i, image, label in items],
-            benchmarks_dir=optional(args.benchmarks_dir),
-        )
-        return
-    if not args.experiment:
-        raise CtsegError("report: give --run results/<run> (repeatable), or --experiment NAME")
-    overlays = [
-        (item[0], Path(item[1]), optional(item[2]), optional(item[3] if len(item) > 3 else None))
-        for item in items
-    ]
-    build_report(
+    for item in args.overlay or []:
+        if len(item) != 3:
+            raise CtsegError(f"--overlay {' '.join(item)}: expected ID IMAGE LABEL")
+    if not args.run:
+        raise CtsegError("report: give --run results/<run> (repeatable)")
+    build_runs_report(
         Path(args.out),
-        experiment=args.experiment,
-        phase_summaries=[Path(p) for p in args.phases],
-        train_dir=optional(args.train_dir),
-        evaluation_dir=optional(args.evaluation_dir),
-        overlays=overlays,
-        benchmarks_dir=optional(args.benchmarks_dir),
-        postprocess_dir=optional(args.postprocess_dir),
+        [Path(r) for r in args.run],
+        overlays=[(i, Path(image), Path(label)) for i, image, label in args.overlay or []],
+        benchmarks_dir=Path(args.benchmarks_dir) if args.benchmarks_dir else None,
     )
 
 
@@ -461,8 +437,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _demo_data_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo-data", help="generate the synthetic dataset in the Kaggle layout")
+def _demo_data_parser(add_parser: AddParser) -> None:
+    p = add_parser("demo-data", help="generate the synthetic dataset in the Kaggle layout")
     p.add_argument("--out", required=True, help="dataset directory, e.g. resources/demo")
     p.add_argument("--n-train", type=int, default=4)
     p.add_argument("--n-test", type=int, default=2)
@@ -478,8 +454,8 @@ def _demo_data_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo_data)
 
 
-def _convert_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="TIFF (multi-page or directory of slices) to Zarr v3")
+def _convert_parser(add_parser: AddParser) -> None:
+    p = add_parser("convert", help="TIFF (multi-page or directory of slices) to Zarr v3")
     p.add_argument("source", help="a 3D .tif/.tiff or a directory of 2D slice TIFFs")
     p.add_argument("dest", help="the .zarr store to write")
     p.add_argument("--kind", choices=["image", "label"], default="image")
@@ -493,8 +469,8 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_convert)
 
 
-def _targets_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("targets", help="precompute training targets from a label store")
+def _targets_parser(add_parser: AddParser) -> None:
+    p = add_parser("targets", help="precompute training targets from a label store")
     p.add_argument("label", help="label .zarr written by `ctseg convert --kind label`")
     p.add_argument("dest", help="the targets .zarr group to write")
     p.add_argument("--clip-distance", type=float, default=8.0)
@@ -512,8 +488,8 @@ def _targets_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_targets)
 
 
-def _split_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("split", help="select the experiment's records and split train/val")
+def _split_parser(add_parser: AddParser) -> None:
+    p = add_parser("split", help="select the experiment's records and split train/val")
     p.add_argument("dataset", help="dataset directory in the Kaggle layout")
     p.add_argument("out", help="split.csv to write (id, scroll_id, split)")
     p.add_argument(
@@ -523,8 +499,8 @@ def _split_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_split)
 
 
-def _stage_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stage", help="copy the experiment's subset to local scratch")
+def _stage_parser(add_parser: AddParser) -> None:
+    p = add_parser("stage", help="copy the experiment's subset to local scratch")
     p.add_argument("source", help="preprocessed store: a local path or an fsspec URL")
     p.add_argument("split_csv", help="split.csv naming the ids to stage")
     p.add_argument("dest", help="scratch directory ($VARS expand)")
@@ -534,16 +510,16 @@ def _stage_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_stage)
 
 
-def _trial_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trial", help="a short measured run of one loader phase")
+def _trial_parser(add_parser: AddParser) -> None:
+    p = add_parser("trial", help="a short measured run of one loader phase")
     _training_args(p)
     p.add_argument("--phase", required=True)
     p.add_argument("--previous", default=None, help="the previous phase's summary.json")
     p.set_defaults(func=cmd_trial)
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train the experiment under a phase (or auto)")
+def _train_parser(add_parser: AddParser) -> None:
+    p = add_parser("train", help="train the experiment under a phase (or auto)")
     _training_args(p)
     p.add_argument("--phase", required=True, help="a phase number or auto")
     p.add_argument("--trials", nargs="*", default=[], help="trial summaries, for auto")
@@ -558,8 +534,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def _infer_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("infer", help="sliding-window inference of one volume")
+def _infer_parser(add_parser: AddParser) -> None:
+    p = add_parser("infer", help="sliding-window inference of one volume")
     p.add_argument("weights", help="last.pt written by ctseg train")
     p.add_argument("image", help="image .zarr written by ctseg convert")
     p.add_argument(
@@ -594,8 +570,8 @@ def _hysteresis_pair(text: str) -> tuple[float, float]:
     return low, high
 
 
-def _tune_postprocess_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def _tune_postprocess_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "tune-postprocess",
         help="choose threshold, hysteresis, small-component removal, hole filling, plugging "
         "and patching, and closing by the competition score on probabilities with labels; "
@@ -669,8 +645,8 @@ def _tune_postprocess_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tune_postprocess)
 
 
-def _postprocess_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("postprocess", help="probabilities to the uint8 mask of the submission")
+def _postprocess_parser(add_parser: AddParser) -> None:
+    p = add_parser("postprocess", help="probabilities to the uint8 mask of the submission")
     p.add_argument("probabilities", help="float16 probability .zarr written by ctseg infer")
     p.add_argument("mask", help="uint8 mask TIFF to write")
     p.add_argument("--settings", default=None, help="tuned.json; overrides the options below")
@@ -687,15 +663,15 @@ def _postprocess_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_postprocess)
 
 
-def _score_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("score", help="every part of the competition score for one pair")
+def _score_parser(add_parser: AddParser) -> None:
+    p = add_parser("score", help="every part of the competition score for one pair")
     p.add_argument("pred", help="predicted mask, multi-page TIFF")
     p.add_argument("gt", help="ground-truth label TIFF (0/1/2)")
     p.set_defaults(func=cmd_score)
 
 
-def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("evaluate", help="score predictions against labels; scores.csv + summary")
+def _evaluate_parser(add_parser: AddParser) -> None:
+    p = add_parser("evaluate", help="score predictions against labels; scores.csv + summary")
     p.add_argument("--predictions", nargs="+", required=True)
     p.add_argument("--labels", nargs="+", required=True, help="in the same order")
     p.add_argument("--out", required=True, help="evaluation directory")
@@ -721,8 +697,8 @@ def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_evaluate)
 
 
-def _report_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="one self-contained HTML report of one or more runs")
+def _report_parser(add_parser: AddParser) -> None:
+    p = add_parser("report", help="one self-contained HTML report of one or more runs")
     p.add_argument("--out", required=True, help="report.html to write")
     p.add_argument(
         "--run",
@@ -730,20 +706,15 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="results/<run>: an experiment, fold or ensemble (repeatable; compared side by side)",
     )
-    p.add_argument("--experiment", default=None, help="one-run form: the experiment's name")
-    p.add_argument("--phases", nargs="*", default=[], help="trial summary.json files")
-    p.add_argument("--train-dir", default=None, help="directory with steps.csv, epochs.csv")
-    p.add_argument("--evaluation-dir", default=None, help="scores.csv and summary.json")
     p.add_argument(
         "--overlay",
         nargs="+",
         action="append",
         metavar="ID IMAGE LABEL",
-        help="a volume to show: image/label .zarr (repeatable); with --run each run's "
-        "predictions/<ID>.tif, in the one-run form a fourth argument: the prediction .tif",
+        help="a volume to show: its image and label .zarr, beside each run's "
+        "predictions/<ID>.tif (repeatable)",
     )
     p.add_argument("--benchmarks-dir", default=None, help="Snakemake benchmark: TSVs")
-    p.add_argument("--postprocess-dir", default=None, help="tuned.json and candidates.csv")
     p.set_defaults(func=cmd_report)
 
 
@@ -779,10 +750,8 @@ def cmd_tune_ensemble(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "grid"}, indent=1))
 
 
-def _ensemble_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "ensemble", help="weighted mean of several runs' probabilities of one volume"
-    )
+def _ensemble_parser(add_parser: AddParser) -> None:
+    p = add_parser("ensemble", help="weighted mean of several runs' probabilities of one volume")
     p.add_argument("--members", nargs="+", required=True, help="<id>.zarr of each member")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--weights", type=float, nargs="+", help="one per member, >= 0")
@@ -795,8 +764,8 @@ def _ensemble_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_ensemble)
 
 
-def _tune_ensemble_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def _tune_ensemble_parser(add_parser: AddParser) -> None:
+    p = add_parser(
         "tune-ensemble",
         help="ensemble weights chosen by the competition score on held-out probabilities",
     )
@@ -840,7 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
         _ensemble_parser,
         _tune_ensemble_parser,
     ):
-        add(sub)
+        add(sub.add_parser)
     return parser
 
 

@@ -19,7 +19,7 @@ results/<run>/, see `runs`) share one page: a comparison table with every run's 
 (`compare`), every run's settings side by side (`settings`), the same slice of each volume for
 every run (`overlays`), then each run's own
 sections (phases, training, evaluation, provenance, post-processing, timings), and the shared
-(preprocessing) timings. `build_report` is the one-run page of the single-run options.
+(preprocessing) timings. `build_report` is one run's page from its files named one by one.
 
 One module per section: `phases`, `training`, `settings`, `scores` (evaluation), `provenance` (which
 volumes a score comes from and whether anything was fitted on them), `postprocess`,
@@ -32,12 +32,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ctseg.formatting import fmt, pct
 from ctseg.io import CtsegError, atomic_path
 from ctseg.report.compare import comparison_section, read_run
 from ctseg.report.markup import Sources, esc
 from ctseg.report.overlays import Overlay, Volume, overlay_section, runs_overlay_section
-from ctseg.report.page import IMAGE_CHECK_SCRIPT, anchor, nest, page, sources_section
+from ctseg.report.page import anchor, nest, page, sources_section
 from ctseg.report.phases import phase_section
 from ctseg.report.postprocess import postprocess_section
 from ctseg.report.provenance import provenance_block, read_provenance
@@ -46,16 +45,6 @@ from ctseg.report.scores import evaluation_section
 from ctseg.report.settings import settings_section
 from ctseg.report.timings import timing_section
 from ctseg.report.training import training_section
-
-__all__ = [
-    "IMAGE_CHECK_SCRIPT",
-    "Overlay",
-    "Volume",
-    "build_report",
-    "build_runs_report",
-    "fmt",
-    "pct",
-]
 
 
 def _write(out_html: Path, html: str) -> None:
