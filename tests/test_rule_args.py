@@ -1,0 +1,86 @@
+"""ctseg.rule_args: the command-line options the rules build from the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ctseg import rule_args
+from ctseg.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shipped_config() -> dict:
+    return load_config(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), "config")
+
+
+def test_preprocessing_options() -> None:
+    assert rule_args.shape_arg([64, 32, 16]) == "64,32,16"
+    assert rule_args.shards_arg(None) == ""
+    assert rule_args.shards_arg([128, 128, 128]) == "--shards 128,128,128"
+    codec = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
+    assert rule_args.codec_arg(codec) == "blosc,clevel=5,cname=lz4,shuffle=shuffle"
+    assert codec["name"] == "blosc"  # the config's own mapping is left as it was
+
+
+def test_training_options() -> None:
+    assert rule_args.fold_arg(None) == "" and rule_args.fold_arg(0) == "--fold 0"
+    assert rule_args.launcher(1) == "ctseg"
+    assert rule_args.launcher(4) == "torchrun --standalone --nproc_per_node 4 -m ctseg.cli"
+    assert rule_args.phase_threads(1, 0) == 2 and rule_args.phase_threads(2, 3) == 8
+    assert rule_args.phase_mem_mb(2, 3) == 2 * (rule_args.MAIN_PROCESS_MB + 3 * rule_args.WORKER_MB)
+    assert (
+        rule_args.init_arg([]) == ""
+        and rule_args.init_arg(["a/last.pt"]) == "--init-from 'a/last.pt'"
+    )
+    shared = rule_args.scratch_args(
+        "shared", manifest_dir="s/exp", node_scratch="$TMPDIR/x", experiment="exp", source="st"
+    )
+    assert shared == "--scratch 's/exp'"
+    per_job = rule_args.scratch_args(
+        "per_job", manifest_dir=None, node_scratch="$TMPDIR/x", experiment="exp", source="st"
+    )
+    assert per_job == "--scratch '$TMPDIR/x/exp' --stage-from 'st'"
+
+
+def test_ensemble_options() -> None:
+    tuned = rule_args.ensemble_weight_args(True, "w.json", ["a", "b"], [1.0, 1.0])
+    assert tuned == "--weights-file 'w.json' --names a b"
+    assert rule_args.ensemble_weight_args(False, [], ["a", "b"], [2, 1]) == "--weights 2 1"
+    members = rule_args.ensemble_member_args({"a": ["p1", "p2"], "b": ["q1"]})
+    assert members == "--member a 'p1' 'p2' --member b 'q1'"
+
+
+def test_evaluation_options() -> None:
+    provenance = rule_args.provenance_args({"run": "exp001", "kind": "trained"})
+    assert provenance == "--provenance run=exp001 --provenance kind=trained"
+    assert rule_args.scoring_mem_mb(8, 1) == 3000 and rule_args.scoring_mem_mb(2, 5) == 5000
+    assert rule_args.scoring_mem_mb(8, 0) == 3000
+
+
+def test_the_shipped_search_space_as_options() -> None:
+    search = rule_args.tune_args(shipped_config()["infer"]["tune"])
+    assert search.startswith("--thresholds 0.1 0.2 0.3")
+    assert "--hysteresis-pairs 0.5,0.9" in search and "--no-fill-holes" not in search
+    off = dict(shipped_config()["infer"]["tune"], fill_holes=False)
+    assert "--no-fill-holes" in rule_args.tune_args(off)
+
+
+def test_postprocess_options_fixed_and_tuned() -> None:
+    infer = dict(shipped_config()["infer"])
+    assert rule_args.postprocess_args(infer, "t/tuned.json") == "--settings 't/tuned.json'"
+    fixed = dict(infer, postprocess="fixed")
+    # An unchanged config gives only the first options: the later steps appear when on.
+    assert rule_args.postprocess_args(fixed, []) == "--threshold 0.5 --min-component-voxels 0"
+    on = dict(fixed, hysteresis_high=0.8, hysteresis_mode="z", closing_radius=1, fill_holes=True)
+    assert rule_args.postprocess_args(on, []) == (
+        "--threshold 0.5 --hysteresis-high 0.8 --min-component-voxels 0 --fill-holes "
+        "--hysteresis-mode z --closing-radius 1"
+    )
+
+
+def test_overlay_options() -> None:
+    args = rule_args.overlay_args(["a", "b"], "img/{id}.zarr", "lab/{id}.zarr")
+    assert args == "--overlay a 'img/a.zarr' 'lab/a.zarr' --overlay b 'img/b.zarr' 'lab/b.zarr'"

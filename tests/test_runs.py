@@ -1,0 +1,204 @@
+"""ctseg.runs: the run model as pure functions of the records, the experiment and ensemble files
+and the phases, checked without Snakemake."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ctseg.config import load_phases
+from ctseg.io import CtsegError
+from ctseg.runs import Runs, alternatives, base_of, cv_base, fold_of
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def records(n_train: int = 8, n_test: int = 2, labelled_test: bool = False) -> dict:
+    rows = {}
+    for i in range(n_train):
+        rows[f"t{i}"] = {"split": "train", "scroll_id": 1 + i % 2, "label": f"l{i}.tif"}
+    for i in range(n_test):
+        rows[f"x{i}"] = {"split": "test", "scroll_id": 1, "label": "y.tif" if labelled_test else ""}
+    return rows
+
+
+@pytest.fixture
+def config_dirs(tmp_path: Path) -> tuple[Path, Path]:
+    """The shipped experiments and ensembles, copied so a test can add files."""
+    experiments = tmp_path / "experiments"
+    ensembles = tmp_path / "ensembles"
+    shutil.copytree(REPO / "config" / "experiments", experiments)
+    shutil.copytree(REPO / "config" / "ensembles", ensembles)
+    return experiments, ensembles
+
+
+def make_runs(config_dirs, rows=None, demo=False) -> Runs:
+    experiments, ensembles = config_dirs
+    return Runs(
+        rows if rows is not None else records(),
+        dataset="mine",
+        experiments_dir=experiments,
+        ensembles_dir=ensembles,
+        phases=load_phases(REPO / "config" / "phases.yaml"),
+        demo=demo,
+    )
+
+
+def test_run_names_split_into_experiment_fold_and_cross_validation() -> None:
+    assert base_of("exp001_cv.fold1") == "exp001_cv" and fold_of("exp001_cv.fold1") == 1
+    assert base_of("exp001") == "exp001" and fold_of("exp001") is None
+    assert cv_base("exp001_cv.cv") == "exp001_cv" and cv_base("exp001") is None
+    assert alternatives([]) == "(?!)" and alternatives(["a.b", "c"]) == r"a\.b|c"
+
+
+def test_each_kind_of_run_is_recognised(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    assert runs.kind("exp001") == "trained"
+    assert runs.kind("exp001_cv.fold0") == "trained"
+    assert runs.kind("exp001_cv.cv") == "cv"
+    assert runs.kind("ens_demo") == "ensemble"
+    with pytest.raises(CtsegError, match="exp001.yaml: fold 0 is out of range|no split.folds"):
+        runs.kind("exp001.cv")
+    with pytest.raises(CtsegError, match="not an experiment"):
+        runs.kind("nope")
+    with pytest.raises(CtsegError, match="exp001_cv.yaml: fold 2 is out of range"):
+        runs.kind("exp001_cv.fold2")
+
+
+def test_members_and_trained_runs(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    assert runs.members("exp001_cv.cv") == ["exp001_cv.fold0", "exp001_cv.fold1"]
+    assert runs.members("ens_demo") == ["exp001", "exp001_cv.fold0", "exp001_cv.fold1"]
+    assert runs.members("exp001") == []
+    assert runs.trained_runs("ens_demo") == ["exp001", "exp001_cv.fold0", "exp001_cv.fold1"]
+
+
+def test_folds_hold_out_every_non_test_record_once(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    oof = runs.out_of_fold("exp001_cv")
+    assert sorted(oof) == sorted(runs.ids(split="train", labelled=True))
+    assert set(oof.values()) == {0, 1}
+    for fold in (0, 1):
+        val = runs.split_ids(f"exp001_cv.fold{fold}", "val")
+        assert sorted(val) == sorted(r for r, f in oof.items() if f == fold)
+    # A cross-validation tunes on every out-of-fold volume, each from the fold that held it out.
+    assert runs.tune_ids("exp001_cv.cv") == sorted(oof)
+    record = sorted(oof)[0]
+    assert runs.tune_probability("exp001_cv.cv", record) == (
+        f"results/exp001_cv.fold{oof[record]}/probabilities/{record}.zarr"
+    )
+    [(path, weight)] = runs.ensemble_inputs("exp001_cv.cv", record)
+    assert path == runs.tune_probability("exp001_cv.cv", record) and weight == 1.0
+
+
+def test_held_out_ids_never_include_a_test_split(config_dirs) -> None:
+    experiments, _ = config_dirs
+    exp = yaml.safe_load((experiments / "exp001.yaml").read_text())
+    exp["name"] = "held"
+    exp["split"]["test_fraction"] = 0.25
+    (experiments / "held.yaml").write_text(yaml.safe_dump(exp))
+    runs = make_runs(config_dirs)
+    test = runs.test_split_ids("held")
+    assert len(test) == 2
+    assert not set(test) & set(runs.tune_ids("held"))
+    assert runs.eval_ids("held") == test
+    assert runs.provenance("held", "tuned")["scored_on"] == "test_split"
+    assert runs.provenance("held", "tuned")["fitted_on_scored"] == "no"
+    assert set(runs.infer_ids("held")) == set(test) | {"x0", "x1"}
+
+
+def test_without_a_test_split_the_score_says_it_is_fitted_on_its_volumes(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    assert runs.eval_ids("exp001") == runs.tune_ids("exp001") == runs.split_ids("exp001", "val")
+    assert runs.provenance("exp001", "tuned") == {
+        "run": "exp001",
+        "kind": "trained",
+        "scored_on": "val",
+        "postprocess": "tuned",
+        "fitted_on_scored": "yes",
+    }
+    assert runs.provenance("exp001", "fixed")["fitted_on_scored"] == "no"
+    assert runs.provenance("exp001_cv.cv", "tuned")["scored_on"] == "oof"
+
+
+def test_the_demo_is_scored_on_its_labelled_test_volumes(config_dirs) -> None:
+    runs = make_runs(config_dirs, records(labelled_test=True), demo=True)
+    assert runs.eval_ids("exp001") == ["x0", "x1"]
+    assert runs.provenance("exp001", "tuned")["scored_on"] == "demo_test_volumes"
+
+
+def test_an_ensemble_tunes_on_what_its_members_hold_out_in_common(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    common = set(runs.split_ids("exp001", "val")) & set(runs.out_of_fold("exp001_cv"))
+    assert runs.tune_ids("ens_demo") == sorted(common)
+    weights = [w for _, w in runs.ensemble_inputs("ens_demo", "x0")]
+    assert weights == [2, 1, 1]
+
+
+def test_record_counts_are_checked_before_anything_runs(config_dirs) -> None:
+    runs = make_runs(config_dirs, records(n_train=1, n_test=0))
+    with pytest.raises(CtsegError, match="run 'exp001'.*selects 1 labelled record"):
+        runs.check_record_counts("exp001")
+    demo = make_runs(config_dirs, records(n_test=0), demo=True)
+    with pytest.raises(CtsegError, match="demo.n_test is 0"):
+        demo.check_record_counts("exp001")
+    make_runs(config_dirs).check_record_counts("exp001")
+
+
+def test_phases_gpus_and_settings_of_a_train_job(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    assert runs.chosen_phases("exp001", 3) == [3]
+    assert runs.chosen_phases("exp001", "auto") == list(
+        runs.experiment("exp001")["trial"]["phases"]
+    )
+    with pytest.raises(CtsegError, match="config 'phase': 99 is not in config/phases.yaml"):
+        runs.chosen_phases("exp001", 99)
+    assert runs.train_gpus("exp001", 0) == 1
+    assert set(runs.train_settings("exp001", "auto")) == set(runs.chosen_phases("exp001", "auto"))
+    phases = runs.experiment("exp001")["trial"]["phases"]
+    assert runs.previous_trial("exp001", phases[0]) == []
+    assert runs.previous_trial("exp001", phases[1]) == [
+        f"results/exp001/phases/phase{phases[0]}/summary.json"
+    ]
+
+
+def test_a_fine_tune_needs_a_trained_source(config_dirs) -> None:
+    experiments, _ = config_dirs
+    (experiments / "ft.yaml").write_text(
+        yaml.safe_dump({"name": "ft", "extends": "exp001", "init_from": "exp001"})
+    )
+    (experiments / "ftbad.yaml").write_text(
+        yaml.safe_dump({"name": "ftbad", "extends": "exp001", "init_from": "ens_demo"})
+    )
+    runs = make_runs(config_dirs)
+    assert runs.init_weights("ft") == ["results/exp001/last.pt"]
+    assert runs.init_weights("exp001") == []
+    with pytest.raises(CtsegError, match="ftbad.yaml: init_from: 'ens_demo' is not a trained run"):
+        runs.init_weights("ftbad")
+
+
+def test_names_are_checked_when_the_model_is_built(config_dirs) -> None:
+    experiments, ensembles = config_dirs
+    shutil.copy(experiments / "exp001.yaml", ensembles / "exp001.yaml")
+    with pytest.raises(CtsegError, match=r"ensemble\(s\) \['exp001'\] have the name"):
+        make_runs(config_dirs)
+    (ensembles / "exp001.yaml").unlink()
+    (experiments / "results.yaml").write_text("name: results\n")
+    make_runs(config_dirs)  # not reserved
+    (experiments / "logs.yaml").write_text("name: logs\n")
+    with pytest.raises(CtsegError, match="logs.yaml: a run's name"):
+        make_runs(config_dirs)
+
+
+def test_constraints_match_exactly_the_runs_of_each_kind(config_dirs) -> None:
+    import re
+
+    patterns = make_runs(config_dirs).constraints()
+    assert re.fullmatch(patterns["trained"], "exp001_cv.fold3")
+    assert not re.fullmatch(patterns["trained"], "exp001_cv.cv")
+    assert re.fullmatch(patterns["combined"], "exp001_cv.cv")
+    assert re.fullmatch(patterns["combined"], "ens_demo")
+    assert not re.fullmatch(patterns["any"], "unknown")
