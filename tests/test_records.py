@@ -162,6 +162,28 @@ def test_select_records_val_ids_win_over_val_fraction() -> None:
     assert list(table.loc[table["split"] == "val", "id"]) == ["id04"]
 
 
+@pytest.mark.parametrize("group_by", [None, "scroll"])
+def test_val_ids_in_the_test_split_are_refused_by_name(group_by: str | None) -> None:
+    ids = ["id02", "id04"] if group_by is None else [f"id{i:02d}" for i in range(0, 10, 2)]
+    split = {**SPLIT, "val_ids": ids, "test_ids": ids, "group_by": group_by}
+    with pytest.raises(CtsegError) as err:
+        select_records(records_table(), SUBSET, split)
+    assert str(err.value) == (
+        f"split.val_ids: id(s) {ids} are also in the test split (split.test_ids); a record is "
+        "in val or in test, not both: remove them from split.val_ids or from the test split"
+    )
+    # Only the overlap is named, also when the test split was drawn by test_fraction.
+    drawn = select_records(records_table(), SUBSET, {**SPLIT, "test_fraction": 0.3})
+    test = sorted(drawn.loc[drawn["split"] == "test", "id"])
+    other = next(i for i in drawn["id"] if i not in test)
+    split = {**SPLIT, "val_ids": [test[0], other]}
+    with pytest.raises(
+        CtsegError,
+        match=rf"id\(s\) \['{test[0]}'\] are also in the test split \(split.test_fraction\)",
+    ):
+        select_records(records_table(), SUBSET, {**split, "test_fraction": 0.3})
+
+
 def test_select_records_keeps_one_train_and_one_val() -> None:
     two = select_records(records_table(2), SUBSET, {**SPLIT, "val_fraction": 0.01})
     assert sorted(two["split"]) == ["train", "val"]

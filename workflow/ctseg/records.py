@@ -128,6 +128,7 @@ def select_records(records: pd.DataFrame, subset: Mapping, split: Mapping) -> pd
     elif by_scroll and split.get("val_ids") is None:
         val = _choose_groups(rest, split.get("val_fraction", 0.0) or 0.0, [seed, 1], "val")
     else:
+        _check_val_not_test(split, test)
         val = _choose_val(rest, split, seed)
         if by_scroll:
             _check_whole_scrolls(rest, val, "split.val_ids")
@@ -287,6 +288,17 @@ def _take_fraction(table: pd.DataFrame, fraction: Any, seed: int) -> pd.DataFram
     # Separate streams for subset and split, so changing val_fraction keeps the subset.
     order = np.random.default_rng([seed, 0]).permutation(len(table))
     return table.iloc[np.sort(order[:keep])].reset_index(drop=True)
+
+
+def _check_val_not_test(split: Mapping, test: set[str]) -> None:
+    val_ids = split.get("val_ids")
+    both = sorted({str(i) for i in val_ids or ()} & test)
+    if both:
+        chosen = "split.test_ids" if split.get("test_ids") is not None else "split.test_fraction"
+        raise CtsegError(
+            f"split.val_ids: id(s) {both} are also in the test split ({chosen}); a record is in "
+            "val or in test, not both: remove them from split.val_ids or from the test split"
+        )
 
 
 def _choose_val(table: pd.DataFrame, split: Mapping, seed: int) -> set[str]:
