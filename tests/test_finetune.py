@@ -8,6 +8,7 @@ The same tiny training as test_train (tests/training_setup.py), shortened to 2 s
 from __future__ import annotations
 
 import copy
+from hashlib import sha256
 from pathlib import Path
 
 import pandas as pd
@@ -21,7 +22,7 @@ from ctseg.cli import main
 from ctseg.io import CtsegError
 from ctseg.network.model import build_model, portable_state_dict
 from ctseg.run_settings import read_run_settings
-from ctseg.training.checkpoint import load_checkpoint, save_checkpoint
+from ctseg.training.checkpoint import CHECKSUM_TAG, load_checkpoint, save_checkpoint
 from ctseg.training.finetune import source_weights, state_digest
 from ctseg.training.recipe import lr_at, scaled_lr
 from ctseg.training.train import train
@@ -165,6 +166,14 @@ def test_init_from_and_the_weights_go_together(tmp_path: Path) -> None:
     with pytest.raises(CtsegError, match=r"source.pt: weights file not found"):
         source_weights(FINE_TUNE, tmp_path / "source.pt")
     (tmp_path / "source.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(
+        CtsegError, match=r"source.pt: unverifiable checkpoint: .*train tiny_source again"
+    ) as error:
+        source_weights(FINE_TUNE, tmp_path / "source.pt")
+    assert "\n" not in str(error.value)
+    # With a checksum that matches, but not a torch file: torch's own reason.
+    junk = b"not a checkpoint"
+    (tmp_path / "source.pt").write_bytes(junk + CHECKSUM_TAG + sha256(junk).hexdigest().encode())
     with pytest.raises(
         CtsegError, match=r"source.pt: cannot load checkpoint: .*train tiny_source"
     ) as error:

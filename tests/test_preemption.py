@@ -39,6 +39,7 @@ import ctseg.training.train
 from ctseg.io import CtsegError
 from ctseg.training.checkpoint import (
     PREVIOUS,
+    TRAILER_BYTES,
     append_rows,
     load_checkpoint,
     read_rows,
@@ -165,9 +166,11 @@ def test_a_checkpoint_carries_a_checksum_that_finds_64_changed_bytes(tmp_path: P
     assert verify_checksum(path) is False
     with pytest.raises(CtsegError, match=r"resume.pt: damaged checkpoint"):
         load_checkpoint(path)
-    # One rewritten by plain torch.save has no checksum: it loads, unverified.
+    # One rewritten by plain torch.save has no checksum: it cannot be verified, so it is refused.
     torch.save({"step": 3}, path)
-    assert verify_checksum(path) is None and load_checkpoint(path)["step"] == 3
+    assert verify_checksum(path) is None
+    with pytest.raises(CtsegError, match=r"resume.pt: unverifiable checkpoint: it has no checksum"):
+        load_checkpoint(path)
 
 
 def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(
@@ -200,6 +203,34 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumed(
     assert list(steps["step"]) == [1, 2, 3, 4, 5, 6]  # rows 4-5 redone, not doubled
     assert list(steps["loss"]) == list(ref_steps["loss"])
     assert list(pd.read_csv(tmp_path / "out" / "epochs.csv")["epoch"]) == [0, 1]
+
+
+def test_a_checkpoint_without_its_checksum_is_set_aside_and_the_previous_one_resumed(
+    scratch: Path, reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # Stopped during step 5: checkpoints at step 3 (resume.previous.pt) and 5 (resume.pt).
+    signal_at_sample(monkeypatch, 4, signal.SIGUSR1)
+    with stop_on_signals() as stop:
+        run(scratch, tmp_path, stop=stop)
+    monkeypatch.undo()
+    state = tmp_path / "state"
+    resume_pt = state / "resume.pt"
+    # The trailer cut off (a copy cut short at the end, or a plain torch.save): torch would
+    # still load it, and nothing could tell whether its weights are the ones saved.
+    stripped = resume_pt.read_bytes()[:-TRAILER_BYTES]
+    resume_pt.write_bytes(stripped)
+    assert torch.load(resume_pt, weights_only=True)["step"] == 5
+    capsys.readouterr()
+
+    summary = run(scratch, tmp_path)
+
+    assert summary["resume"] == "resumed" and summary["from_step"] == 3
+    (aside,) = summary["damaged"]
+    assert Path(aside).read_bytes() == stripped  # set aside as it was, never deleted
+    err = capsys.readouterr().err
+    assert f"{resume_pt}: unverifiable checkpoint: it has no checksum trailer" in err
+    assert f"resuming from the intact checkpoint {state / PREVIOUS}" in err
+    assert same_weights(tmp_path / "last.pt", reference / "last.pt")
 
 
 def test_with_no_intact_checkpoint_the_run_starts_afresh_and_says_so(

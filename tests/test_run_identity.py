@@ -175,7 +175,7 @@ def test_a_saved_step_beyond_the_end_is_a_mismatch(
     root = copy_run(finished, tmp_path / "beyond")
     state = torch.load(root / "state" / "resume.pt", weights_only=True)
     state["step"] = 99
-    torch.save(state, root / "state" / "resume.pt")
+    save_checkpoint(root / "state" / "resume.pt", state)
     summary = run(scratch, root)
     assert summary["resume"] == "set_aside" and summary["changed"] == ["step beyond total_steps"]
     assert summary["steps"] == 6
@@ -187,7 +187,7 @@ def test_a_checkpoint_without_an_identity_is_set_aside(
     root = copy_run(finished, tmp_path / "old_format")
     state = torch.load(root / "state" / "resume.pt", weights_only=True)
     del state["identity"]
-    torch.save(state, root / "state" / "resume.pt")
+    save_checkpoint(root / "state" / "resume.pt", state)
     assert run(scratch, root)["resume"] == "set_aside"
 
 
@@ -291,7 +291,7 @@ def test_a_run_resumes_under_a_faster_phase_with_its_kernels(
     state["identity"] = run_identity(
         exp, PHASE, data=state["identity"]["data"], total_steps=6, clip_distance=CLIP
     )
-    torch.save(state, root / "state" / "resume.pt")
+    save_checkpoint(root / "state" / "resume.pt", state)
     seen = []
     real = ctseg.training.recipe.build_optimizer
 

@@ -4,9 +4,10 @@ A checkpoint is resumed only by the run that wrote it (`run_identity`, `resume_s
 from another run is set aside, never deleted. Checkpoints are written atomically and refused
 up front when the disk cannot hold them (`save_checkpoint`). Each carries a SHA-256 of its
 bytes in a trailer after torch's zip archive (`CHECKSUM_TAG`), verified on load: a damaged
-checkpoint is set aside and the run resumes from the one before it (`resume.previous.pt`,
-kept by every save of `resume.pt`), or starts afresh. The per-step and per-epoch logs that a
-resumed run appends to live beside the checkpoint (`append_rows`, `trim_logs`).
+checkpoint, or one without the trailer, is set aside and the run resumes from the one before
+it (`resume.previous.pt`, kept by every save of `resume.pt`), or starts afresh. The per-step
+and per-epoch logs that a resumed run appends to live beside the checkpoint (`append_rows`,
+`trim_logs`).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ NULL_IS_OFF = {"init_from": None, "train": ("ema",)}
 SPEED_FLAGS = ("fused", "foreach")
 
 # The trailer after torch's zip archive: the tag, then the SHA-256 (hex) of every byte before
-# the tag. torch.load reads the archive from its end record and ignores what follows it; a
-# checkpoint rewritten by plain torch.save has no trailer and loads unverified.
+# the tag. torch.load reads the archive from its end record and ignores what follows it. A
+# checkpoint without the trailer (cut short, or rewritten by plain torch.save) cannot be
+# verified, so it is never loaded: it counts as damaged.
 CHECKSUM_TAG = b"\nctseg-sha256:"
 TRAILER_BYTES = len(CHECKSUM_TAG) + 64
 PREVIOUS = "resume.previous.pt"  # the checkpoint before resume.pt, kept by every save
@@ -275,11 +277,19 @@ def verify_checksum(path: Path) -> bool | None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint's contents, once its checksum (where it has one) is verified."""
-    if verify_checksum(path) is False:
+    """The checkpoint's contents, once its checksum is verified; one without a checksum is
+    refused like a damaged one, since damage in it could not be found."""
+    verified = verify_checksum(path)
+    if verified is False:
         raise DamagedCheckpoint(
             f"{path}: damaged checkpoint: its bytes do not match the checksum written with it; "
             "move it aside to start this run afresh"
+        )
+    if verified is None:
+        raise DamagedCheckpoint(
+            f"{path}: unverifiable checkpoint: it has no checksum trailer (cut short, or "
+            "rewritten by plain torch.save), so damage in it could not be found; move it aside "
+            "to start this run afresh"
         )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -295,11 +305,12 @@ def resume_state(
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The checkpoint to resume from, if it was written by this run, and what happened.
 
-    ``resume.pt`` first, then ``resume.previous.pt``: a damaged one (checksum or unreadable)
-    is set aside into ``state_dir/set-aside/<time>-damaged/`` and the next is tried. A
-    checkpoint of another run (changed settings, data or length, or a saved step beyond this
-    run's end) is never resumed and never deleted: rank 0 moves it, the previous one and the
-    logs beside them into ``state_dir/set-aside/<time>-<digest>/``, and this run starts fresh.
+    ``resume.pt`` first, then ``resume.previous.pt``: a damaged one (checksum wrong or absent,
+    or unreadable) is set aside into ``state_dir/set-aside/<time>-damaged/`` and the next is
+    tried. A checkpoint of another run (changed settings, data or length, or a saved step
+    beyond this run's end) is never resumed and never deleted: rank 0 moves it, the previous
+    one and the logs beside them into ``state_dir/set-aside/<time>-<digest>/``, and this run
+    starts fresh.
     Every rank reads the checkpoints before anything moves, so all of them take the same
     decision. The logs are then cut back to the resumed step (`trim_logs`).
     """
