@@ -88,7 +88,7 @@ def test_folds_hold_out_every_non_test_record_once(config_dirs) -> None:
     assert runs.tune_ids("exp001_cv.cv") == sorted(oof)
     record = sorted(oof)[0]
     assert runs.tune_probability("exp001_cv.cv", record) == (
-        f"results/exp001_cv.fold{oof[record]}/probabilities/{record}.zarr"
+        f"results/mine/exp001_cv.fold{oof[record]}/probabilities/{record}.zarr"
     )
     [(path, weight)] = runs.ensemble_inputs("exp001_cv.cv", record)
     assert path == runs.tune_probability("exp001_cv.cv", record) and weight == 1.0
@@ -115,6 +115,7 @@ def test_without_a_test_split_the_score_says_it_is_fitted_on_its_volumes(config_
     assert runs.eval_ids("exp001") == runs.tune_ids("exp001") == runs.split_ids("exp001", "val")
     assert runs.provenance("exp001", "tuned") == {
         "run": "exp001",
+        "dataset": "mine",
         "kind": "trained",
         "scored_on": "val",
         "postprocess": "tuned",
@@ -157,11 +158,19 @@ def test_phases_gpus_and_settings_of_a_train_job(config_dirs) -> None:
     with pytest.raises(CtsegError, match="config 'phase': 99 is not in config/phases.yaml"):
         runs.chosen_phases("exp001", 99)
     assert runs.train_gpus("exp001", 0) == 1
-    assert set(runs.train_settings("exp001", "auto")) == set(runs.chosen_phases("exp001", "auto"))
+    # The train job's settings are the experiment's: a phase changes how it trains.
+    assert runs.train_settings("exp001", "auto") == runs.train_settings("exp001", 3)
+    assert set(runs.train_settings("exp001", 0)) == {
+        "scratch_format",
+        "data",
+        "model",
+        "loss",
+        "train",
+    }
     phases = runs.experiment("exp001")["trial"]["phases"]
     assert runs.previous_trial("exp001", phases[0]) == []
     assert runs.previous_trial("exp001", phases[1]) == [
-        f"results/exp001/phases/phase{phases[0]}/summary.json"
+        f"results/mine/exp001/phases/phase{phases[0]}/summary.json"
     ]
 
 
@@ -174,7 +183,7 @@ def test_a_fine_tune_needs_a_trained_source(config_dirs) -> None:
         yaml.safe_dump({"name": "ftbad", "extends": "exp001", "init_from": "ens_demo"})
     )
     runs = make_runs(config_dirs)
-    assert runs.init_weights("ft") == ["results/exp001/last.pt"]
+    assert runs.init_weights("ft") == ["results/mine/exp001/last.pt"]
     assert runs.init_weights("exp001") == []
     with pytest.raises(CtsegError, match="ftbad.yaml: init_from: 'ens_demo' is not a trained run"):
         runs.init_weights("ftbad")
@@ -202,3 +211,71 @@ def test_constraints_match_exactly_the_runs_of_each_kind(config_dirs) -> None:
     assert re.fullmatch(patterns["combined"], "exp001_cv.cv")
     assert re.fullmatch(patterns["combined"], "ens_demo")
     assert not re.fullmatch(patterns["any"], "unknown")
+
+
+def test_a_dataset_other_than_the_demo_has_its_own_results_folder(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    assert runs.root == "results/mine"
+    assert runs.tune_probability("exp001", "t1") == "results/mine/exp001/probabilities/t1.zarr"
+    assert runs.trial_summaries("exp001")[0].startswith("results/mine/exp001/phases/")
+    demo = make_runs(config_dirs, records(labelled_test=True), demo=True)
+    assert demo.root == "results/mine"  # the root follows the name, not the flag
+    experiments, ensembles = config_dirs
+    for taken in ("exp001", "ens_demo", "logs"):
+        with pytest.raises(CtsegError, match=f"config 'dataset': '{taken}' is also the name"):
+            Runs(
+                records(),
+                dataset=taken,
+                experiments_dir=experiments,
+                ensembles_dir=ensembles,
+                phases=load_phases(REPO / "config" / "phases.yaml"),
+                demo=False,
+            )
+
+
+def trained_record(runs: Runs, run: str, phase: int) -> dict:
+    """What train/settings.json holds of a run trained with its current settings."""
+    import json
+
+    from ctseg.config import thaw
+
+    return json.loads(
+        json.dumps(
+            {"experiment": thaw(dict(runs.settings(run))), "phase": thaw(dict(runs.phases[phase]))},
+            default=str,
+        )
+    )
+
+
+def test_the_training_notice_keeps_a_model_of_another_phase(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    record = trained_record(runs, "exp001", 3)
+    assert runs.training_notice("exp001", 3, record) is None
+    assert runs.training_notice("exp001", "auto", record) is None
+    assert runs.training_notice("exp001", 0, None) is None
+    assert runs.training_notice("exp001", 0, record) == (
+        "exp001: keeps its last.pt, trained under phase 3 (config phase 0): a phase changes how "
+        "a run trains, not its result; --forcerun train_model retrains it under phase 0"
+    )
+
+
+def test_the_training_notice_names_what_changed(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    record = trained_record(runs, "exp001", 0)
+    record["experiment"]["train"]["lr"] = 1.0
+    record["experiment"]["model"]["filters"] = [1, 2]
+    assert runs.training_notice("exp001", 0, record) == (
+        "exp001: retrains: its experiment's model, train changed since its last.pt was trained"
+    )
+    # A change outside the training sections (the split) is not training's to report.
+    record = trained_record(runs, "exp001", 0)
+    record["experiment"]["split"]["seed"] = 99
+    assert runs.training_notice("exp001", 0, record) is None
+
+
+def test_a_combined_run_records_its_members_and_weights(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    recorded = runs.provenance("exp001_cv.cv", "tuned")
+    assert recorded["members"] == ",".join(runs.fold_runs("exp001_cv"))
+    assert "weights" not in recorded
+    assert "members" not in runs.provenance("exp001", "tuned")

@@ -5,10 +5,11 @@ Results (all under ``results/``, git-ignored):
 - ``preprocessed/<dataset>/zarr/{images,labels}/<id>.zarr`` and ``.../targets/<id>.zarr``: the
   store `convert` and `targets` write and `stage` reads (from here or any fsspec URL laid out
   the same way). One root per dataset, so two datasets with a common id never collide.
-- ``<experiment>/``: ``split.csv``, ``phases/phase<N>/{summary.json,steps.csv}``, ``last.pt``,
+- ``<run>/`` for the demo, ``<dataset>/<run>/`` for any other dataset (`results_root`):
+  ``split.csv``, ``phases/phase<N>/{summary.json,steps.csv}``, ``last.pt``,
   ``train/{steps,epochs}.csv``, ``checkpoints/`` (resumable state, not a declared output),
   ``probabilities/<id>.zarr``, ``predictions/<id>.tif``, ``evaluation/``.
-- ``report.html``, ``logs/<rule>/``, ``benchmarks/<rule>/``.
+- ``report.html``, ``logs/<rule>/``, ``benchmarks/<rule>/``, under the same root as the runs.
 
 Scratch: one directory per staged record, ``<scratch>/<id>/``, in one of two formats.
 
@@ -36,10 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from ctseg.io import CtsegError
+from ctseg.io import CtsegError, strict_json
 from ctseg.store import MASK_BITS, pack_masks
 
 RESULTS = "results"
+# The generated dataset: its runs keep results/<run>/ (any other: results/<dataset>/<run>/).
+DEMO_DATASET = "demo"
 SCRATCH_FORMATS = ("raw", "zarr")
 TARGET_PARAM_KEYS = ("clip_distance", "skeleton_method", "tube_dilations", "halo")
 MASK_PLANES = ("foreground", "ignore", "skeleton", "tube")
@@ -63,21 +66,35 @@ def target_store(root: str, record_id: str) -> str:
     return f"{root}/targets/{record_id}.zarr"
 
 
-def run_dir(experiment: str) -> str:
-    """Everything one experiment writes, trials to evaluation."""
-    return f"{RESULTS}/{experiment}"
+def results_root(dataset: str) -> str:
+    """Where a dataset's runs, logs, job timings and report go: ``results/`` for the demo,
+    ``results/<dataset>/`` for any other, so that no folder ever holds outputs of two datasets
+    and ``results/<run>/...`` keeps naming the demo's runs."""
+    return RESULTS if dataset == DEMO_DATASET else f"{RESULTS}/{dataset}"
 
 
-def trial_summary(experiment: str, phase: int | str) -> str:
-    return f"{run_dir(experiment)}/phases/phase{phase}/summary.json"
+def scratch_root(scratch: str, dataset: str) -> str:
+    """A dataset's staged copies under the configured scratch directory (kept as given, so a
+    $VAR in it expands where the job runs): the demo's in it, any other's in <dataset>/."""
+    scratch = str(scratch).rstrip("/")
+    return scratch if dataset == DEMO_DATASET else f"{scratch}/{dataset}"
 
 
-def prediction(experiment: str, record_id: str) -> str:
-    return f"{run_dir(experiment)}/predictions/{record_id}.tif"
+def run_dir(run: str, *, root: str) -> str:
+    """Everything one run writes, trials to evaluation (`root`: `results_root`)."""
+    return f"{root}/{run}"
 
 
-def probabilities(experiment: str, record_id: str) -> str:
-    return f"{run_dir(experiment)}/probabilities/{record_id}.zarr"
+def trial_summary(run: str, phase: int | str, *, root: str) -> str:
+    return f"{run_dir(run, root=root)}/phases/phase{phase}/summary.json"
+
+
+def prediction(run: str, record_id: str, *, root: str) -> str:
+    return f"{run_dir(run, root=root)}/predictions/{record_id}.tif"
+
+
+def probabilities(run: str, record_id: str, *, root: str) -> str:
+    return f"{run_dir(run, root=root)}/probabilities/{record_id}.zarr"
 
 
 # ----------------------------------------------------------------------------- raw: writer
@@ -146,7 +163,7 @@ def raw_meta(
     if target_attributes:
         # What the zarr format keeps on targets.zarr (clip distance, skeleton method, ...).
         meta["targets"] = dict(target_attributes)
-    return (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+    return (strict_json(meta, indent=2, sort_keys=True) + "\n").encode()
 
 
 # ----------------------------------------------------------------------------- both: reader

@@ -19,6 +19,19 @@ SCORING_PROCESS_MB = 2000
 SCORING_MARGIN_MB = 1000
 
 
+class Untracked:
+    """A rule param that Snakemake does not compare between runs, written into the command as
+    its value. Snakemake records a job's params to rerun it when one changes, and records only
+    values of the builtin types (snakemake.persistence skips any other as unrepresentable):
+    this wrapper is such an other."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 def shape_arg(values: Sequence[int]) -> str:
     return ",".join(str(v) for v in values)
 
@@ -64,6 +77,18 @@ def scratch_args(
     if stage == "per_job":
         return f"--scratch '{node_scratch}/{experiment}' --stage-from '{source}'"
     return f"--scratch '{manifest_dir}'"
+
+
+# Shell run as `{params.keep_log} {log:q} && <command> > {log:q} 2>&1`, so that every attempt of
+# a resubmitted job keeps its log. Snakemake deletes a rule's log before each attempt (a stop
+# ahead of the time limit, a preemption, a retry), which would lose the one before. This creates
+# the log and a hard link to it, `<log>.attempts/<UTC time>-<SLURM job id or local>-<pid>.log`:
+# the deletion removes only the log's own name, and each attempt's text stays under its link.
+KEEP_ATTEMPT_LOG = (
+    'keep_log() { mkdir -p "$1.attempts" && : > "$1" && '
+    'ln -f "$1" "$1.attempts/$(date -u +%Y%m%dT%H%M%SZ)-${SLURM_JOB_ID:-local}-$$.log"; }; '
+    "keep_log"
+)
 
 
 def init_arg(init: Sequence[str]) -> str:

@@ -34,6 +34,7 @@ from ctseg.config import (
     load_ensemble,
     load_experiment,
     settings_used,
+    thaw,
     with_fold,
 )
 from ctseg.io import CtsegError
@@ -98,6 +99,7 @@ class Runs:
         self.ensembles_dir = Path(ensembles_dir)
         self.phases = phases
         self.demo = demo
+        self.root = layout.results_root(dataset)
         self.experiment_names = yaml_names(self.experiments_dir)
         self.ensemble_names = yaml_names(self.ensembles_dir)
         self._experiments: dict[str, Any] = {}
@@ -105,6 +107,7 @@ class Runs:
         self._out_of_fold: dict[str, dict[str, int]] = {}
         self._ensembles: dict[str, Ensemble] = {}
         self._check_names()
+        self._check_dataset()
 
     # ------------------------------------------------------------------------- names
     def _check_names(self) -> None:
@@ -119,6 +122,23 @@ class Runs:
             raise CtsegError(
                 f"{self.ensembles_dir}: ensemble(s) {clash} have the name of an experiment in "
                 f"{self.experiments_dir}; both would write results/<name>/: rename one"
+            )
+
+    def _check_dataset(self) -> None:
+        """A dataset other than the demo keeps its runs in results/<dataset>/: that folder must
+        not be a run's or one of results/'s own."""
+        if self.root == layout.RESULTS:
+            return
+        if not RUN_NAME.fullmatch(self.dataset):
+            raise CtsegError(
+                f"config 'dataset': {self.dataset!r}: a dataset's name may hold only letters, "
+                "digits, _ and -; rename resources/<dataset>/"
+            )
+        taken = set(self.experiment_names) | set(self.ensemble_names) | RESERVED
+        if self.dataset in taken:
+            raise CtsegError(
+                f"config 'dataset': {self.dataset!r} is also the name of a run or of a folder of "
+                f"results/ ({self.root}/ would hold both): rename resources/{self.dataset}/"
             )
 
     def constraints(self) -> dict[str, str]:
@@ -284,8 +304,17 @@ class Runs:
             base = cv_base(run)
             oof = self.out_of_fold(base)  # type: ignore[arg-type]
             if record_id in oof:
-                return [(layout.probabilities(f"{base}.fold{oof[record_id]}", record_id), 1.0)]
-            return [(layout.probabilities(m, record_id), 1.0) for m in self.members(run)]
+                return [
+                    (
+                        layout.probabilities(
+                            f"{base}.fold{oof[record_id]}", record_id, root=self.root
+                        ),
+                        1.0,
+                    )
+                ]
+            return [
+                (layout.probabilities(m, record_id, root=self.root), 1.0) for m in self.members(run)
+            ]
         spec = self.ensemble(run)
         weights = spec.weights or [1.0] * len(spec.members)
         held_out = record_id in self.tune_ids(run)
@@ -293,7 +322,7 @@ class Runs:
             (
                 self.member_probability(m, record_id)
                 if held_out
-                else layout.probabilities(m, record_id),
+                else layout.probabilities(m, record_id, root=self.root),
                 w,
             )
             for m, w in zip(spec.member_names, weights, strict=True)
@@ -323,7 +352,7 @@ class Runs:
         if fold_of(member) is not None:
             base = base_of(member)
             return layout.probabilities(
-                f"{base}.fold{self.out_of_fold(base)[record_id]}", record_id
+                f"{base}.fold{self.out_of_fold(base)[record_id]}", record_id, root=self.root
             )
         return self.tune_probability(member, record_id)
 
@@ -335,8 +364,9 @@ class Runs:
             return layout.probabilities(
                 f"{base}.fold{self.out_of_fold(base)[record_id]}",  # type: ignore[arg-type]
                 record_id,
+                root=self.root,
             )
-        return layout.probabilities(run, record_id)
+        return layout.probabilities(run, record_id, root=self.root)
 
     def test_split_ids(self, run: str) -> list[str]:
         """The labelled test split of a run's experiment(s), that nothing trains or tunes on."""
@@ -373,13 +403,21 @@ class Runs:
         else:
             scored = "oof" if self.kind(run) == "cv" else "val"
         fitted_on_scored = postprocess == "tuned" and scored in ("val", "oof")
-        return {
+        recorded = {
             "run": run,
+            "dataset": self.dataset,
             "kind": self.kind(run),
             "scored_on": scored,
             "postprocess": postprocess,
             "fitted_on_scored": "yes" if fitted_on_scored else "no",
         }
+        # A combined run's members (the report adds their hours and shows their weights).
+        if self.members(run):
+            recorded["members"] = ",".join(self.members(run))
+        if self.kind(run) == "ensemble":
+            weights = self.ensemble(run).weights
+            recorded["weights"] = "tuned" if weights is None else ",".join(map(str, weights))
+        return recorded
 
     def check_record_counts(self, run: str) -> None:
         """Training needs a record to train on and evaluation one to score: say so before any
@@ -434,14 +472,13 @@ class Runs:
             )
         return counts.pop()
 
-    def train_settings(self, run: str, phase: int | str) -> dict[int, Any]:
-        """What the train job's weights depend on among the settings: the experiment's training
-        sections and every phase it may train with (one for a number, the trialled ones for
-        auto)."""
-        exp = self.settings(run)
-        return {
-            p: settings_used(exp, self.phases[p], "train") for p in self.chosen_phases(run, phase)
-        }
+    def train_settings(self, run: str, phase: int | str) -> dict[str, Any]:
+        """What the train job's result depends on among the settings: the experiment's training
+        sections. Not the phase: a phase changes how a run trains (and a checkpoint is resumed
+        only under the same maths, `ctseg.training.checkpoint`), so a last.pt trained under one
+        phase is kept when the config names another (`training_notice` says so)."""
+        self.chosen_phases(run, phase)  # an unknown phase is refused here
+        return settings_used(self.settings(run), None, "train")
 
     def init_weights(self, run: str) -> list[str]:
         """The weights a fine-tune starts from (`init_from: <run>`): the DAG builds them first."""
@@ -453,17 +490,51 @@ class Runs:
                 f"{self.experiment_file(run)}: init_from: {source!r} is not a trained run (an "
                 "experiment or a fold): it has no last.pt to start from"
             )
-        return [f"{layout.run_dir(source)}/last.pt"]
+        return [f"{layout.run_dir(source, root=self.root)}/last.pt"]
 
     def trial_summaries(self, run: str) -> list[str]:
         """The phase trials of a trained run's experiment (folds share their experiment's)."""
         base = base_of(run)
-        return [layout.trial_summary(base, p) for p in self.experiment(base)["trial"]["phases"]]
+        return [
+            layout.trial_summary(base, p, root=self.root)
+            for p in self.experiment(base)["trial"]["phases"]
+        ]
+
+    def training_notice(
+        self, run: str, phase: int | str, trained: Mapping[str, Any] | None
+    ) -> str | None:
+        """One line on what training a run's next plan holds, before any job runs: `trained` is
+        its train/settings.json (None: no last.pt yet, nothing to say). A phase changes how a run
+        trains, not what it trained, so a last.pt trained under another phase is kept, saying
+        so; a change of the experiment's training settings retrains it, naming the keys."""
+        if trained is None:
+            return None
+        used = settings_used(self.settings(run), None, "train")
+        before = {key: trained["experiment"].get(key) for key in used}
+        changed = sorted(key for key in used if thaw(before[key]) != used[key])
+        if changed:
+            return (
+                f"{run}: retrains: its experiment's {', '.join(changed)} changed since its "
+                f"last.pt was trained"
+            )
+        then = trained.get("phase")
+        if phase == "auto" or then == thaw(dict(self.phases[phase])):  # type: ignore[index]
+            return None
+        under = next(
+            (f"phase {n}" for n, p in self.phases.items() if thaw(dict(p)) == then),
+            "a phase config/phases.yaml does not define",
+        )
+        return (
+            f"{run}: keeps its last.pt, trained under {under} (config phase {phase}): a phase "
+            f"changes how a run trains, not its result; --forcerun train_model retrains it "
+            f"under phase {phase}"
+        )
 
     def previous_trial(self, experiment: str, phase: int) -> list[str]:
         """Trials run in order, each compared with the one before (and one GPU runs one at a
         time)."""
         order = self.experiment(experiment)["trial"]["phases"]
         if phase in order and order.index(phase) > 0:
-            return [layout.trial_summary(experiment, order[order.index(phase) - 1])]
+            before = order[order.index(phase) - 1]
+            return [layout.trial_summary(experiment, before, root=self.root)]
         return []

@@ -1,7 +1,9 @@
 # The workflow's view of the dataset and its runs. The run model is ctseg.runs (unit-tested
 # without Snakemake); this file builds it from the config and hands its answers to the rules,
-# a refusal as one WorkflowError naming the file.
+# a refusal as one line naming the file (`refuse`, settings.smk).
 import functools
+import sys
+import time
 from pathlib import Path
 
 from ctseg import layout, rule_args
@@ -10,11 +12,15 @@ from ctseg.io import CtsegError
 from ctseg.preprocess.demo_data import demo_records
 from ctseg.preprocess.stage import expand_scratch
 from ctseg.records import read_records
+from ctseg.run_settings import SETTINGS_JSON, read_run_settings
 from ctseg.runs import Runs, base_of, cv_base, fold_of
 
 ID_REGEX = "[A-Za-z0-9_.-]+"
 DATASET_DIR = Path("resources") / config["dataset"]
-IS_DEMO = config["dataset"] == "demo"
+IS_DEMO = config["dataset"] == layout.DEMO_DATASET
+# The dataset's runs, logs, job timings and report: results/ for the demo, results/<dataset>/
+# for any other (ctseg.layout.results_root), so datasets never share a run folder.
+ROOT = layout.results_root(config["dataset"])
 # Each dataset's preprocessed stores under a root of their own, so that two datasets with a
 # common id never overwrite each other's. Below the root is the layout `ctseg stage` reads from
 # any source, local or remote: zarr/images/<id>.zarr, zarr/labels/<id>.zarr, targets/<id>.zarr.
@@ -25,18 +31,19 @@ TARGET_STORE = layout.target_store(STORE, "{id}")
 EXPERIMENTS_DIR = Path("config/experiments")
 ENSEMBLES_DIR = Path("config/ensembles")
 PHASES_FILE = "config/phases.yaml"
-SCRATCH_ROOT = str(expand_scratch(config["scratch"]))
+STARTED = time.time()
+SCRATCH_ROOT = layout.scratch_root(expand_scratch(config["scratch"]), config["dataset"])
 
 
 def planning(function):
-    """`function` as the rules call it: a CtsegError becomes Snakemake's WorkflowError."""
+    """`function` as the rules call it: a CtsegError stops planning with its one line."""
 
     @functools.wraps(function)
     def call(*args, **kwargs):
         try:
             return function(*args, **kwargs)
         except CtsegError as exc:
-            raise WorkflowError(str(exc)) from exc
+            refuse(exc)
 
     return call
 
@@ -101,8 +108,8 @@ split_table = planning(RUNS.split_table)
 phase_gpus = planning(RUNS.phase_gpus)
 init_weights = planning(RUNS.init_weights)
 trial_summaries = planning(RUNS.trial_summaries)
-run_dir = layout.run_dir
-prediction = layout.prediction
+run_dir = functools.partial(layout.run_dir, root=ROOT)
+prediction = functools.partial(layout.prediction, root=ROOT)
 
 # Wildcard constraints: which runs each kind of rule can make (so that two rules never
 # claim the same results/<run>/... path).
@@ -116,6 +123,16 @@ ANY_RUN = RUN_PATTERNS["any"]
 wildcard_constraints:
     id=ID_REGEX,
     phase=r"\d+",
+
+
+# Every experiment and ensemble file, and the configured phase, checked when the workflow loads:
+# a bad one is one line naming its file, whatever the target.
+planning(RUNS.check_all)()
+if config["phase"] != "auto" and config["phase"] not in PHASES:
+    refuse(
+        f"config 'phase': {config['phase']} is not in {PHASES_FILE} (it defines "
+        f"{sorted(PHASES)}); choose one of them, or auto"
+    )
 
 
 @planning
@@ -138,7 +155,7 @@ def image_source(wildcards):
 def label_source(wildcards):
     label = RECORDS[wildcards.id]["label"]
     if not label:
-        raise WorkflowError(f"record {wildcards.id!r} has no label volume")
+        refuse(f"{DATASET_DIR}: record {wildcards.id!r} has no label volume")
     return label
 
 
@@ -202,7 +219,7 @@ def scratch_args(wildcards, input):
         manifest_dir=(
             None if config["stage"] == "per_job" else Path(input.manifest).parent
         ),
-        node_scratch=config["node_scratch"],
+        node_scratch=layout.scratch_root(config["node_scratch"], config["dataset"]),
         experiment=base,
         source=experiment(base)["source"] or STORE,
     )
@@ -268,3 +285,22 @@ def report_inputs(run):
 
 for _run in DEFAULT_RUNS:
     planning(RUNS.check_record_counts)(_run)
+
+
+@planning
+def training_notices():
+    """A line for each default trained run whose last.pt the plan keeps under another phase or
+    retrains for changed settings, before any job runs (ctseg.runs.Runs.training_notice).
+    """
+    for run in sorted({t for r in DEFAULT_RUNS for t in RUNS.trained_runs(r)}):
+        folder = Path(run_dir(run))
+        settings = folder / "train" / SETTINGS_JSON
+        if (folder / "last.pt").exists() and settings.exists():
+            notice = RUNS.training_notice(
+                run, config["phase"], read_run_settings(settings)
+            )
+            if notice:
+                print(f"ctseg: {notice}", file=sys.stderr)
+
+
+training_notices()

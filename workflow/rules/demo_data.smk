@@ -5,7 +5,7 @@ rule demo_data:
         images=[row["image"] for row in DEMO_RECORDS.values()],
         labels=[row["label"] for row in DEMO_RECORDS.values()],
     log:
-        "results/logs/demo_data.log",
+        f"{ROOT}/logs/demo_data.log",
     conda:
         "../../environment.yml"
     params:

@@ -8,9 +8,9 @@ rule tune_ensemble:
         probabilities=lambda wildcards: ensemble_tuning_inputs(wildcards.exp),
         labels=lambda wildcards: [label_file(i) for i in tune_ids(wildcards.exp)],
     output:
-        weights="results/{exp}/ensemble/weights.json",
+        weights=f"{ROOT}/{{exp}}/ensemble/weights.json",
     log:
-        "results/logs/tune_ensemble/{exp}.log",
+        f"{ROOT}/logs/tune_ensemble/{{exp}}.log",
     benchmark:
         bench("{exp}", "tune_ensemble")
     wildcard_constraints:
@@ -39,9 +39,9 @@ rule ensemble:
         ],
         weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
     output:
-        probabilities=directory("results/{exp}/probabilities/{id}.zarr"),
+        probabilities=directory(f"{ROOT}/{{exp}}/probabilities/{{id}}.zarr"),
     log:
-        "results/logs/ensemble/{exp}_{id}.log",
+        f"{ROOT}/logs/ensemble/{{exp}}_{{id}}.log",
     benchmark:
         bench("{exp}", "ensemble/{id}")
     wildcard_constraints:

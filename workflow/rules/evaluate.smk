@@ -6,14 +6,14 @@ rule tune_postprocess:
         labels=lambda wildcards: [label_file(i) for i in tune_ids(wildcards.exp)],
     output:
         settings=report(
-            "results/{exp}/postprocess/tuned.json",
+            f"{ROOT}/{{exp}}/postprocess/tuned.json",
             caption="../report/tuned.rst",
             category="Evaluation",
             subcategory="{exp}",
         ),
-        candidates="results/{exp}/postprocess/candidates.csv",
+        candidates=f"{ROOT}/{{exp}}/postprocess/candidates.csv",
     log:
-        "results/logs/tune_postprocess/{exp}.log",
+        f"{ROOT}/logs/tune_postprocess/{{exp}}.log",
     benchmark:
         bench("{exp}", "tune_postprocess")
     wildcard_constraints:
@@ -43,19 +43,19 @@ rule evaluate_run:
         labels=lambda wildcards: [label_file(i) for i in eval_ids(wildcards.exp)],
     output:
         scores=report(
-            "results/{exp}/evaluation/scores.csv",
+            f"{ROOT}/{{exp}}/evaluation/scores.csv",
             caption="../report/scores.rst",
             category="Evaluation",
             subcategory="{exp}",
         ),
         summary=report(
-            "results/{exp}/evaluation/summary.json",
+            f"{ROOT}/{{exp}}/evaluation/summary.json",
             caption="../report/summary.rst",
             category="Evaluation",
             subcategory="{exp}",
         ),
     log:
-        "results/logs/evaluate/{exp}.log",
+        f"{ROOT}/logs/evaluate/{{exp}}.log",
     benchmark:
         bench("{exp}", "evaluate")
     wildcard_constraints:

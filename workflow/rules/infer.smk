@@ -1,13 +1,13 @@
 rule infer:
     input:
-        weights="results/{exp}/last.pt",
+        weights=f"{ROOT}/{{exp}}/last.pt",
         image=IMAGE_STORE,
     output:
         # The model's output only: the mask comes from rule postprocess, whose settings may be
         # tuned on these probabilities (for the val split) without running the model again.
-        probabilities=directory("results/{exp}/probabilities/{id}.zarr"),
+        probabilities=directory(f"{ROOT}/{{exp}}/probabilities/{{id}}.zarr"),
     log:
-        "results/logs/infer/{exp}_{id}.log",
+        f"{ROOT}/logs/infer/{{exp}}_{{id}}.log",
     benchmark:
         bench("{exp}", "infer/{id}")
     wildcard_constraints:
@@ -39,13 +39,13 @@ rule infer:
 
 rule postprocess:
     input:
-        probabilities="results/{exp}/probabilities/{id}.zarr",
+        probabilities=f"{ROOT}/{{exp}}/probabilities/{{id}}.zarr",
         # tuned.json for infer.postprocess: tuned; nothing for fixed.
         settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
     output:
-        mask="results/{exp}/predictions/{id}.tif",
+        mask=f"{ROOT}/{{exp}}/predictions/{{id}}.tif",
     log:
-        "results/logs/postprocess/{exp}_{id}.log",
+        f"{ROOT}/logs/postprocess/{{exp}}_{{id}}.log",
     benchmark:
         bench("{exp}", "postprocess/{id}")
     wildcard_constraints:

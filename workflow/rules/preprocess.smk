@@ -4,9 +4,9 @@ rule convert_image:
     output:
         directory(IMAGE_STORE),
     log:
-        "results/logs/convert_image/{id}.log",
+        f"{ROOT}/logs/convert_image/{{id}}.log",
     benchmark:
-        "results/benchmarks/convert_image/{id}.tsv"
+        f"{ROOT}/benchmarks/convert_image/{{id}}.tsv"
     conda:
         "../../environment.yml"
     params:
@@ -27,9 +27,9 @@ rule convert_label:
     output:
         directory(LABEL_STORE),
     log:
-        "results/logs/convert_label/{id}.log",
+        f"{ROOT}/logs/convert_label/{{id}}.log",
     benchmark:
-        "results/benchmarks/convert_label/{id}.tsv"
+        f"{ROOT}/benchmarks/convert_label/{{id}}.tsv"
     conda:
         "../../environment.yml"
     params:
@@ -49,9 +49,9 @@ rule targets:
     output:
         directory(TARGET_STORE),
     log:
-        "results/logs/targets/{id}.log",
+        f"{ROOT}/logs/targets/{{id}}.log",
     benchmark:
-        "results/benchmarks/targets/{id}.tsv"
+        f"{ROOT}/benchmarks/targets/{{id}}.tsv"
     conda:
         "../../environment.yml"
     threads: config["targets"]["workers"]

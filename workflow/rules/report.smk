@@ -7,19 +7,19 @@ rule report:
         labels=[LABEL_STORE.format(id=i) for i in overlay_ids()],
     output:
         report(
-            "results/report.html",
+            f"{ROOT}/report.html",
             caption="../report/report.rst",
             category="Report",
         ),
     log:
-        "results/logs/report.log",
+        f"{ROOT}/logs/report.log",
     conda:
         "../../environment.yml"
     params:
         runs=" ".join(f"--run '{run_dir(run)}'" for run in DEFAULT_RUNS),
         overlays=rule_args.overlay_args(overlay_ids(), IMAGE_STORE, LABEL_STORE),
         # Timings of every job so far; the report lists the files it read.
-        benchmarks="results/benchmarks",
+        benchmarks=f"{ROOT}/benchmarks",
     shell:
         "ctseg report --out {output:q} {params.runs} {params.overlays} "
         "--benchmarks-dir {params.benchmarks:q} > {log:q} 2>&1"

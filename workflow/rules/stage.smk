@@ -2,9 +2,9 @@ rule split:
     input:
         DATASET_DIR / "train.csv",
     output:
-        "results/{exp}/split.csv",
+        f"{ROOT}/{{exp}}/split.csv",
     log:
-        "results/logs/split/{exp}.log",
+        f"{ROOT}/logs/split/{{exp}}.log",
     wildcard_constraints:
         exp=TRAINED_RUN,
     conda:
@@ -27,14 +27,14 @@ rule split:
 # One copy per experiment: its folds train on the same non-test records.
 rule stage_records:
     input:
-        split="results/{exp}/split.csv",
+        split=f"{ROOT}/{{exp}}/split.csv",
         # A remote source is already preprocessed; a local one is built by this workflow.
         images=lambda wildcards: local_store_inputs(wildcards.exp, IMAGE_STORE),
         targets=lambda wildcards: local_store_inputs(wildcards.exp, TARGET_STORE),
     output:
         manifest=f"{SCRATCH_ROOT}/{{exp}}/manifest.json",
     log:
-        "results/logs/stage/{exp}.log",
+        f"{ROOT}/logs/stage/{{exp}}.log",
     benchmark:
         bench("{exp}", "stage")
     wildcard_constraints:

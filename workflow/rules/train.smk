@@ -1,13 +1,13 @@
 rule train_trial:
     input:
         unpack(training_data),
-        split="results/{exp}/split.csv",
+        split=f"{ROOT}/{{exp}}/split.csv",
         previous=previous_trial,
     output:
-        summary="results/{exp}/phases/phase{phase}/summary.json",
-        steps="results/{exp}/phases/phase{phase}/steps.csv",
+        summary=f"{ROOT}/{{exp}}/phases/phase{{phase}}/summary.json",
+        steps=f"{ROOT}/{{exp}}/phases/phase{{phase}}/steps.csv",
     log:
-        "results/logs/train_trial/{exp}_phase{phase}.log",
+        f"{ROOT}/logs/train_trial/{{exp}}_phase{{phase}}.log",
     benchmark:
         bench("{exp}", "train_trial/phase{phase}")
     wildcard_constraints:
@@ -39,7 +39,9 @@ rule train_trial:
         previous=lambda wildcards, input: (
             f"--previous '{input.previous[0]}'" if input.previous else ""
         ),
+        keep_log=rule_args.KEEP_ATTEMPT_LOG,
     shell:
+        "{params.keep_log} {log:q} && "
         "{params.ctseg} trial --experiment {params.experiment:q} --phases {params.phases:q} "
         "--phase {wildcards.phase} {params.scratch} --split {input.split:q} "
         "--out {params.out:q} {params.previous} > {log:q} 2>&1"
@@ -60,19 +62,19 @@ rule trials:
 rule train_model:
     input:
         unpack(training_data),
-        split="results/{exp}/split.csv",
+        split=f"{ROOT}/{{exp}}/split.csv",
         trials=lambda wildcards: (
             trial_summaries(wildcards.exp) if config["phase"] == "auto" else []
         ),
         # A fine-tune's starting weights (init_from), trained first.
         init=lambda wildcards: init_weights(wildcards.exp),
     output:
-        weights="results/{exp}/last.pt",
-        steps="results/{exp}/train/steps.csv",
-        epochs="results/{exp}/train/epochs.csv",
-        settings="results/{exp}/train/settings.json",
+        weights=f"{ROOT}/{{exp}}/last.pt",
+        steps=f"{ROOT}/{{exp}}/train/steps.csv",
+        epochs=f"{ROOT}/{{exp}}/train/epochs.csv",
+        settings=f"{ROOT}/{{exp}}/train/settings.json",
     log:
-        "results/logs/train/{exp}.log",
+        f"{ROOT}/logs/train/{{exp}}.log",
     benchmark:
         bench("{exp}", "train")
     wildcard_constraints:
@@ -96,16 +98,21 @@ rule train_model:
         fold=lambda wildcards: rule_args.fold_arg(fold_of(wildcards.exp)),
         phases=PHASES_FILE,
         settings=lambda wildcards: train_settings(wildcards.exp),
-        phase=config["phase"],
+        # Not compared between runs: a phase changes how a run trains, not its result, so a
+        # last.pt trained under another phase is kept (common.smk prints a line saying so).
+        phase=rule_args.Untracked(config["phase"]),
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.steps).parent,
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
         state=lambda wildcards: f"{run_dir(wildcards.exp)}/checkpoints",
         init=lambda wildcards, input: rule_args.init_arg(input.init),
+        # Every attempt's log, kept in <log>.attempts/: a stopped job is resubmitted.
+        keep_log=rule_args.KEEP_ATTEMPT_LOG,
     # exec: ctseg replaces the shell, so a scheduler's SIGTERM reaches it and not a bash that
     # would die at once; it finishes the step, checkpoints and exits 75 (docs/cluster.md).
     shell:
+        "{params.keep_log} {log:q} && "
         "exec {params.ctseg} train --experiment {params.experiment:q} {params.fold} "
         "--phases {params.phases:q} --phase {params.phase} --trials {input.trials:q} "
         "{params.scratch} --split {input.split:q} --out {params.out:q} "

@@ -1,0 +1,46 @@
+"""ctseg.console: the lines the workflow prints when it ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ctseg.console import failed_job_errors, headline
+
+
+def test_failed_jobs_show_ctseg_s_message_or_the_exception(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    (logs / "convert_image").mkdir(parents=True)
+    (logs / "train").mkdir()
+    convert = logs / "convert_image" / "a.log"
+    convert.write_text("reading a.tif\nctseg convert: error: a.tif: not a TIFF file\n")
+    crash = logs / "train" / "r.log"
+    crash.write_text("Traceback (most recent call last):\n  File x\nRuntimeError: CUDA OOM\n")
+    fine = logs / "convert_image" / "b.log"
+    fine.write_text("converted b.tif\n")
+    old = logs / "convert_image" / "c.log"
+    old.write_text("ctseg convert: error: an earlier run's failure\n")
+    since = time.time() - 60
+    os.utime(old, (since - 100, since - 100))
+    assert failed_job_errors(logs, since) == [
+        f"{convert}: ctseg convert: error: a.tif: not a TIFF file",
+        f"{crash}: RuntimeError: CUDA OOM",
+    ]
+    assert failed_job_errors(tmp_path / "none", since) == []
+
+
+def test_the_headline_names_the_report_and_each_run_s_score(tmp_path: Path) -> None:
+    report = tmp_path / "report.html"
+    run = tmp_path / "exp001"
+    (run / "evaluation").mkdir(parents=True)
+    summary = {"volumes": 2, "mean_score": 0.61234, "provenance": {"scored_on": "test_split"}}
+    (run / "evaluation" / "summary.json").write_text(json.dumps(summary))
+    assert headline(report, [("exp001", run)]) == []  # no report, nothing to point at
+    report.write_text("<html></html>")
+    assert headline(report, [("exp001", run), ("missing", tmp_path / "missing")]) == [
+        f"report: {report}",
+        "exp001: score 0.6123, the mean over 2 volume(s) (test_split); the competition score "
+        "is 1.0 for a perfect mask",
+    ]

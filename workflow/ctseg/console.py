@@ -1,0 +1,66 @@
+"""What the workflow prints on the console when it ends: ctseg's own message of each failed job
+(a job's console output goes to its log, so Snakemake alone shows only a traceback of the shell
+command and the log's path), and on success where the report is and the score each run got.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+# The one line `ctseg <step>` prints for a CtsegError (ctseg.cli.main), and what Python prints
+# last for an exception nothing caught.
+CTSEG_ERROR = re.compile(r"^ctseg [\w-]+: error: .+")
+PYTHON_ERROR = re.compile(r"^\w+(Error|Exception)\b.*")
+
+
+def _last_error(log: Path) -> str | None:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if CTSEG_ERROR.match(line) or PYTHON_ERROR.match(line):
+            return line.strip()
+    return None
+
+
+def failed_job_errors(log_dir: Path, since: float) -> list[str]:
+    """``<log>: <message>`` for every log under `log_dir` written since `since` (a time.time())
+    whose last error line is ctseg's one-line message or an uncaught exception."""
+    found = []
+    for log in sorted(Path(log_dir).rglob("*.log")):
+        try:
+            if log.stat().st_mtime < since:
+                continue
+        except OSError:
+            continue
+        message = _last_error(log)
+        if message is not None:
+            found.append(f"{log}: {message}")
+    return found
+
+
+def headline(report: Path, runs: Sequence[tuple[str, Path]]) -> list[str]:
+    """The report's path, then each run's mean competition score and what it is a mean of,
+    read from its evaluation/summary.json (`runs`: (name, run directory))."""
+    if not Path(report).exists():
+        return []
+    lines = [f"report: {report}"]
+    for name, directory in runs:
+        summary = Path(directory) / "evaluation" / "summary.json"
+        try:
+            data = json.loads(summary.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        score = data.get("mean_score")
+        if not isinstance(score, int | float):
+            continue
+        scored = (data.get("provenance") or {}).get("scored_on", "volumes")
+        lines.append(
+            f"{name}: score {score:.4f}, the mean over {data.get('volumes', '?')} volume(s) "
+            f"({scored}); the competition score is 1.0 for a perfect mask"
+        )
+    return lines
