@@ -86,8 +86,12 @@ def test_precompute_targets_end_to_end(workflow_dir: Path):
 def test_default_target_runs_the_whole_demo_with_phase_auto(workflow_dir: Path):
     """`snakemake` from nothing: demo TIFFs, targets, stage, trials, train, infer, evaluate,
     report; then `snakemake --report` over the same run."""
-    run_snakemake(workflow_dir, "--config", "experiment=tiny", "phase=auto")
+    proc = run_snakemake(workflow_dir, "--config", "experiment=tiny", "phase=auto")
     results = workflow_dir / "results"
+    # It ends by saying where the report is and what the run scored.
+    ending = proc.stdout.splitlines()[-2:]
+    assert ending[0] == "ctseg: report: results/report.html"
+    assert ending[1].startswith("ctseg: tiny: score 0.") and "(demo_test_volumes)" in ending[1]
     split = pd.read_csv(results / "tiny" / "split.csv", dtype={"id": str})
     assert set(split["split"]) == {"train", "val"}
 
