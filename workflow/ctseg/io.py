@@ -11,6 +11,8 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
+import math
 import os
 import re
 import shutil
@@ -18,6 +20,9 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 # atomic_path names its temporaries ".<name>.tmp-<pid>-<8 hex>".
@@ -262,3 +267,24 @@ def _settle_zarr_writes(timeout: float = 30.0) -> None:
 
     with contextlib.suppress(Exception):
         zarr_sync.sync(drain(), timeout=timeout)
+
+
+# --------------------------------------------------------------------------- strict JSON
+
+
+def finite_or_none(value: object) -> object:
+    """`value` with every non-finite float (NaN, inf; numpy's too) replaced by None, in nested
+    dicts, lists and tuples: what strict JSON can hold."""
+    if isinstance(value, float | np.floating):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def strict_json(value: object, **kwargs: Any) -> str:
+    """`json.dumps` of `value` as strict JSON: null for a non-finite number (not NaN, which
+    strict parsers refuse); the keyword arguments are json.dumps's."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
