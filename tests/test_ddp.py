@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -320,15 +321,20 @@ def test_only_rank_0_writes(runs: dict) -> None:
     ]
     assert saved == ["resume.pt", "last.pt"]  # epoch 1's checkpoint, then the weights
     files = sorted(str(p.relative_to(runs["dir"])) for p in runs["dir"].rglob("*") if p.is_file())
+    # An event file is named by its time, host and pid: one per attempt, stopped then resumed.
+    files = [re.sub(r"tfevents\..*", "tfevents.*", name) for name in files]
     assert files == [
         "checkpoints/epochs.csv",
         "checkpoints/resume.previous.pt",  # epoch 0's checkpoint, kept by epoch 1's save
         "checkpoints/resume.pt",
         "checkpoints/steps.csv",
         "last.pt",
+        "progress.png",  # the live view (ctseg.training.live_view), drawn every epoch
         "settings/phases.yaml",  # the settings files and split.csv are this test's inputs
         "settings/tddp.yaml",
         "split.csv",
+        "tensorboard/events.out.tfevents.*",
+        "tensorboard/events.out.tfevents.*",
         "train/epochs.csv",
         "train/settings.json",  # what the run was trained with (the report's settings)
         "train/steps.csv",

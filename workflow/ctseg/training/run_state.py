@@ -76,6 +76,7 @@ class Run:
     epoch_rows: list[dict[str, Any]] = field(default_factory=list)  # this epoch's, for its row
     epochs_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
     peak_rss_mb: float = 0.0
+    live: Any = None  # rank 0's TensorBoard writer and progress plot (ctseg.training.live_view)
 
     @property
     def weights(self) -> torch.nn.Module:
