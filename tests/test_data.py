@@ -21,7 +21,7 @@ from ctseg.data import augment as aug
 from ctseg.data.device_batches import DevicePrefetcher, to_device
 from ctseg.data.loader import build_loader
 from ctseg.data.packing import SAMPLE_KEYS
-from ctseg.data.patches import PatchDataset
+from ctseg.data.patches import LABELLED_TRIES, PatchDataset
 from ctseg.io import CtsegError
 from ctseg.preprocess.targets import SKELETON_HALO, targets_reference
 from ctseg.store import create_in_group, create_volume, pack_masks
@@ -550,3 +550,45 @@ def test_device_prefetcher_cpu_passthrough(scratch):
         expected = to_device(batch, "cpu")
         for key in ("image", "label", "sdt", "tube"):
             assert torch.equal(got[key], expected[key]), key
+
+
+# ----------------------------------------------------------------------------- labelled patches
+
+
+@pytest.mark.parametrize("fmt", ["raw", "zarr"])
+def test_no_patch_without_a_labelled_voxel(tmp_path, fmt):
+    """A volume labelled only in one corner: a uniform centre mostly lands on an all-ignore patch
+    (a step on it has every loss term and the gradient exactly 0). Such patches are redrawn, the
+    rest are untouched, and sample i is still a function of (seed, i) alone."""
+    image, label = volumes()["b"]
+    label = label.copy()
+    label[:, 20:, :] = 2
+    label[:, :, 20:] = 2  # labelled: y < 20 and x < 20, a quarter of each slice or less
+    write_record(tmp_path, "corner", label, image, fmt)
+    kw = {"ids": ("corner",), "fg_fraction": 0.0, "length": 80}
+    ds = dataset({fmt: tmp_path}, fmt, augment=AUGMENT, **kw)
+    plans = [ds.plan(i) for i in range(ds.length)]
+    assert sum(p.redrawn > 0 for p in plans) >= 10, "the volume should have unlabelled windows"
+    for i, plan in enumerate(plans):
+        sample = ds[i]
+        assert (sample["ignore"] == 0).any(), i
+        assert plan.redrawn <= LABELLED_TRIES + 1
+    # A fresh dataset (another process, another worker count) draws the same samples.
+    again = dataset({fmt: tmp_path}, fmt, augment=AUGMENT, **kw)
+    for i in range(0, ds.length, 7):
+        plan = again.plan(i)
+        assert (plan.start, plan.geometry, plan.redrawn) == (
+            plans[i].start,
+            plans[i].geometry,
+            plans[i].redrawn,
+        )
+        assert_same(ds[i], again[i])
+    # A sample whose first patch is labelled is what it always was: its plan on the same
+    # volume fully labelled (no redraw possible) is the same.
+    write_record(tmp_path, "full", volumes()["b"][1], image, fmt)
+    full = dataset({fmt: tmp_path}, fmt, augment=AUGMENT, **{**kw, "ids": ("full",)})
+    kept = [i for i, p in enumerate(plans) if p.redrawn == 0]
+    assert kept
+    for i in kept:
+        first = full.plan(i)
+        assert first.start == plans[i].start and first.geometry == plans[i].geometry

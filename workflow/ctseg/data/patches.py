@@ -13,6 +13,11 @@ workers, and a run resumes by starting the sampler at the next index (`ctseg.dat
 
 Padding outside the volume: image 0, label 2 (so ``ignore`` 1: the loss must skip voxels that do
 not exist), skeleton and tube 0, sdt +clip_distance (outside the foreground).
+
+No patch without a labelled voxel: every loss term is masked by ``ignore``, so a patch that is all
+ignore (unlabelled, or outside the volume) gives a loss of exactly 0 and no gradient, and a batch
+of such patches would spend an optimizer step on nothing. `PatchDataset.plan` redraws such a
+patch's centre (see there); sample `i` stays a pure function of `(seed, i)`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from ctseg.layout import SCRATCH_FORMATS, TARGET_PARAM_KEYS, ScratchRecord, open
 from ctseg.store import MASK_BITS
 
 MASK_PAD = MASK_BITS["ignore"]  # label 2 outside the volume
+# Redraws of a centre whose patch holds no labelled voxel, uniform over the volume, before the
+# last resort of a foreground location.
+LABELLED_TRIES = 16
 
 
 def _write_window(
@@ -83,6 +91,7 @@ class SamplePlan:
     start: tuple[int, int, int]  # patch corner in volume coordinates (may lie outside)
     geometry: aug.Geometry
     intensity: np.ndarray  # the `aug` vector, see ctseg.data.augment.AUG_FIELDS
+    redrawn: int = 0  # centres redrawn because the patch held no labelled voxel
 
 
 class PatchDataset(Dataset):
@@ -268,14 +277,44 @@ class PatchDataset(Dataset):
             centre = fg[rng.integers(len(fg))]
         else:
             centre = rng.integers(0, record.shape)
-        start = np.asarray(centre, np.int64) - np.array(self.patch_size) // 2
+        half = np.array(self.patch_size) // 2
+        geometry = aug.draw_geometry(rng, self.patch_size, self.augment)
+        intensity = aug.draw_intensity(rng, self.augment.get("intensity"))
+        # A patch without a labelled voxel is redrawn: a new centre from its own generator
+        # ([seed, index, try]), so a sample whose first patch is labelled is exactly what it was,
+        # and the geometry and intensity draws stay those of the first.
+        redrawn = 0
+        while not self._labelled(record, np.asarray(centre, np.int64) - half, geometry):
+            redrawn += 1
+            retry = np.random.default_rng([self.seed, index, redrawn])
+            if redrawn <= LABELLED_TRIES:
+                centre = retry.integers(0, record.shape)
+            elif len(fg) and redrawn == LABELLED_TRIES + 1:
+                centre = fg[retry.integers(len(fg))]  # a foreground voxel is labelled
+            else:
+                break  # a volume with no labelled voxel within reach: keep the last patch
+        start = np.asarray(centre, np.int64) - half
         return SamplePlan(
             index=index,
             record=k,
             start=tuple(int(s) for s in start),
-            geometry=aug.draw_geometry(rng, self.patch_size, self.augment),
-            intensity=aug.draw_intensity(rng, self.augment.get("intensity")),
+            geometry=geometry,
+            intensity=intensity,
+            redrawn=redrawn,
         )
+
+    def _labelled(self, record: ScratchRecord, start: np.ndarray, geometry: aug.Geometry) -> bool:
+        """Whether the patch at `start` under `geometry` holds a voxel whose ignore flag is clear,
+        judged on the patch exactly as `_write` makes it (padding and warps included)."""
+        if record.masks is not None:
+            source, fill, flag = record.masks, MASK_PAD, MASK_PAD
+        else:
+            source, fill, flag = record.planes["ignore"], 1, None
+        patch = np.empty(self.patch_size, source.dtype)
+        self._patch(patch, source, (0, 0, 0), start, fill, 0, geometry)
+        if flag is None:
+            return not bool(patch.all())
+        return not bool(np.all(patch & flag))
 
     def _write(self, plan: SamplePlan, out: Mapping[str, np.ndarray]) -> None:
         """Read, pad and augment the sample of `plan` into `out` (`PackedLayout.arrays`)."""
