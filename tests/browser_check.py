@@ -1,10 +1,13 @@
-"""Load an HTML report in headless Chromium, check that its images render, save a screenshot.
+"""Load an HTML report in headless Chromium, check that its images render and that every
+table fits a 1400 px window, save a screenshot.
 
 Usage: python tests/browser_check.py report.html screenshot.png
 
 The report carries a tiny inline script that, once the page has loaded, draws each image onto
 a canvas and writes how many rendered onto ``<body data-images-ok data-images-total>``;
-``--dump-dom`` prints the DOM after scripts ran, so the counts come back without DevTools.
+``--dump-dom`` prints the DOM after scripts ran, so the counts come back without DevTools. The
+same script writes how many tables reach past the page's width (``data-tables-wide``), which
+`table_widths` reads in a window of `WINDOW_WIDTH` px.
 
 Chromium is Debian's ``chromium`` package; see `INSTALL_HINT` (a font package too, since
 without recommends none may come with it). Set ``CHROMIUM`` to use another binary.
@@ -73,21 +76,52 @@ def _run(chromium: str, args: list[str], timeout: float) -> str:
     return done.stdout
 
 
-def image_counts(chromium: str, page: Path, timeout: float = 120) -> tuple[int, int]:
-    """(images that rendered, images in the page), as the page's own check recorded them."""
+WINDOW_WIDTH = 1400  # the window every table must fit (issue 25: a laptop's browser)
+
+
+def _body_attrs(chromium: str, page: Path, timeout: float, width: int) -> dict[str, str]:
+    """The data-* attributes the page's script wrote on <body>, in a window `width` px wide."""
     # Virtual time lets the load event run before the DOM dump, however busy the machine.
     dom = _run(
-        chromium, ["--virtual-time-budget=15000", "--dump-dom", page.resolve().as_uri()], timeout
+        chromium,
+        [
+            f"--window-size={width},900",
+            "--virtual-time-budget=15000",
+            "--dump-dom",
+            page.resolve().as_uri(),
+        ],
+        timeout,
     )
     body = re.search(r"<body[^>]*>", dom)
     if body is None:
         raise BrowserCheckError(f"{page}: no <body> in chromium's DOM dump")
-    attrs = dict(re.findall(r'data-images-(\w+)="([^"]*)"', body.group(0)))
-    if attrs.get("checked") != "done":
+    attrs = dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(0)))
+    if attrs.get("images-checked") != "done":
         raise BrowserCheckError(
             f"{page}: the page's image check did not run (body tag: {body.group(0)[:300]})"
         )
-    return int(attrs["ok"]), int(attrs["total"])
+    return attrs
+
+
+def image_counts(chromium: str, page: Path, timeout: float = 120) -> tuple[int, int]:
+    """(images that rendered, images in the page), as the page's own check recorded them."""
+    attrs = _body_attrs(chromium, page, timeout, WINDOW_WIDTH)
+    return int(attrs["images-ok"]), int(attrs["images-total"])
+
+
+def table_widths(
+    chromium: str, page: Path, width: int = WINDOW_WIDTH, timeout: float = 120
+) -> dict[str, Any]:
+    """In a window `width` px wide: the page's width, its tables, how many reach past the page
+    and the right edge of the widest, as the page's script measured them."""
+    attrs = _body_attrs(chromium, page, timeout, width)
+    keys = ("page-width", "tables-total", "tables-wide", "tables-widest")
+    if not all(k in attrs for k in keys):
+        raise BrowserCheckError(f"{page}: the page's table check did not run ({attrs})")
+    widths: dict[str, Any] = {k.replace("-", "_"): int(attrs[k]) for k in keys}
+    if "tables-first-wide" in attrs:  # the first header cell of the first table too wide
+        widths["first_wide"] = attrs["tables-first-wide"]
+    return widths
 
 
 def screenshot(
@@ -132,6 +166,14 @@ def check_page(page: Path, png: Path, timeout: float = 120) -> dict[str, Any]:
     dom_s = time.perf_counter() - start
     if total == 0 or ok != total:
         raise BrowserCheckError(f"{page}: {ok} of {total} images decoded in chromium")
+    widths = table_widths(chromium, page, timeout=timeout)
+    if widths["tables_wide"]:
+        raise BrowserCheckError(
+            f"{page}: {widths['tables_wide']} of {widths['tables_total']} tables are wider than "
+            f"the page in a {WINDOW_WIDTH} px window (widest ends at "
+            f"{widths['tables_widest']} px of {widths['page_width']}; the first is headed "
+            f"{widths.get('first_wide')!r})"
+        )
     start = time.perf_counter()
     screenshot(chromium, page, png, timeout=timeout)
     shot_s = time.perf_counter() - start
@@ -139,6 +181,7 @@ def check_page(page: Path, png: Path, timeout: float = 120) -> dict[str, Any]:
         "chromium": chromium,
         "images_ok": ok,
         "images_total": total,
+        **widths,
         "dump_dom_s": round(dom_s, 2),
         "screenshot_s": round(shot_s, 2),
         "screenshot": str(png),

@@ -185,3 +185,10 @@ def test_knob_follows_the_largest_class_and_the_phase():
     assert "fused_optimizer" in knob("optimizer", "cuda", {})
     assert "bf16" in knob("conv backward", "cuda", {"precision": "fp32"})
     assert "channels_last" in knob("conv forward", "cuda", {"precision": "bf16"})
+
+
+def test_a_cpu_profile_gives_no_gpu_advice() -> None:
+    for precision in ("fp32", "bf16"):
+        advice = knob("conv forward", "cpu", {"precision": precision})
+        assert "tensor cores" not in advice and "cuDNN" not in advice and "bf16" not in advice
+        assert "CPU" in advice

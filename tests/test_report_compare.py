@@ -200,7 +200,14 @@ def make_runs(root: Path) -> dict:
     write_scores(
         ens / "evaluation",
         {"v1": (0.92, 0.42, 0.62)},
-        {"scored_split": "test", "weights_tuned_on": "val"},
+        # members and weights: as the evaluate rule records them for an ensemble (ctseg.runs)
+        {
+            "scored_split": "test",
+            "weights_tuned_on": "val",
+            "kind": "ensemble",
+            "members": "exp001,exp001_full",
+            "weights": "2,1",
+        },
     )
     write_bench(ens, {"ensemble/v1": 30, "evaluate": 60})
     for record_id, shift in (("v1", -1), ("v2", 2)):
@@ -280,20 +287,27 @@ def test_comparison_table_is_the_files_numbers(rendered):
     exp = table["exp001"]
     steps = pd.read_csv(results / "exp001/train/steps.csv")
     assert exp["steps"] == "40" == str(len(steps))
-    assert exp["val Dice (last epoch)"] == "0.655"
+    assert exp["val Dice (patches, last epoch)"] == "0.655"
     assert exp["samples/s (mean)"] == fmt(steps["samples_per_s"].mean())  # 5.05
     assert exp["phase"] == "1 (auto)" and exp["train device"] == "cuda:0"  # as printed
     # Job hours: 3600 + 1800 + 360 + 720 s. GPU-hours: train x 2 GPUs (world_size in its log)
     # + train_trial + infer; evaluate holds no GPU.
-    assert exp["job hours"] == "1.80"
-    assert exp["GPU-hours"] == fmt((2 * 3600 + 1800 + 360) / 3600)
+    assert exp["job hours (with members)"] == "1.80"
+    assert exp["GPU-hours (with members)"] == fmt((2 * 3600 + 1800 + 360) / 3600)
     full = table["exp001_full"]
-    assert full["steps"] == "60" and full["val Dice (last epoch)"] == "0.700"
+    assert full["steps"] == "60" and full["val Dice (patches, last epoch)"] == "0.700"
     assert full["phase"] == full["train device"] == "not recorded"  # no train log
-    assert full["GPU-hours"] == fmt((7200 + 180) / 3600)
+    assert full["GPU-hours (with members)"] == fmt((7200 + 180) / 3600)
+    # The ensemble's row counts its members' training: its own 90 s, then theirs.
     ens = table["ens1"]
-    assert ens["steps"] == ens["phase"] == ens["val Dice (last epoch)"] == "no training"
-    assert ens["job hours"] == fmt(90 / 3600) and ens["GPU-hours"] == "0"
+    trained = "2 members trained"
+    assert ens["steps"] == ens["phase"] == ens["val Dice (patches, last epoch)"] == trained
+    job_s = 90 + (3600 + 1800 + 360 + 720) + (7200 + 180)
+    gpu_s = (2 * 3600 + 1800 + 360) + (7200 + 180)
+    assert ens["job hours (with members)"] == (
+        f"{fmt(job_s / 3600)} (own {fmt(90 / 3600)} + 2 members)"
+    )
+    assert ens["GPU-hours (with members)"] == f"{fmt(gpu_s / 3600)} (own 0 + 2 members)"
 
 
 def test_each_row_names_its_files(rendered):
@@ -312,7 +326,15 @@ def test_each_row_names_its_files(rendered):
     ):
         assert name in items["exp001"], name
     assert "results/ens1/benchmarks/ensemble/v1.tsv" in items["ens1"]
-    assert "exp001" not in items["ens1"].replace("results/ens1", "")
+    # Besides its own files, the ensemble's row reads its members' timings (and nothing else).
+    others = re.findall(r"<code>([^<]+)</code>", items["ens1"].replace("results/ens1/", "ENS/"))
+    member_files = [f for f in others if not f.startswith("ENS/")]
+    assert "results/exp001_full/benchmarks/train.tsv" in member_files
+    assert all(
+        f.startswith(("results/exp001/benchmarks/", "results/exp001_full/benchmarks/"))
+        or f == "results/logs/train/exp001.log"
+        for f in member_files
+    ), member_files
     files = block(page, "sources")
     assert "results/exp001_full/evaluation/summary.json" in files
     assert "results/logs/train/exp001.log" in files
@@ -506,7 +528,7 @@ def test_a_run_without_results_says_what_is_missing(tmp_path):
     build_runs_report(out, [tmp_path / "results" / "bare"], root=tmp_path)
     page = out.read_text()
     row = comparison(page)["bare"]
-    assert row["n volumes"] == row["score (mean ± std)"] == row["job hours"] == "n/a"
+    assert row["n volumes"] == row["score (mean ± std)"] == row["job hours (with members)"] == "n/a"
     assert row["fitted on them"] == "not recorded"
     assert "Scored volumes: not found (<code>results/bare/evaluation/scores.csv</code>)" in page
     assert "Evaluation means: not found (<code>results/bare/evaluation/summary.json" in page

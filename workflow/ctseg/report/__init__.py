@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ctseg.io import CtsegError, atomic_path
-from ctseg.report.compare import comparison_section, read_run
+from ctseg.report.compare import RunFacts, comparison_section, members_block, read_run
 from ctseg.report.markup import Sources, esc
 from ctseg.report.overlays import Overlay, Volume, overlay_section, runs_overlay_section
 from ctseg.report.page import anchor, nest, page, sources_section
@@ -93,7 +93,7 @@ def build_report(
     _write(out_html, page(title, experiment, sections))
 
 
-def _run_sections(run: Run, src: Sources) -> str:
+def _run_sections(run: Run, src: Sources, facts: RunFacts | None = None) -> str:
     """One run's own sections, as the one-run page has them, nested under the run's heading."""
     parts = []
     if run.trained:
@@ -108,6 +108,8 @@ def _run_sections(run: Run, src: Sources) -> str:
             "(an ensemble of other runs, or a cross-validation's out-of-fold collection of its "
             "folds' predictions), so it has no phase trials or loss curves.</p>"
         )
+        if facts is not None and facts.members:
+            parts.append(members_block(facts))
     parts += [
         evaluation_section(run.evaluation_dir, src),
         provenance_block(read_provenance(run, src)),
@@ -145,7 +147,7 @@ def build_runs_report(
         comparison_section(facts),
         settings_section(loaded, src),
         runs_overlay_section(overlays, [(r.name, r.predictions_dir) for r in loaded], src),
-        *(_run_sections(run, src) for run in loaded),
+        *(_run_sections(run, src, f) for run, f in zip(loaded, facts, strict=True)),
         timing_section(benchmarks_dir, src, "Shared timings (jobs of no run: preprocessing)"),
         sources_section(src),
     ]

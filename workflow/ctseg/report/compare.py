@@ -9,7 +9,13 @@ Each cell is read from the run's own files (named under the table, run by run):
 - val Dice: the last row of ``train/epochs.csv``; steps: the rows of ``train/steps.csv`` (one
   per optimizer step); samples/s: their mean;
 - phase and device: what ``ctseg train`` printed into its log (`runs.train_log_facts`);
-- job hours and GPU-hours: the run's Snakemake benchmark TSVs (`timings.run_hours`).
+- job hours and GPU-hours: the run's Snakemake benchmark TSVs (`timings.run_hours`); a
+  cross-validation's or an ensemble's row adds those of its members (its folds, or the runs it
+  averages), named by the ``members`` of its ``evaluation/summary.json`` provenance (the
+  workflow records them) and read from their own folders beside it, ``results/<member>/``.
+
+`members_block` shows a combined run's members, each one's weight (the provenance's
+``weights``, or ``ensemble/weights.json`` for tuned weights) and hours.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from matplotlib.figure import Figure
 
 from ctseg.formatting import fmt, num
 from ctseg.io import CtsegError
-from ctseg.report.markup import Sources, esc, missing, png, read_table, table
+from ctseg.report.markup import Sources, esc, missing, png, read_json, read_table, table
 from ctseg.report.provenance import Provenance, read_provenance
-from ctseg.report.runs import Run, train_log_facts
+from ctseg.report.runs import Run, run_from_dir, train_log_facts
 from ctseg.report.timings import GPU_RULES, RunHours, run_hours
+from ctseg.report.training import unlabelled_note, unlabelled_steps
 from ctseg.summaries import STEP_REQUIRED
 
 # scores.csv column -> header: the competition score and its three terms.
@@ -50,6 +57,25 @@ class RunFacts:
     log: dict[str, Any] = field(default_factory=dict)
     hours: RunHours = RunHours(None, None, 0, ())
     files: list[str] = field(default_factory=list)
+    members: list[Member] = field(default_factory=list)  # a combined run's, in its order
+    weights_note: str = ""  # where the members' weights come from
+
+    @property
+    def total_hours(self) -> tuple[float | None, float | None]:
+        """(job, GPU) seconds of the run and its members together."""
+        job = [h for h in (self.hours.job_s, *(m.hours.job_s for m in self.members)) if h]
+        gpu = [h for h in (self.hours.gpu_s, *(m.hours.gpu_s for m in self.members)) if h]
+        return (sum(job) if job else None, sum(gpu) if gpu else None)
+
+
+@dataclass
+class Member:
+    """One member of a cross-validation or an ensemble: its folder, weight and hours."""
+
+    name: str
+    directory: Path
+    weight: str = "not recorded"
+    hours: RunHours = RunHours(None, None, 0, ())
 
 
 def _read_scores(path: Path) -> pd.DataFrame:
@@ -89,7 +115,45 @@ def read_run(run: Run, src: Sources) -> RunFacts:
     gpus = int(num(facts.log.get("world_size")) or 1)
     facts.hours = run_hours(run.benchmarks_dir, src, train_gpus=gpus)
     facts.files += facts.hours.files
+    _read_members(facts, src)
     return facts
+
+
+def _listed(value: Any) -> list[str]:
+    return [v.strip() for v in str(value).split(",") if v.strip()] if value else []
+
+
+def _read_members(facts: RunFacts, src: Sources) -> None:
+    """A combined run's members (provenance ``members``), their weights and their hours."""
+    run, recorded = facts.run, facts.provenance.recorded
+    names = _listed(recorded.get("members"))
+    if not names or run.directory is None:
+        return
+    weights = _listed(recorded.get("weights"))
+    weights_json = run.directory / "ensemble" / "weights.json"
+    if weights_json.exists():
+        data = read_json(weights_json)
+        chosen = dict(zip(data.get("members") or [], data.get("weights") or [], strict=False))
+        weights = [fmt(chosen.get(n)) for n in names]
+        facts.weights_note = f"tuned: {src.use(weights_json)}"
+        facts.files.append(src.rel(weights_json))
+    elif weights == ["tuned"]:
+        weights, facts.weights_note = [], "tuned, but ensemble/weights.json is not there"
+    elif weights:
+        facts.weights_note = "as the ensemble file sets them (evaluation/summary.json provenance)"
+    for i, name in enumerate(names):
+        member = Member(name, run.directory.parent / name)
+        if i < len(weights):
+            member.weight = weights[i]
+        if member.directory.is_dir():
+            member_run = run_from_dir(member.directory)
+            log, log_path = train_log_facts(member_run)
+            if log and log_path is not None:
+                facts.files.append(src.use(log_path))
+            gpus = int(num(log.get("world_size")) or 1)
+            member.hours = run_hours(member_run.benchmarks_dir, src, train_gpus=gpus)
+            facts.files += member.hours.files
+        facts.members.append(member)
 
 
 def _spread(scores: pd.DataFrame | None, column: str) -> str:
@@ -117,24 +181,33 @@ def _hours(seconds: float | None) -> str:
     return fmt(None if seconds is None else seconds / 3600)
 
 
+def _total(total: float | None, own: float | None, members: int) -> str:
+    if not members:
+        return _hours(own)
+    return f"{_hours(total)} (own {_hours(own)} + {members} members)"
+
+
 def comparison_row(facts: RunFacts) -> list[str]:
     verdict, _ = facts.provenance.fitted()
     steps = facts.steps
     n = "n/a" if facts.scores is None else str(len(facts.scores))
     trained = facts.run.trained
+    job_s, gpu_s = facts.total_hours
+    members = len(facts.members)
+    untrained = f"{members} members trained" if members else "no training"
     return [
         facts.run.name,
         facts.provenance.scored_split,
         n,
         verdict,
         *(_spread(facts.scores, column) for column in SCORE_TERMS),
-        fmt(_last(facts.epochs, "val_dice"), 3) if trained else "no training",
-        fmt(len(steps)) if steps is not None else ("n/a" if trained else "no training"),
-        _phase(facts.log) if trained else "no training",
-        str(facts.log.get("device", "not recorded")) if trained else "no training",
+        fmt(_last(facts.epochs, "val_dice"), 3) if trained else untrained,
+        fmt(len(steps)) if steps is not None else ("n/a" if trained else untrained),
+        _phase(facts.log) if trained else untrained,
+        str(facts.log.get("device", "not recorded")) if trained else untrained,
         fmt(steps["samples_per_s"].mean()) if steps is not None else "n/a",
-        _hours(facts.hours.job_s),
-        _hours(facts.hours.gpu_s),
+        _total(job_s, facts.hours.job_s, members),
+        _total(gpu_s, facts.hours.gpu_s, members),
     ]
 
 
@@ -144,17 +217,38 @@ HEADER = [
     "n volumes",
     "fitted on them",
     *(f"{name} (mean ± std)" for name in SCORE_TERMS.values()),
-    "val Dice (last epoch)",
+    "val Dice (patches, last epoch)",
     "steps",
     "phase",
     "train device",
     "samples/s (mean)",
-    "job hours",
-    "GPU-hours",
+    "job hours (with members)",
+    "GPU-hours (with members)",
 ]
 
 
+# What the two Dice figures of the page are (ctseg.training.validation, ctseg.evaluation.metrics).
+DICE_NOTE = (
+    "<p class='note'><em>val Dice</em> and the score columns measure different things on "
+    "different volumes. val Dice (<code>train/epochs.csv</code>) is computed during training: "
+    "the hard voxel Dice of the network's raw output (logit above 0, no post-processing) on "
+    "a fixed set of <code>train.val_batches</code> random patches of the <em>val</em> volumes, "
+    "over their labelled voxels only; with few patches it is noisy, and it drives nothing but "
+    "the curve. The score and SurfaceDice columns (<code>evaluation/scores.csv</code>) are the "
+    "competition's metric on whole <em>scored</em> volumes (the scored split: test, or val / "
+    "out-of-fold where there is no test split), after post-processing: SurfaceDice counts "
+    "surface points within 2 voxels of the label's surface as matched, so it reads well above "
+    "a voxel Dice of the same mask. Compare runs by the score columns.</p>"
+)
+
 LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _loss_steps(item: RunFacts) -> pd.DataFrame:
+    """The steps drawn: those on patches without a labelled voxel left out (`unlabelled_steps`)."""
+    steps = item.steps
+    assert steps is not None
+    return steps[~unlabelled_steps(steps)]
 
 
 def _loss_figure(facts: Sequence[RunFacts]) -> Figure | None:
@@ -172,7 +266,7 @@ def _loss_figure(facts: Sequence[RunFacts]) -> Figure | None:
     for (colour, style), item in zip(styles, facts, strict=True):
         if item.steps is None:
             continue
-        steps = item.steps
+        steps = _loss_steps(item)
         window = max(1, len(steps) // 50)
         smooth = steps["loss"].rolling(window, min_periods=1).mean()
         axes[0].plot(steps["step"], smooth, color=colour, ls=style, lw=1.3, label=item.run.name)
@@ -218,14 +312,20 @@ def comparison_section(facts: Sequence[RunFacts]) -> str:
         f" <em>GPU-hours</em>: the same for the jobs of rules "
         f"{esc(gpu_rules)} (those that request a GPU), times the job's GPUs: the train job's "
         "<code>world_size</code> from its log, one for every other job; on a machine without "
-        "a GPU these jobs ran on the CPU. An ensemble's row counts its own jobs only.</p>"
+        "a GPU these jobs ran on the CPU. A cross-validation's or an ensemble's row adds "
+        "the hours of its members (folds, or averaged runs: see the run's members), so it "
+        "reads what the whole result cost; a member that is also a row of its own is counted "
+        "in both rows.</p>"
     )
+    out.append(DICE_NOTE)
     fig = _loss_figure(facts)
     if fig is None:
         out.append(missing("Loss curves (train/steps.csv of any run)"))
     else:
         out.append("<h3>Loss curves, every run</h3>")
         out.append(png(fig, "loss curves of every run"))
+        left_out = sum(int(unlabelled_steps(f.steps).sum()) for f in facts if f.steps is not None)
+        out.append(unlabelled_note(left_out))
     items = "".join(
         f"<li><b>{esc(f.run.name)}</b>: "
         + (", ".join(f"<code>{esc(n)}</code>" for n in f.files) or "no files")
@@ -234,3 +334,37 @@ def comparison_section(facts: Sequence[RunFacts]) -> str:
     )
     out.append(f'<p class="source">Read from, run by run:</p><ul class="source">{items}</ul>')
     return "\n".join(out)
+
+
+def members_block(facts: RunFacts) -> str:
+    """A combined run's members, their weights and the hours each cost."""
+    if not facts.members:
+        return ""
+    kind = facts.provenance.recorded.get("kind")
+    rows = [
+        [
+            m.name,
+            m.weight,
+            "yes" if m.directory.is_dir() else "no folder",
+            _hours(m.hours.job_s),
+            _hours(m.hours.gpu_s),
+        ]
+        for m in facts.members
+    ]
+    if kind == "cv":
+        how = (
+            "A cross-validation's folds: each out-of-fold volume's probabilities come from the "
+            "one fold that held it out; a test volume's are the folds' mean, equal weights."
+        )
+    else:
+        how = (
+            "The ensemble's probabilities are the members' weighted mean (weights divided by "
+            f"their sum); weights: {esc(facts.weights_note or 'not recorded')}."
+        )
+    header = ["member", "weight", "results folder", "job hours", "GPU-hours"]
+    return (
+        '<h2 id="members">Members, their weights and hours</h2>'
+        + table(header, rows)
+        + f"<p class='note'>{how} Hours: each member's own benchmark TSVs under "
+        "<code>results/&lt;member&gt;/benchmarks/</code>, as in the comparison.</p>"
+    )

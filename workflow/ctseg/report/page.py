@@ -12,9 +12,12 @@ CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1500px;
        padding: 0 1em; color: #222; }
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; margin-top: 2em; }
-table { border-collapse: collapse; margin: 0.6em 0; font-size: 12px; }
-th, td { border: 1px solid #ccc; padding: 2px 5px; text-align: right; white-space: nowrap; }
-th { background: #f0f0f0; white-space: normal; vertical-align: bottom; } .t { text-align: left; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 11px; max-width: 100%; }
+/* Cells wrap at spaces (a number's ± band or remark goes below it), text cells anywhere (a
+   verdict, a file path, a JSON setting), so that every table fits the window. */
+th, td { border: 1px solid #ccc; padding: 2px 3px; text-align: right; }
+th { background: #f0f0f0; vertical-align: bottom; min-width: 2em; }
+.t { text-align: left; } td.t { overflow-wrap: anywhere; min-width: 3em; }
 div.scroll { overflow-x: auto; }
 tr.st-oom td, tr.st-failed td { background: #fbeaea; } tr.st-over_memory td { background: #fdf2e6; }
 img { max-width: 100%; display: block; margin: 0.6em 0; }
@@ -23,7 +26,8 @@ code { background: #f4f4f4; padding: 0 3px; } .source { color: #555; font-size: 
 ul.verdicts li { margin-bottom: 0.35em; } nav a { margin-right: 1em; }
 """
 
-# Inert for readers: records how many images rendered, for the headless-browser check. Drawing
+# Inert for readers: records how many images rendered, and how many tables reach past the
+# page's width, for the headless-browser check. Drawing
 # each image onto a canvas decodes it synchronously at load, so the count is final before
 # chromium's --dump-dom (img.decode() promises may still be pending then). An image counts as
 # rendered when it has a size and its pixels are not all one value.
@@ -43,6 +47,19 @@ window.addEventListener("load", function () {
       document.body.dataset.imagesError = String(error);
     }
     return false;
+  }
+  // Tables wider than the page (the window less the body's margins), for the width check.
+  var page = document.documentElement.clientWidth;
+  var tables = Array.prototype.slice.call(document.querySelectorAll("table"));
+  var wide = tables.filter(function (t) { return t.getBoundingClientRect().right > page + 0.5; });
+  document.body.dataset.tablesTotal = String(tables.length);
+  document.body.dataset.tablesWide = String(wide.length);
+  document.body.dataset.tablesWidest = String(Math.max.apply(null, [0].concat(
+    tables.map(function (t) { return Math.ceil(t.getBoundingClientRect().right); }))));
+  document.body.dataset.pageWidth = String(page);
+  if (wide.length) {
+    var head = wide[0].querySelector("th");
+    document.body.dataset.tablesFirstWide = head ? head.textContent.slice(0, 60) : "";
   }
   var imgs = Array.prototype.slice.call(document.images);
   document.body.dataset.imagesTotal = String(imgs.length);

@@ -112,6 +112,24 @@ def _mfu(summary: TrialSummary) -> str:
     )
 
 
+def _mfu_absent_note(summaries: Sequence[TrialSummary]) -> str:
+    """Why a trial shows no MFU: no peak is known for its device (a CPU has no datasheet
+    figure), so there is nothing to take a fraction of; GPU-only advice is not given there."""
+    absent = [s for s in summaries if s.status == "ok" and (num(s.mfu) is None or not s.peak)]
+    if not absent:
+        return ""
+    devices = sorted({str(s.device or NOT_RECORDED) for s in absent})
+    phases = ", ".join(str(s.phase) for s in absent)
+    return (
+        f"<p class='note'>No MFU for phase(s) {esc(phases)} (device {esc(', '.join(devices))}): "
+        "MFU is a fraction of the device's peak, and no peak is known for it (the table has "
+        "GPUs' datasheet figures only; a CPU's reachable rate depends on its cores, threads "
+        "and load, so a measured figure would not compare across phases). Their TFLOP/s is "
+        "shown as measured; advice that needs a GPU (tensor cores, cuDNN layouts) is not "
+        "given for them.</p>"
+    )
+
+
 def _profile_table(summaries: Sequence[TrialSummary]) -> str:
     """Each trial's kernel profile: the share of the profiled step per class, as recorded."""
     profiled = [s for s in summaries if s.profile]
@@ -211,7 +229,8 @@ def _precision_table(summaries: Sequence[TrialSummary]) -> str:
     if not rows:
         return ""
     return (
-        "<h3>Precision</h3><p class='note'>Step times after the warm-up, as each trial "
+        "<h3>Step-time spread per trial (how repeatable the timings are)</h3>"
+        "<p class='note'>Step times after the warm-up, as each trial "
         "recorded them (<code>step_stats</code>): <em>real</em> is the run with the loader, "
         "<em>ceiling</em> the same model on batches already on the device. The feed "
         "efficiency's ± band is the trial's <code>feed_efficiency_band</code>.</p>"
@@ -347,6 +366,7 @@ def phase_section(paths: Sequence[Path], src: Sources) -> str:
         "precision in use (a vendor table's dense figure, or a matmul probe's, "
         "<em>measured</em>).</p>"
     )
+    out.append(_mfu_absent_note(summaries))
     out.append(_verdict_list(summaries))
     out.append(_precision_table(summaries))
     out.append(_profile_table(summaries))

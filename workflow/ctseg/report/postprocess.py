@@ -118,7 +118,12 @@ def _candidates_block(candidates: pd.DataFrame) -> str:
             note += (
                 f"<p class='note'>Chosen: <b>{esc(chosen.iloc[0])}</b> (highest mean score).</p>"
             )
-    return "<h3>Candidates</h3>" + note + _threshold_plot(candidates) + table(columns, rows)
+    return (
+        "<h3>Post-processing candidates, scored on the tuning volumes</h3>"
+        + note
+        + _threshold_plot(candidates)
+        + table(columns, rows)
+    )
 
 
 def _threshold_plot(candidates: pd.DataFrame) -> str:

@@ -55,7 +55,7 @@ def evaluation_section(evaluation_dir: Path | None, src: Sources) -> str:
     if scores_csv.exists():
         scores = read_table(scores_csv, dtype={"id": str})
         names.append(src.use(scores_csv))
-        out.append("<h3>Per volume</h3>" + _scores_table(scores))
+        out.append("<h3>Score and its terms, per scored volume</h3>" + _scores_table(scores))
     else:
         out.append(missing("Per-volume scores", [src.rel(scores_csv)]))
     out.append(source_line(names))
@@ -76,7 +76,11 @@ def _means_block(summary: Mapping[str, Any]) -> str:
     rows = [[k, fmt(v, 4)] for k, v in summary.items() if num(v) is not None]
     rows += [[k, str(v)] for k, v in summary.items() if isinstance(v, str) and k != "topo_method"]
     method = summary.get("topo_method", "not stated in summary.json")
-    return "<h3>Means</h3>" + _topo_note(method) + table(["summary.json", "value"], rows)
+    return (
+        "<h3>Mean score and terms over the scored volumes</h3>"
+        + _topo_note(method)
+        + table(["summary.json", "value"], rows)
+    )
 
 
 def _scores_table(scores: pd.DataFrame) -> str:

@@ -75,7 +75,7 @@ def settings_section(runs: Sequence[Run], src: Sources) -> str:
             "them; they come first.</p>"
         )
         out.append(table(header, [[k, *(cell(c, k) for c in columns.values())] for k in differ]))
-        out.append("<h3>Equal in every run</h3>")
+        out.append("<h3>Settings equal in every run</h3>")
     out.append(table(header, [[k, *(cell(c, k) for c in columns.values())] for k in same]))
     out.append(source_line(names))
     return "\n".join(out)

@@ -16,6 +16,28 @@ from ctseg.report.markup import Sources, missing, png, read_table, records, sour
 from ctseg.summaries import STEP_OPTIONAL, STEP_REQUIRED, loss_terms
 
 
+def unlabelled_steps(steps: pd.DataFrame) -> pd.Series:
+    """Rows of a step spent on patches without one labelled voxel: the loss, every term and the
+    gradient norm exactly 0 (every term is masked by the ignore label; the boundary term is
+    negative wherever a voxel is labelled). The sampler no longer draws such patches
+    (`ctseg.data.patches`); older runs' logs may hold them, and the plots leave them out."""
+    columns = ["loss", *loss_terms(steps.columns), "grad_norm"]
+    present = [c for c in columns if c in steps]
+    if not present:
+        return pd.Series(False, index=steps.index)
+    return (steps[present] == 0).all(axis=1)
+
+
+def unlabelled_note(count: int) -> str:
+    if not count:
+        return ""
+    return (
+        f"<p class='note'>{count} step(s) left out of the loss curves: the loss, every term and "
+        "the gradient norm are exactly 0 there, a step on patches without one labelled voxel "
+        "(nothing to learn from, not a perfect prediction).</p>"
+    )
+
+
 def _smooth(series: pd.Series) -> pd.Series:
     window = max(1, len(series) // 50)
     return series.rolling(window, min_periods=1).mean()
@@ -108,6 +130,7 @@ def training_section(train_dir: Path | None, src: Sources) -> str:
     if needed or steps.empty:
         problem = f"missing columns {sorted(needed)}" if needed else "no rows"
         raise CtsegError(f"{steps_csv}: not a training steps.csv ({problem})")
+    empty = unlabelled_steps(steps)
     names = [src.use(steps_csv)]
     epochs = None
     if epochs_csv.exists():
@@ -117,13 +140,19 @@ def training_section(train_dir: Path | None, src: Sources) -> str:
         out.append(missing("Epoch log (validation)", [src.rel(epochs_csv)]))
     out.append(_training_table(steps))
     out.append("<h3>Loss curves</h3>")
-    out.append(png(_loss_figure(steps, epochs), "training and validation loss curves"))
+    out.append(png(_loss_figure(steps[~empty], epochs), "training and validation loss curves"))
+    out.append(unlabelled_note(int(empty.sum())))
     out.append(
         "<p class='note'>Validation logs the total loss and Dice once per epoch "
-        "(<code>epochs.csv</code>); the per-term curves are training only.</p>"
+        "(<code>epochs.csv</code>): both on the same fixed patches of the val volumes every "
+        "epoch, Dice as the hard voxel Dice of the network's output (logit above 0) over the "
+        "labelled voxels of those patches. The per-term curves are training only.</p>"
     )
     out.append(png(_throughput_figure(steps), "training throughput"))
     if epochs is not None and not epochs.empty:
-        out.append("<h3>Epochs</h3>" + _epochs_table(epochs))
+        out.append(
+            "<h3>Per epoch: training loss, validation loss and Dice, speed</h3>"
+            + _epochs_table(epochs)
+        )
     out.append(source_line(names))
     return "\n".join(out)

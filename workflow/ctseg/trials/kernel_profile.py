@@ -193,6 +193,11 @@ def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
     """The next knob the largest class suggests, given what the phase already turns on."""
     compiled = bool(settings.get("compile"))
     if largest in ("conv forward", "conv backward"):
+        if device_type != "cuda":  # tensor cores and cuDNN's layouts are a GPU's
+            return (
+                "the convolutions on the CPU: a GPU runs them many times faster; here, fewer "
+                "or smaller feature maps (changes the maths)"
+            )
         if (settings.get("precision") or "fp32") == "fp32":
             return "bf16 autocast: the convolutions run on the tensor cores, many times fp32's rate"
         if not settings.get("channels_last"):
