@@ -5,12 +5,17 @@ the settings carry them."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import cc3d
 import numpy as np
 import pytest
+from scipy import ndimage
 
 from ctseg.io import CtsegError
 from ctseg.postprocess.masks import (
+    MaskCache,
     PostprocessSettings,
     binary_mask,
     close,
@@ -236,3 +241,67 @@ def test_close_does_not_stretch_a_mask_that_stops_short_of_a_face() -> None:
         closed = close(mask, radius)
         assert (closed >= mask).all()
         np.testing.assert_array_equal(closed, mask)
+
+
+# ----------------------------------------------------------------------------- MaskCache
+def smooth_probabilities(shape=(24, 28, 32), seed: int = 3) -> np.ndarray:
+    """Blobs of every size with holes and cracks between them, and specks: every step does
+    something."""
+    rng = np.random.default_rng(seed)
+    probs = ndimage.gaussian_filter(rng.random(shape), 1.5)
+    probs = (probs - probs.min()) / np.ptp(probs)
+    probs[rng.random(shape) < 0.003] = 0.9
+    return probs.astype(np.float16)
+
+
+def test_the_mask_cache_builds_each_step_once_and_gives_binary_masks_masks():
+    """A search's candidates: the best so far with one later step changed. Through the cache
+    each shares the steps before its own (a closing candidate costs a closing), and every mask
+    equals `binary_mask`'s bit for bit."""
+    probs = smooth_probabilities()
+    cache = MaskCache(probs)
+    base = PostprocessSettings(
+        threshold=0.45, hysteresis_high=0.55, hysteresis_mode="z", min_component_voxels=4
+    )
+    base = dataclasses.replace(base, fill_holes=True)
+    plugged = dataclasses.replace(base, plug_holes_max_area=16)
+    patched = dataclasses.replace(plugged, patch_holes_max_area=256)
+    candidates = [
+        base,
+        plugged,
+        dataclasses.replace(base, plug_holes_max_area=64),
+        patched,
+        dataclasses.replace(plugged, patch_holes_max_area=1024),
+        dataclasses.replace(patched, closing_radius=1),
+        dataclasses.replace(patched, closing_radius=2),
+    ]
+    for settings in candidates:
+        got = cache.mask(settings)
+        expected, _ = binary_mask(probs, settings)
+        assert got.dtype == np.uint8 and got.shape == probs.shape
+        np.testing.assert_array_equal(got, expected)
+    # hysteresis, components, fill; then one step for each later candidate
+    assert cache.steps_run == 3 + 6
+    np.testing.assert_array_equal(cache.mask(candidates[-1]), binary_mask(probs, candidates[-1])[0])
+    assert cache.steps_run == 9  # a repeat is read from the cache, not built
+
+
+def test_the_mask_cache_equals_binary_mask_for_any_order_of_settings():
+    """Settings in any order, sharing any prefix of steps, or none."""
+    probs = smooth_probabilities(seed=4)
+    cache = MaskCache(probs)
+    grid = itertools.product(
+        [(0.4, None, "3d"), (0.4, 0.6, "3d"), (0.4, 0.6, "z"), (0.5, None, "3d")],
+        [0, 8],
+        [False, True],
+        [0, 16],
+        [0, 256],
+        [0, 1, 2],
+    )
+    settings = [
+        PostprocessSettings(t, high, n, fill, mode, plug, patch, r)
+        for (t, high, mode), n, fill, plug, patch, r in grid
+    ]
+    order = np.random.default_rng(0).permutation(len(settings))[:120]
+    for i in order:
+        np.testing.assert_array_equal(cache.mask(settings[i]), binary_mask(probs, settings[i])[0])

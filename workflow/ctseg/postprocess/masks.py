@@ -1,9 +1,11 @@
 """Probabilities to a binary mask: threshold or hysteresis, small components, holes, closing.
 
 One function, `binary_mask`, turns a probability volume into the uint8 0/1 mask under a
-`PostprocessSettings`; `ctseg.inference.infer.postprocess` (the submitted masks) and
+`PostprocessSettings`; `ctseg.postprocess.write.write_mask` (the submitted masks) and
 `ctseg.postprocess.tuning` (the search that chooses the settings) both call it, so the settings the
-search scored are exactly the ones applied. Kept free of torch so that the search's worker processes
+search scored are exactly the ones applied. The search builds its many masks through `MaskCache`,
+which keeps each step's result so that candidates sharing their first steps build them once,
+and gives the same masks bit for bit. Kept free of torch so that the search's worker processes
 start quickly.
 
 The steps, in the order `binary_mask` applies them (each off by default; with every new one off
@@ -44,7 +46,7 @@ throughout, the connectivity of the competition's VOI term; in a 2D slice the ma
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import cc3d
@@ -298,39 +300,111 @@ def close(mask: np.ndarray, radius: int) -> np.ndarray:
     return np.ascontiguousarray(closed[inner])
 
 
+# The steps of `binary_mask`, in the order it applies them, with the settings each reads. A step
+# whose settings are at their defaults is off: it leaves the mask as it is.
+MASK_STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("binarise", ("threshold", "hysteresis_high", "hysteresis_mode")),
+    ("min_component", ("min_component_voxels",)),
+    ("fill_holes", ("fill_holes",)),
+    ("plug_holes", ("plug_holes_max_area",)),
+    ("patch_holes", ("patch_holes_max_area",)),
+    ("closing", ("closing_radius",)),
+)
+_OFF = PostprocessSettings()
+
+
+def step_prefix(settings: PostprocessSettings, step: int) -> PostprocessSettings:
+    """`settings` with every step after `step` off: the settings whose whole mask is the mask
+    `settings` has after `step`. Two settings with the same prefix share that mask."""
+    later = {f: getattr(_OFF, f) for _, fields in MASK_STEPS[step + 1 :] for f in fields}
+    return replace(settings, **later)
+
+
+def _apply_step(
+    step: int, settings: PostprocessSettings, probs: np.ndarray, mask: np.ndarray | None
+) -> np.ndarray:
+    """The uint8 0/1 mask after `step`, from the mask after the step before (`mask`, left as it
+    is) or, for the first, from the probabilities."""
+    if step == 0:
+        if settings.hysteresis_high is None:
+            return np.ascontiguousarray((probs > settings.threshold).view(np.uint8))
+        keep = hysteresis_z if settings.hysteresis_mode == "z" else hysteresis
+        return np.ascontiguousarray(keep(probs, settings.threshold, settings.hysteresis_high))
+    assert mask is not None
+    if step == 1:
+        out = np.array(mask, dtype=np.uint8, order="C")  # a copy: dust works in place
+        cc3d.dust(out, threshold=settings.min_component_voxels, connectivity=26, in_place=True)
+        return out
+    if step == 2:
+        return ndimage.binary_fill_holes(mask).view(np.uint8)
+    if step == 3:
+        return np.ascontiguousarray(plug_holes(mask, settings.plug_holes_max_area))
+    if step == 4:
+        return np.ascontiguousarray(patch_holes(mask, settings.patch_holes_max_area))
+    return np.ascontiguousarray(close(mask, settings.closing_radius))
+
+
+def _is_on(settings: PostprocessSettings, step: int) -> bool:
+    return step == 0 or step_prefix(settings, step) != step_prefix(settings, step - 1)
+
+
 def binary_mask(probs: np.ndarray, settings: PostprocessSettings) -> tuple[np.ndarray, dict]:
     """The uint8 0/1 mask of a whole probability volume, and counts of what each step did."""
     probs = np.asarray(probs)
-    if settings.hysteresis_high is None:
-        mask = (probs > settings.threshold).view(np.uint8)
-        dropped_weak = 0
-    else:
+    mask = None
+    sizes = []  # foreground voxels after each step
+    for step in range(len(MASK_STEPS)):
+        if _is_on(settings, step):
+            mask = _apply_step(step, settings, probs, mask)
+        sizes.append(int(np.count_nonzero(mask)))
+    assert mask is not None
+    plain = sizes[0]
+    if settings.hysteresis_high is not None:
         plain = int(np.count_nonzero(probs > settings.threshold))
-        keep = hysteresis_z if settings.hysteresis_mode == "z" else hysteresis
-        mask = keep(probs, settings.threshold, settings.hysteresis_high)
-        dropped_weak = plain - int(np.count_nonzero(mask))
-    mask = np.ascontiguousarray(mask)
-    before = int(np.count_nonzero(mask))
-    if settings.min_component_voxels > 0:
-        cc3d.dust(mask, threshold=settings.min_component_voxels, connectivity=26, in_place=True)
-    after_dust = int(np.count_nonzero(mask))
-    if settings.fill_holes:
-        mask = ndimage.binary_fill_holes(mask).view(np.uint8)
-    filled = int(np.count_nonzero(mask))
-    counts = {"plugged_voxels": 0, "patched_voxels": 0, "closed_voxels": 0}
-    for key, apply, value in [
-        ("plugged_voxels", plug_holes, settings.plug_holes_max_area),
-        ("patched_voxels", patch_holes, settings.patch_holes_max_area),
-        ("closed_voxels", close, settings.closing_radius),
-    ]:
-        if value > 0:
-            start = int(np.count_nonzero(mask))
-            mask = np.ascontiguousarray(apply(mask, value))
-            counts[key] = int(np.count_nonzero(mask)) - start
     return mask, {
-        "foreground_voxels": int(np.count_nonzero(mask)),
-        "hysteresis_dropped_voxels": dropped_weak,
-        "removed_voxels": before - after_dust,
-        "filled_voxels": filled - after_dust,
-        **counts,
+        "foreground_voxels": sizes[-1],
+        "hysteresis_dropped_voxels": plain - sizes[0],
+        "removed_voxels": sizes[0] - sizes[1],
+        "filled_voxels": sizes[2] - sizes[1],
+        "plugged_voxels": sizes[3] - sizes[2],
+        "patched_voxels": sizes[4] - sizes[3],
+        "closed_voxels": sizes[5] - sizes[4],
     }
+
+
+class MaskCache:
+    """The masks of one probability volume under many settings, each step's result kept
+    (bit-packed, 1 bit a voxel): settings that share their first steps build them once.
+
+    A search's candidates are the best settings so far with one step changed, so each stage's
+    candidates share every step before theirs (`step_prefix`), and the best's whole mask is the
+    next stage's base: a closing candidate costs a closing, not the hysteresis, component
+    removal, cavity fill, plugging and patching under it again. Each mask is `binary_mask`'s,
+    bit for bit: the same steps (`_apply_step`) on the same input, a cached step's result
+    unpacked exactly as it was packed."""
+
+    def __init__(self, probs: np.ndarray) -> None:
+        self.probs = np.asarray(probs)
+        self._packed: dict[PostprocessSettings, np.ndarray] = {}
+        self.steps_run = 0  # steps computed, not read from the cache (for tests and benches)
+
+    def _unpack(self, key: PostprocessSettings) -> np.ndarray:
+        count = int(np.prod(self.probs.shape))
+        return np.unpackbits(self._packed[key], count=count).reshape(self.probs.shape)
+
+    def mask(self, settings: PostprocessSettings) -> np.ndarray:
+        """The uint8 0/1 mask `binary_mask(probs, settings)` gives."""
+        prefixes = [step_prefix(settings, step) for step in range(len(MASK_STEPS))]
+        start, mask = 0, None
+        for step in reversed(range(len(MASK_STEPS))):
+            if prefixes[step] in self._packed:
+                start, mask = step + 1, self._unpack(prefixes[step])
+                break
+        for step in range(start, len(MASK_STEPS)):
+            if not _is_on(settings, step):
+                continue
+            mask = _apply_step(step, settings, self.probs, mask)
+            self._packed[prefixes[step]] = np.packbits(mask)
+            self.steps_run += 1
+        assert mask is not None
+        return mask
