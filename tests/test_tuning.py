@@ -731,3 +731,150 @@ def test_search_cost_benchmark_prints_its_result_line():
     old, new = int(fields["old_candidates"]), int(fields["new_candidates"])
     assert old <= 20 and old < new <= 32
     assert float(fields["new_s"]) > 0 and float(fields["ratio"]) > 0
+
+
+# ----------------------------------------------------------------------------- nothing to go on
+def test_candidates_that_cannot_be_told_apart_keep_the_defaults(tmp_path: Path, capsys):
+    """Issue 27: on an all-zero probability volume every candidate's mask is empty and every
+    candidate ties, so the first (threshold 0.1) was applied as tuned. The defaults are kept,
+    and tuned.json, candidates.csv, the log and the report say why."""
+    from ctseg.report import postprocess as report_postprocess
+    from ctseg.report.markup import Sources
+
+    _, label = flat_sheet()
+    volume = sheet_case(tmp_path, "a", np.zeros(label.shape), label)
+    summary = tuning.tune_postprocess([volume], tmp_path / "out")
+    assert summary["tuned"] is False
+    assert summary["settings"] == tuning.DEFAULT_SETTINGS.as_dict()
+    assert "cannot be told apart" in summary["reason"]
+    assert summary["best_candidate"]["label"] == "t>0.1"  # what the search alone would apply
+    assert summary["gain_over_default"] == summary["best_candidate"]["gain_over_default"] == 0
+    assert summary["candidates"] > 1
+    assert tuning.load_tuned(tmp_path / "out" / "tuned.json") == tuning.DEFAULT_SETTINGS
+    table = pd.read_csv(tmp_path / "out" / "candidates.csv")
+    assert table.loc[table["chosen"], "label"].tolist() == ["t>0.5"]
+    assert table["score"].nunique() == 1
+    err = capsys.readouterr().err
+    assert f"not tuned, default settings kept: {summary['reason']}" in err
+    page = report_postprocess.postprocess_section(tmp_path / "out", Sources(tmp_path))
+    assert "Not tuned" in page and html.escape(summary["reason"]) in page
+    assert "the defaults, kept" in page and "Gain over the default" not in page
+
+
+def margin_case(directory: Path) -> tuning.Volume:
+    """A sheet recovered by every threshold, and one voxel on its face at 0.55: threshold 0.6
+    drops that voxel and gains 0.0002 over the default 0.5."""
+    label = np.zeros((24, 64, 64), np.uint8)
+    label[10:12, 4:60, 4:60] = 1
+    probs = np.where(label == 1, 0.95, 0.02)
+    probs[12, 30, 30] = 0.55
+    return sheet_case(directory, "a", probs, label)
+
+
+THRESHOLDS_ONLY = {
+    "refine_step": 0,
+    "hysteresis_offsets": (),
+    "hysteresis_pairs": (),
+    "min_component_voxels": (),
+    "fill_holes": False,
+    "plug_holes_max_area": (),
+    "patch_holes_max_area": (),
+    "closing_radii": (),
+}
+
+
+def test_a_gain_within_the_margin_keeps_the_defaults(tmp_path: Path, capsys, monkeypatch):
+    """The best candidate replaces the defaults only when it beats them by more than
+    `MIN_GAIN`; tuned.json keeps the best it passed over, the log and tuned.json say why."""
+    volume = margin_case(tmp_path)
+    space = tuning.SearchSpace(thresholds=(0.5, 0.6), **THRESHOLDS_ONLY)
+    summary = tuning.tune_postprocess([volume], tmp_path / "kept", space)
+    gain = summary["best_candidate"]["gain_over_default"]
+    assert 0 < gain <= tuning.MIN_GAIN
+    assert summary["tuned"] is False and summary["label"] == "t>0.5"
+    assert summary["score"] == summary["default"]["score"] and summary["gain_over_default"] == 0
+    assert summary["best_candidate"]["label"] == "t>0.6" and summary["min_gain"] == 0.001
+    assert f"by {gain:.4f}, not by more than the {tuning.MIN_GAIN}" in summary["reason"]
+    assert tuning.load_tuned(tmp_path / "kept" / "tuned.json") == tuning.DEFAULT_SETTINGS
+    assert f"default settings kept: {summary['reason']}" in capsys.readouterr().err
+    # The same gain above the margin is applied: the margin, nothing else, kept the defaults.
+    monkeypatch.setattr(tuning, "MIN_GAIN", gain / 2)
+    summary = tuning.tune_postprocess([volume], tmp_path / "tuned", space)
+    assert summary["tuned"] is True and summary["reason"] is None
+    assert summary["label"] == "t>0.6" and summary["gain_over_default"] == gain
+    assert "default settings kept" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- one definition
+def test_the_config_and_its_docs_state_searchspace():
+    """SearchSpace is the search grid's one definition: config/config.yaml's infer.tune, the
+    config schema's defaults and config/README.md's rows state its default space and bound, and
+    `ctseg tune-postprocess --help` reads them from it."""
+    repo = Path(__file__).resolve().parents[1]
+    space = tuning.SearchSpace()
+    expected = space.config()
+    config = yaml.safe_load((repo / "config/config.yaml").read_text())
+    assert config["infer"]["tune"] == expected
+    schema = yaml.safe_load((repo / "workflow/schemas/config.schema.yaml").read_text())
+    properties = schema["properties"]["infer"]["properties"]["tune"]["properties"]
+    assert {k: v["default"] for k, v in properties.items()} == expected
+    readme = (repo / "config/README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        if line.startswith("| `infer.tune."):
+            name, default = (cell.strip().strip("`") for cell in line.split("|")[1:3])
+            rows[name.removeprefix("infer.tune.")] = yaml.safe_load(default)
+    assert rows == expected
+    bound = space.bound_sum()
+    assert bound == "9 + 2 + 10 + 4 + 1 + 2 + 2 + 2 = 32"
+    assert f"at most {bound} candidates" in readme
+    assert f"at most {bound}\n  # candidates" in (repo / "config/config.yaml").read_text()
+
+
+def test_the_cli_help_shows_searchspaces_defaults(capsys):
+    """Each search option's help shows SearchSpace's default, and the description its bound."""
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["tune-postprocess", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    space = tuning.SearchSpace()
+    assert space.describe() in help_text
+    for name in space.config():
+        option = "--no-fill-holes" if name == "fill_holes" else "--" + name.replace("_", "-")
+        shown = help_text.split(f" {option} ", 1)[1].split(" --", 1)[0]
+        assert space.option_text(name) in shown, (name, shown)
+    assert "{}" not in help_text
+
+
+def test_the_search_builds_each_stages_base_once(tmp_path: Path, monkeypatch):
+    """Each stage's candidates are the best so far with one step changed: through
+    `masks.MaskCache` the search builds every step's result once per volume (a closing
+    candidate costs a closing), and chooses exactly what it chose building every mask whole."""
+    from ctseg.postprocess import masks
+
+    volume = surface_case(tmp_path, "a", 4)
+    built: list[tuple[int, PostprocessSettings]] = []
+    apply_step = masks._apply_step
+
+    def counted(step, settings, probs, mask):
+        built.append((step, masks.step_prefix(settings, step)))
+        return apply_step(step, settings, probs, mask)
+
+    monkeypatch.setattr(masks, "_apply_step", counted)
+    best, candidates = tuning.search([volume], topo_method="betti_counts")
+    steps = range(len(masks.MASK_STEPS))
+    needed = [
+        (step, masks.step_prefix(c.settings, step))
+        for c in candidates
+        for step in steps
+        if masks._is_on(c.settings, step)
+    ]
+    # Every step of every candidate's mask built, none twice: far fewer than building each
+    # candidate's mask whole.
+    assert len(built) == len(set(built)) and set(built) == set(needed)
+    assert len(built) < len(needed) - 10
+    # The same choice and scores as masks built whole, one candidate at a time.
+    monkeypatch.setattr(masks, "_apply_step", apply_step)
+    monkeypatch.setattr(tuning.MaskCache, "mask", lambda self, s: binary_mask(self.probs, s)[0])
+    whole_best, whole = tuning.search([volume], topo_method="betti_counts")
+    assert whole_best.settings == best.settings
+    assert [(c.settings, c.scores) for c in whole] == [(c.settings, c.scores) for c in candidates]

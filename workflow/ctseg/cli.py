@@ -570,71 +570,100 @@ def _hysteresis_pair(text: str) -> tuple[float, float]:
     return low, high
 
 
+class _SearchSpaceHelp(argparse.Action):
+    """`tune-postprocess --help`: the search options' defaults and the search's bound filled
+    in from `ctseg.postprocess.tuning.SearchSpace`, their one definition, when the help is shown
+    (importing the search costs seconds that no other command should pay). `const`: each
+    option's SearchSpace field and its action, whose help has `{}` where the default goes."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, const=None, help=None) -> None:
+        super().__init__(option_strings, dest, nargs=0, const=const, default=dest, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from ctseg.postprocess.tuning import SearchSpace
+
+        space = SearchSpace()
+        for name, action in self.const.items():
+            action.help = action.help.format(space.option_text(name))
+        parser.description = (parser.description or "").format(space.describe())
+        parser.print_help()
+        parser.exit()
+
+
 def _tune_postprocess_parser(add_parser: AddParser) -> None:
     p = add_parser(
         "tune-postprocess",
         help="choose threshold, hysteresis, small-component removal, hole filling, plugging "
         "and patching, and closing by the competition score on probabilities with labels; "
         "tuned.json + candidates.csv",
-        # The bound is SearchSpace.describe()'s (tests/test_tuning.py checks this text).
         description="A bounded coordinate search, one setting at a time from the best so far, "
-        "each candidate scored exactly on every volume: with the defaults at most 32 candidates "
-        "per volume (threshold 9 + refine 2 + hysteresis 10 + min_component 4 + fill_holes 1 + "
-        "plug_holes 2 + patch_holes 2 + closing 2); the log, tuned.json and candidates.csv "
-        "say the bound of the search run. An option given with no values turns its stage off.",
+        "each candidate scored exactly on every volume: with the defaults {}; the log, "
+        "tuned.json and candidates.csv say the bound of the search run. An option given with "
+        "no values turns its stage off.",
+        add_help=False,
+    )
+    # Each search option's default (None) is SearchSpace's; its help shows it (`{}`).
+    search: dict[str, argparse.Action] = {}
+    p.add_argument(
+        "-h", "--help", action=_SearchSpaceHelp, const=search, help="show this help and exit"
     )
     p.add_argument("--probabilities", nargs="+", required=True, help="<id>.zarr from infer")
     p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
     p.add_argument("--out", required=True, help="directory for tuned.json and candidates.csv")
-    # Defaults (None): ctseg.postprocess.tuning.SearchSpace's, the grid its docstring describes.
-    p.add_argument("--thresholds", type=float, nargs="+", default=None, help="0.1 .. 0.9")
-    p.add_argument("--refine-step", type=float, default=None, help="0.05; 0: no refinement")
-    p.add_argument(
-        "--hysteresis-offsets", type=float, nargs="*", default=None, help="0.1 0.2; none: off"
+    search["thresholds"] = p.add_argument(
+        "--thresholds", type=float, nargs="+", default=None, help="{}"
     )
-    p.add_argument(
+    search["refine_step"] = p.add_argument(
+        "--refine-step", type=float, default=None, help="{}; 0: no refinement"
+    )
+    search["hysteresis_offsets"] = p.add_argument(
+        "--hysteresis-offsets", type=float, nargs="*", default=None, help="{}; none: off"
+    )
+    search["min_component_voxels"] = p.add_argument(
         "--min-component-voxels",
         type=int,
         nargs="*",
         default=None,
-        help="16 64 256 1024: sizes tried beside keeping every component; none: off",
+        help="{}: sizes tried beside keeping every component; none: off",
     )
-    p.add_argument("--no-fill-holes", action="store_true", help="do not try hole filling")
-    p.add_argument(
+    search["fill_holes"] = p.add_argument(
+        "--no-fill-holes", action="store_true", help="do not try hole filling (default: {})"
+    )
+    search["hysteresis_modes"] = p.add_argument(
         "--hysteresis-modes",
         nargs="+",
         choices=["3d", "z"],
         default=None,
-        help="3d z: every hysteresis pair in each (z: connected within a z-slice)",
+        help="{}: every hysteresis pair in each (z: connected within a z-slice)",
     )
-    p.add_argument(
+    search["hysteresis_pairs"] = p.add_argument(
         "--hysteresis-pairs",
         type=_hysteresis_pair,
         nargs="*",
         default=None,
-        help="LOW,HIGH fixed pairs tried beside the offsets: 0.5,0.9; none: off",
+        help="LOW,HIGH fixed pairs tried beside the offsets: {}; none: off",
     )
-    p.add_argument(
+    search["plug_holes_max_area"] = p.add_argument(
         "--plug-holes-max-area",
         type=int,
         nargs="*",
         default=None,
-        help="16 64: per-slice hole plugging up to each area; none: off",
+        help="{}: per-slice hole plugging up to each area; none: off",
     )
-    p.add_argument(
+    search["patch_holes_max_area"] = p.add_argument(
         "--patch-holes-max-area",
         type=int,
         nargs="*",
         default=None,
-        help="256 1024: patching of large holes in sheets up to each area; none: off",
+        help="{}: patching of large holes in sheets up to each area; none: off",
     )
-    p.add_argument(
+    search["closing_radii"] = p.add_argument(
         "--closing-radii",
         type=int,
         nargs="*",
         choices=[1, 2],
         default=None,
-        help="1 2: morphological closing by a cube of side 2r+1; none: off",
+        help="{}: morphological closing by a cube of side 2r+1; none: off",
     )
     p.add_argument(
         "--workers", type=int, default=1, help="cores: a process per volume, the rest as threads"

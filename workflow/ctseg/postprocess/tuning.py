@@ -9,8 +9,9 @@ already written by `ctseg infer` (the model is not run again) against their labe
 candidate with the exact competition score (`ctseg.evaluation.metrics`, Betti matching by default),
 and writes
 
-* ``tuned.json``: the chosen settings, their mean score, the default's (threshold 0.5 and
-  nothing else) and the gain over it, the search space and its size;
+* ``tuned.json``: the settings applied, their mean score, the default's (threshold 0.5 and
+  nothing else) and the gain over it, the search's best candidate, the search space and its
+  size;
 * ``candidates.csv``: one row per candidate scored: the stage, the settings, the mean score and
   its three terms, and each volume's score.
 
@@ -58,10 +59,14 @@ what scoring every candidate would. candidates.csv keeps pruned candidates with 
 
 Each stage's candidates of one volume are scored together, by one process: the label's side of
 the score (`ctseg.evaluation.metrics.LabelSide`: its ignore mask, surfel borders, components and
-tiles'
-feature counts) is computed once per volume and reused by every candidate, as are the tiles
-and whole masks that a candidate shares bit for bit with one already scored; the diagnostics
-Dice and clDice are not computed. ``workers`` is the number of cores: a process per volume up to
+tiles' feature counts) is computed once per volume and reused by every candidate, as are the
+tiles and whole masks that a candidate shares bit for bit with one already scored; the
+diagnostics Dice and clDice are not computed. Masks are built through
+`ctseg.postprocess.masks.MaskCache`: a stage's candidates are the best so far with one later
+step changed, so each step's result (the hysteresis, the component removal, the plugging, ...)
+is built once per volume and shared, bit for bit, by every candidate built on it (a closing
+candidate costs one closing, not the whole mask again). The caches last while a process scores
+one volume: with more volumes than processes, a volume's next job starts them afresh. ``workers`` is the number of cores: a process per volume up to
 that many (spawned, like `ctseg evaluate`), the cores left over as threads inside each
 (`ctseg.evaluation.metrics.plan_workers`; a process needs about `metrics.WORKER_MEMORY_GB` at
 320^3). The score is the same function either way, so a parallel search gives the same result as a
@@ -73,6 +78,13 @@ terms (a prediction of nothing scores SurfaceDice 0 or 1), so a search there fit
 such a split it once chose threshold 0.1 with hole filling: 99.5% foreground). tuned.json then
 keeps the default settings and says why (``tuned: false``, ``reason``), and so do the log and
 the report.
+
+The search's best is applied only when it beats the defaults by more than ``MIN_GAIN`` (0.001)
+in mean score; otherwise the defaults are kept, for the same outputs' ``tuned: false`` and
+``reason``, with the best candidate in ``best_candidate`` and candidates.csv's ``chosen`` on
+the default. So are they when the candidates cannot be told apart (every one scored the same:
+on an all-zero probability volume every mask is empty, and the first threshold, 0.1, would
+otherwise win the tie).
 """
 
 from __future__ import annotations
@@ -109,8 +121,8 @@ from ctseg.io import CtsegError, atomic_path, check_id
 from ctseg.postprocess.masks import (
     CLOSING_RADII,
     HYSTERESIS_MODES,
+    MaskCache,
     PostprocessSettings,
-    binary_mask,
     settings_from_mapping,
 )
 
@@ -136,6 +148,11 @@ MIN_FOREGROUND_VOXELS = 1000
 # keeps the proof free of any assumption about rounding.
 PRUNE_MARGIN = 1e-9
 BOUND_METHOD = "betti_counts"
+# The search's best replaces the defaults only when its mean score is higher by more than this:
+# a thousandth of the score's [0, 1] range, a twentieth of the least gain the competition's top
+# solutions found in post-processing (0.02). Less is the noise of a val split of a few volumes,
+# and with nothing to go on (every candidate tied) it is no gain at all.
+MIN_GAIN = 0.001
 # The winners' stages off (the fixed hysteresis pair, hysteresis along z, plugging, patching,
 # closing): the 20-candidate search as it was before them, `SearchSpace(**WINNERS_STAGES_OFF)`.
 WINNERS_STAGES_OFF: dict[str, tuple] = {
@@ -235,6 +252,28 @@ class SearchSpace:
         parts = " + ".join(f"{k} {n}" for k, n in self.stage_bounds().items() if n)
         return f"at most {self.max_candidates()} candidates per volume ({parts})"
 
+    def bound_sum(self) -> str:
+        """The bound as a sum, stage by stage: `9 + 2 + 10 + 4 + 1 + 2 + 2 + 2 = 32`."""
+        terms = [str(n) for n in self.stage_bounds().values() if n]
+        return f"{' + '.join(terms)} = {self.max_candidates()}"
+
+    def config(self) -> dict[str, Any]:
+        """The space as config ``infer.tune`` states it (lists; a pair as ``[low, high]``):
+        for the default space, what config/config.yaml, the config schema's defaults and
+        config/README.md state (tests/test_tuning.py checks them against it)."""
+        return {f.name: _config_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def option_text(self, name: str) -> str:
+        """A field's values as ``ctseg tune-postprocess`` takes them (``0.1 0.2``, pairs as
+        ``0.5,0.9``, ``none`` for no values): its help reads the default space's here."""
+        value = getattr(self, name)
+        if isinstance(value, bool):
+            return "tried" if value else "not tried"
+        if not isinstance(value, tuple):
+            return f"{value:g}"
+        items = [",".join(f"{x:g}" for x in v) if isinstance(v, tuple) else v for v in value]
+        return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in items) or "none"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "thresholds": self.grid(),
@@ -284,6 +323,10 @@ class Candidate:
         return not self.scores
 
 
+def _config_value(value: Any) -> Any:
+    return [_config_value(v) for v in value] if isinstance(value, tuple) else value
+
+
 def _round(x: float) -> float:
     """Grid values without float noise (0.1 + 0.2 is not 0.3)."""
     return round(float(x), 4)
@@ -303,7 +346,9 @@ def competition_score(
 
 
 @functools.lru_cache(maxsize=1)
-def _probabilities(path: str) -> np.ndarray:
+def _volume_masks(path: str) -> MaskCache:
+    """A probability volume's masks, each step's result kept while its candidates are scored
+    (`ctseg.postprocess.masks.MaskCache`)."""
     from ctseg.store import open_volume
 
     try:
@@ -312,7 +357,7 @@ def _probabilities(path: str) -> np.ndarray:
         raise CtsegError(f"{path}: cannot open the probability store: {exc}") from exc
     if arr.ndim != 3:
         raise CtsegError(f"{path}: expected a 3D probability volume, got shape {arr.shape}")
-    return np.asarray(arr[...])
+    return MaskCache(np.asarray(arr[...]))
 
 
 @dataclass
@@ -325,9 +370,10 @@ class _LabelState:
     masks: dict = field(default_factory=dict)  # settings -> (digest, packed bits)
     overlap: dict = field(default_factory=dict)  # digest -> overlap_terms
 
-    def mask_of(self, probs: np.ndarray, settings: dict[str, Any]) -> tuple[bytes, np.ndarray]:
+    def mask_of(self, masks: MaskCache, settings: dict[str, Any]) -> tuple[bytes, np.ndarray]:
         """The candidate's prepared mask and its digest (built once per candidate: the exact
-        pass comes after the bound pass)."""
+        pass comes after the bound pass; on the steps it shares with earlier candidates,
+        `masks`)."""
         from ctseg.evaluation.metrics import _digest
 
         key = tuple(sorted(settings.items()))
@@ -337,7 +383,7 @@ class _LabelState:
             return digest, np.unpackbits(packed, count=int(np.prod(shape))).view(bool).reshape(
                 shape
             )
-        mask, _ = binary_mask(probs, PostprocessSettings(**settings))
+        mask = masks.mask(PostprocessSettings(**settings))
         pred_bin = self.side.prepare(mask)
         digest = _digest(pred_bin)
         self.masks[key] = (digest, np.packbits(pred_bin))
@@ -358,17 +404,17 @@ def _score_volume_job(
     process pool can pickle it. Candidates whose masks (after the ignore step) are equal share
     their SurfaceDice and VOI, and tiles equal bit for bit share their counts."""
     probs_path, label_path, settings_list, topo_method, threads, exact = job
-    probs = _probabilities(probs_path)
+    masks = _volume_masks(probs_path)
     state = _label_state(label_path, threads)
-    if probs.shape != state.side.gt.shape:
+    if masks.probs.shape != state.side.gt.shape:
         raise CtsegError(
-            f"shape mismatch: probabilities {probs_path} have shape {probs.shape}, "
+            f"shape mismatch: probabilities {probs_path} have shape {masks.probs.shape}, "
             f"label {label_path} has shape {state.side.gt.shape}"
         )
     method = topo_method if exact else BOUND_METHOD
     results = []
     for settings in settings_list:
-        digest, pred_bin = state.mask_of(probs, settings)
+        digest, pred_bin = state.mask_of(masks, settings)
         if digest not in state.overlap:
             state.overlap[digest] = overlap_terms(pred_bin, state.side, threads=threads)
         counts, used = topo_counts(
@@ -560,7 +606,7 @@ def search(
     finally:
         scorer.close()
         # The in-process path caches volumes by path: a later search must read them afresh.
-        _probabilities.cache_clear()
+        _volume_masks.cache_clear()
         _label_state.cache_clear()
     return best, list(scored.values())
 
@@ -617,6 +663,8 @@ def tune_postprocess(
             "terms": {},
             "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": None},
             "gain_over_default": None,
+            "best_candidate": None,
+            "min_gain": MIN_GAIN,
             "topo_method": topo_method,
             "volumes": ids,
             "foreground_voxels": foreground,
@@ -632,15 +680,24 @@ def tune_postprocess(
     best, candidates = search(volumes, space, workers=workers, topo_method=topo_method)
     seconds = time.perf_counter() - t0
     default = next(c for c in candidates if c.settings == DEFAULT_SETTINGS)
+    reason = keep_defaults_reason(best, default, candidates)
+    applied = best if reason is None else default
     summary = {
-        "tuned": True,
-        "reason": None,
-        "settings": best.settings.as_dict(),
-        "label": best.settings.label(),
-        "score": best.mean(),
-        "terms": {term: best.mean(term) for term in SCORE_TERMS[1:]},
+        "tuned": reason is None,
+        "reason": reason,
+        "settings": applied.settings.as_dict(),
+        "label": applied.settings.label(),
+        "score": applied.mean(),
+        "terms": {term: applied.mean(term) for term in SCORE_TERMS[1:]},
         "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": default.mean()},
-        "gain_over_default": best.mean() - default.mean(),
+        "gain_over_default": applied.mean() - default.mean(),
+        "best_candidate": {
+            "settings": best.settings.as_dict(),
+            "label": best.settings.label(),
+            "score": best.mean(),
+            "gain_over_default": best.mean() - default.mean(),
+        },
+        "min_gain": MIN_GAIN,
         "topo_method": topo_method,
         "volumes": ids,
         "foreground_voxels": foreground,
@@ -651,15 +708,46 @@ def tune_postprocess(
         "candidates_csv": CANDIDATES_CSV,
         "seconds": seconds,
     }
-    table = candidates_table(candidates, best, space.max_candidates())
+    table = candidates_table(candidates, applied, space.max_candidates())
     _write_outputs(Path(out_dir), summary, table)
+    outcome = (
+        f"chosen {best.settings.label()} (mean score {best.mean():.4f}, default "
+        f"{default.mean():.4f})"
+        if reason is None
+        else f"best {best.settings.label()} (mean score {best.mean():.4f}, default "
+        f"{default.mean():.4f}), not applied"
+    )
     print(
         f"tune-postprocess: {len(candidates)} candidates scored of {space.describe()} "
-        f"({summary['pruned']} pruned: their bound was below a score already found); chosen "
-        f"{best.settings.label()} (mean score {best.mean():.4f}, default {default.mean():.4f})",
+        f"({summary['pruned']} pruned: their bound was below a score already found); {outcome}",
         file=sys.stderr,
     )
+    if reason is not None:
+        print(f"tune-postprocess: not tuned, default settings kept: {reason}", file=sys.stderr)
     return summary
+
+
+def keep_defaults_reason(
+    best: Candidate, default: Candidate, candidates: Sequence[Candidate]
+) -> str | None:
+    """Why the search's best should not replace the defaults, or None: the candidates cannot
+    be told apart (every one scored the same mean: the probabilities carry nothing the score
+    can see, as an all-zero volume does), or the best beats the defaults by no more than
+    `MIN_GAIN`."""
+    means = {c.mean() for c in candidates if not c.pruned}
+    if len(means) == 1 and not any(c.pruned for c in candidates):
+        return (
+            f"the candidates cannot be told apart: all {len(candidates)} have the same mean "
+            f"score ({best.mean():.4f})"
+        )
+    gain = best.mean() - default.mean()
+    if gain <= MIN_GAIN:
+        return (
+            f"the best candidate, {best.settings.label()} (mean score {best.mean():.4f}), beats "
+            f"the defaults ({default.mean():.4f}) by {gain:.4f}, not by more than the "
+            f"{MIN_GAIN} needed to replace them"
+        )
+    return None
 
 
 _CANDIDATE_COLUMNS = ["candidate", "stage", *PostprocessSettings().as_dict(), "label"]

@@ -49,15 +49,17 @@ def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
     tuned_json = Path(tuned_dir) / "tuned.json"
     candidates_csv = Path(tuned_dir) / "candidates.csv"
     names = []
+    tuned: Mapping[str, Any] = {}
     if tuned_json.exists():
-        out.append(_choice_block(read_json(tuned_json)))
+        tuned = read_json(tuned_json)
+        out.append(_choice_block(tuned))
         names.append(src.use(tuned_json))
     else:
         out.append(missing("Tuned settings", [src.rel(tuned_json)]))
     if candidates_csv.exists():
         candidates = read_table(candidates_csv)
         names.append(src.use(candidates_csv))
-        out.append(_candidates_block(candidates))
+        out.append(_candidates_block(candidates, kept_defaults=tuned.get("tuned") is False))
     else:
         out.append(missing("Candidates", [src.rel(candidates_csv)]))
     out.append(source_line(names))
@@ -67,15 +69,24 @@ def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
 def _choice_block(tuned: Mapping[str, Any]) -> str:
     settings = tuned.get("settings") or {}
     if tuned.get("tuned") is False:
-        # The search was not run (ctseg.postprocess.tuning: no or too little labelled foreground in
-        # val).
+        # The defaults kept (ctseg.postprocess.tuning): the search was not run (no or too little
+        # labelled foreground in val), or its best did not beat the defaults by enough.
         setting_rows = [
             [key, "none" if value is None else fmt(value)] for key, value in settings.items()
         ]
+        best = tuned.get("best_candidate") or {}
+        searched = (
+            f" The search scored {fmt(tuned.get('candidates'))} candidates; the best, "
+            f"<b>{esc(best.get('label', 'n/a'))}</b>, has mean score "
+            f"{fmt(best.get('score'), 4)} against the defaults' "
+            f"{fmt((tuned.get('default') or {}).get('score'), 4)}."
+            if best
+            else ""
+        )
         return (
             f"<p class='note'><b>Not tuned:</b> {esc(tuned.get('reason', 'n/a'))}. The masks of "
             f"every predicted volume use the default settings "
-            f"(<b>{esc(tuned.get('label', 'n/a'))}</b>).</p>"
+            f"(<b>{esc(tuned.get('label', 'n/a'))}</b>).{searched}</p>"
             + table(["setting", "used"], setting_rows)
         )
     search = tuned.get("search") or {}
@@ -100,7 +111,7 @@ def _choice_block(tuned: Mapping[str, Any]) -> str:
     )
 
 
-def _candidates_block(candidates: pd.DataFrame) -> str:
+def _candidates_block(candidates: pd.DataFrame, kept_defaults: bool = False) -> str:
     columns = [c for c in CANDIDATE_COLUMNS if c in candidates.columns]
     rows = [[fmt(row[c], 4) for c in columns] for row in records(candidates)]
     note = ""
@@ -114,10 +125,9 @@ def _candidates_block(candidates: pd.DataFrame) -> str:
         )
     if "chosen" in candidates and "label" in candidates:
         chosen = candidates.loc[candidates["chosen"].astype(bool), "label"]
+        why = "the defaults, kept: see above" if kept_defaults else "highest mean score"
         if len(chosen):
-            note += (
-                f"<p class='note'>Chosen: <b>{esc(chosen.iloc[0])}</b> (highest mean score).</p>"
-            )
+            note += f"<p class='note'>Chosen: <b>{esc(chosen.iloc[0])}</b> ({why}).</p>"
     return (
         "<h3>Post-processing candidates, scored on the tuning volumes</h3>"
         + note
