@@ -11,7 +11,7 @@ MONAI is a bench-only extra: ``.venv/bin/pip install -e '.[bench]'`` (``--skip-m
 the rest without it).
 
 Figures:
-- voxels/s of `ctseg.inference.infer.infer_volume` (batch 4 by default, Gaussian blending; the
+- voxels/s of `ctseg.inference.volume.infer_volume` (batch 4 by default, Gaussian blending; the
 volume
   is resident, and a streamed run is shown beside it) against the baseline below, on the same
   U-Net (filters 16-32-64-128, instance norm: a realistic width for a CPU, so the forward
@@ -160,15 +160,16 @@ def decisive_weights(path: Path, config: dict, window, store: Path) -> Path:
     logit of the volume's first window, so that about half the voxels are foreground."""
     import torch
 
-    from ctseg.inference import infer
+    from ctseg.inference.volume import normalise
     from ctseg.network.model import build_model
     from ctseg.store import open_volume
+    from ctseg.training.distributed import pick_device
 
     torch.manual_seed(0)
-    device = infer.pick_device()  # exp001_full's model is slow on a CPU, even for one window
+    device = pick_device()  # exp001_full's model is slow on a CPU, even for one window
     model = build_model(config).eval().to(device)
     image = open_volume(store)
-    crop = infer.normalise(np.asarray(image[tuple(slice(0, w) for w in window)]), LOW, HIGH)
+    crop = normalise(np.asarray(image[tuple(slice(0, w) for w in window)]), LOW, HIGH)
     head = model.heads[0]
     with torch.no_grad():
         head.weight.mul_(HEAD_GAIN)
@@ -197,13 +198,13 @@ def pointwise_weights(path: Path) -> Path:
 def load(weights: str, device):
     import torch
 
-    from ctseg.inference import infer
+    from ctseg.inference.run import load_model
 
     if weights.endswith(".pointwise.pt"):
         model = torch.nn.Conv3d(1, 1, 1)
         model.load_state_dict(torch.load(weights, weights_only=True))
         return model.to(device).eval()
-    model, _ = infer.load_model(Path(weights), device)
+    model, _ = load_model(Path(weights), device)
     return model
 
 
@@ -226,23 +227,27 @@ def child_stream(
     device_budget: str = "",
 ) -> float:
     """`infer_volume` into a float16 store; an empty device budget means the host budget."""
-    from ctseg.inference import infer
+    from ctseg.inference.settings import InferenceSettings
+    from ctseg.inference.volume import infer_volume
+    from ctseg.training.distributed import pick_device
 
-    device = infer.pick_device()
+    device = pick_device()
     win = tuple(int(w) for w in window.split(","))
     model = load(weights, device)
     warm_up(model, win, int(batch), device)
     start = time.perf_counter()
-    infer.infer_volume(
+    infer_volume(
         model,
         Path(store),
         Path(dest),
-        window=win,
-        overlap=OVERLAP,
-        batch_size=int(batch),
-        device=device,
-        memory_budget_mb=float(budget),
-        device_budget_mb=float(device_budget) if device_budget else None,
+        InferenceSettings(
+            window=win,
+            overlap=OVERLAP,
+            batch_size=int(batch),
+            device=str(device),
+            memory_budget_mb=float(budget),
+            device_budget_mb=float(device_budget) if device_budget else None,
+        ),
     )
     return time.perf_counter() - start
 
@@ -262,11 +267,14 @@ def child_compare(
     import torch
     from monai.inferers import sliding_window_inference
 
-    from ctseg.inference import infer
+    from ctseg.inference.settings import InferenceSettings
+    from ctseg.inference.volume import normalise, predict_volume
+    from ctseg.inference.windows import device_importance_map
     from ctseg.store import open_volume
+    from ctseg.training.distributed import pick_device
 
-    device = infer.pick_device()
-    amp = infer.resolve_amp(None, device)
+    device = pick_device()
+    amp = InferenceSettings().use_amp(device)
     win = tuple(int(w) for w in window.split(","))
     model = load(weights, device)
     warm_up(model, win, int(batch), device)
@@ -276,9 +284,10 @@ def child_compare(
             return torch.sigmoid(model(x).float())
 
     def run_ctseg() -> tuple[np.ndarray, float]:
-        probs = infer.predict_volume(
-            model, Path(store), window=win, overlap=OVERLAP, batch_size=int(batch),
-            device=device, amp=amp,
+        probs = predict_volume(
+            model, Path(store), InferenceSettings(
+                window=win, overlap=OVERLAP, batch_size=int(batch), device=str(device), amp=amp
+            ),
         )  # fmt: skip
         return probs, float("nan")
 
@@ -286,7 +295,7 @@ def child_compare(
         image = open_volume(store)
         low, high = float(image.attrs["p0_5"]), float(image.attrs["p99_5"])
         shape = image.shape
-        x = torch.from_numpy(infer.normalise(np.asarray(image[...]), low, high))
+        x = torch.from_numpy(normalise(np.asarray(image[...]), low, high))
         x = x[None, None].to(device)
         _synchronize(device)
         on_device = time.perf_counter()
@@ -294,7 +303,7 @@ def child_compare(
         # of a short axis, and ctseg's Gaussian map in place of MONAI's clamped one.
         far = [max(w - s, 0) for s, w in zip(shape, win, strict=True)]
         x = torch.nn.functional.pad(x, (0, far[2], 0, far[1], 0, far[0]))
-        weight = infer.device_importance_map(win, device)  # cached as ctseg's is
+        weight = device_importance_map(win, device)  # cached as ctseg's is
         with torch.inference_mode():
             out = sliding_window_inference(
                 x, win, int(batch), predictor, overlap=OVERLAP, mode="gaussian",
@@ -330,13 +339,16 @@ def child_loop(weights: str, store: str, dest: str, window: str, tuned: str = "0
     import torch
 
     from ctseg.data.heap import tune_malloc
-    from ctseg.inference import infer
+    from ctseg.inference.settings import InferenceSettings
+    from ctseg.inference.volume import normalise
+    from ctseg.inference.windows import gaussian_importance_map, window_starts
     from ctseg.store import create_volume, open_volume
+    from ctseg.training.distributed import pick_device
 
     if tuned == "1":
         tune_malloc()
-    device = infer.pick_device()
-    amp = infer.resolve_amp(None, device)
+    device = pick_device()
+    amp = InferenceSettings().use_amp(device)
     win = tuple(int(w) for w in window.split(","))
     model = load(weights, device)
     warm_up(model, win, 1, device)
@@ -344,10 +356,10 @@ def child_loop(weights: str, store: str, dest: str, window: str, tuned: str = "0
     image = open_volume(store)
     low, high = float(image.attrs["p0_5"]), float(image.attrs["p99_5"])
     shape = image.shape
-    g = infer.gaussian_importance_map(win)
+    g = gaussian_importance_map(win)
     weighted = np.zeros(shape, np.float32)
     weights_sum = np.zeros(shape, np.float32)
-    starts = [infer.window_starts(s, w, OVERLAP) for s, w in zip(shape, win, strict=True)]
+    starts = [window_starts(s, w, OVERLAP) for s, w in zip(shape, win, strict=True)]
     with torch.inference_mode():
         for z in starts[0]:
             for y in starts[1]:
@@ -358,7 +370,7 @@ def child_loop(weights: str, store: str, dest: str, window: str, tuned: str = "0
                     )
                     size = tuple(b.stop - b.start for b in box)
                     crop = np.zeros(win, np.float32)
-                    crop[: size[0], : size[1], : size[2]] = infer.normalise(image[box], low, high)
+                    crop[: size[0], : size[1], : size[2]] = normalise(image[box], low, high)
                     inp = torch.from_numpy(crop)[None, None].to(device)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                         logits = model(inp)
@@ -408,7 +420,7 @@ def speed(
     batch: int,
     repeat: int,
 ) -> float:
-    from ctseg.inference import infer
+    from ctseg.inference.windows import window_starts
 
     store = make_store(workdir / "speed.zarr", shape)
     weights = save_weights(workdir / "unet.pt", UNET, window)
@@ -423,9 +435,7 @@ def speed(
         "stream", str(weights), str(store), str(workdir / "st.zarr"), win, "512", str(batch), "0"
     )
     tuned = measure("loop", str(weights), str(store), str(workdir / "t.zarr"), win, "1")
-    n = math.prod(
-        len(infer.window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True)
-    )
+    n = math.prod(len(window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True))
     voxels = math.prod(shape)
     print(
         f"\nspeed: U-Net filters {UNET['filters']}, window {window[0]}^3, overlap {OVERLAP}, "
@@ -511,9 +521,9 @@ def check_same_grid(shape, window) -> None:
     """The agreement check compares implementations only where both use the same windows."""
     import itertools
 
-    from ctseg.inference import infer
+    from ctseg.inference.windows import window_starts
 
-    ours = [infer.window_starts(s, w, OVERLAP) for s, w in zip(shape, window, strict=True)]
+    ours = [window_starts(s, w, OVERLAP) for s, w in zip(shape, window, strict=True)]
     theirs = monai_grid(shape, window)
     if sorted(itertools.product(*ours)) != theirs:
         axes = [sorted({c[a] for c in theirs}) for a in range(3)]
@@ -550,7 +560,7 @@ def monai(
     pointwise: bool = False,
 ) -> float:
     """ctseg's voxels/s / MONAI's, after checking that the two agree (module docstring)."""
-    from ctseg.inference import infer
+    from ctseg.inference.windows import window_starts
 
     check_same_grid(shape, window)
     config = full_model_config() if full_model else UNET
@@ -564,9 +574,7 @@ def monai(
     win = ",".join(map(str, window))
     child = measure("compare", str(weights), str(store), str(out), win, str(batch), str(rounds))
     runs = json.loads((out / "runs.json").read_text())
-    n = math.prod(
-        len(infer.window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True)
-    )
+    n = math.prod(len(window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True))
     voxels = math.prod(shape)
     model = f"U-Net filters {config['filters']}" + (" (exp001_full)" if full_model else "")
     if pointwise:

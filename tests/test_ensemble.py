@@ -25,7 +25,7 @@ from ctseg.io import CtsegError
 from ctseg.store import create_volume, open_volume
 
 REPO = Path(__file__).resolve().parents[1]
-# What ctseg.inference.infer.infer_volume records (tests/test_infer.py checks infer writes these).
+# What ctseg.inference.volume.infer_volume records (tests/test_infer.py checks infer writes these).
 INFER_ATTRS = {
     "source": "results/preprocessed/demo/zarr/images/a.zarr",
     "window": [8, 16, 16],
@@ -84,8 +84,8 @@ def test_weights_one_zero_reproduce_the_first_member_exactly(probs, tmp_path):
 
 
 def test_the_mean_is_weighted_and_postprocess_reads_it(probs, tmp_path):
-    from ctseg.inference.infer import write_mask
     from ctseg.postprocess.masks import PostprocessSettings
+    from ctseg.postprocess.write import write_mask
 
     a, b = probs
     out = tmp_path / "ens" / "v.zarr"
@@ -316,7 +316,8 @@ def test_stores_written_by_infer_are_ensembled_and_checked(tmp_path):
     ensembled give them back, and a different overlap is refused."""
     import torch
 
-    from ctseg.inference.infer import infer_volume
+    from ctseg.inference.settings import InferenceSettings
+    from ctseg.inference.volume import infer_volume
     from ctseg.network.model import build_model
 
     image = tmp_path / "img.zarr"
@@ -327,8 +328,8 @@ def test_stores_written_by_infer_are_ensembled_and_checked(tmp_path):
     model = build_model({"filters": [4, 8]}).eval()
     kw = {"window": (8, 8, 8), "batch_size": 8}
     a, c = tmp_path / "a.zarr", tmp_path / "c.zarr"
-    infer_volume(model, image, a, overlap=0.5, **kw)
-    infer_volume(model, image, c, overlap=0.25, **kw)
+    infer_volume(model, image, a, InferenceSettings(overlap=0.5, **kw))
+    infer_volume(model, image, c, InferenceSettings(overlap=0.25, **kw))
     out = tmp_path / "ens.zarr"
     ensemble_volume([a, a], [1, 1], out)
     assert np.array_equal(read(out), read(a))

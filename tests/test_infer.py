@@ -13,9 +13,20 @@ import torch
 import zarr
 from torch import nn
 
-from ctseg.inference import infer
+from ctseg.inference.run import infer_records, load_model
+from ctseg.inference.settings import InferenceSettings
+from ctseg.inference.volume import infer_volume
+from ctseg.inference.windows import (
+    gaussian_1d,
+    gaussian_importance_map,
+    plan_slabs,
+    slab_costs,
+    window_starts,
+)
 from ctseg.io import CtsegError
 from ctseg.network.model import build_model
+from ctseg.postprocess.masks import PostprocessSettings
+from ctseg.postprocess.write import write_mask
 from ctseg.store import create_volume, open_volume
 from ctseg.training.checkpoint import save_checkpoint
 
@@ -47,10 +58,10 @@ def reference_blend(model, volume, window, overlap) -> np.ndarray:
     x = np.clip((volume.astype(np.float64) - LOW) / (HIGH - LOW), 0, 1).astype(np.float32)
     padded = np.zeros([max(s, w) for s, w in zip(x.shape, window, strict=True)], np.float32)
     padded[: x.shape[0], : x.shape[1], : x.shape[2]] = x
-    g = infer.gaussian_importance_map(window).astype(np.float64)
+    g = gaussian_importance_map(window).astype(np.float64)
     acc = np.zeros(volume.shape)
     wsum = np.zeros(volume.shape)
-    starts = [infer.window_starts(s, w, overlap) for s, w in zip(x.shape, window, strict=True)]
+    starts = [window_starts(s, w, overlap) for s, w in zip(x.shape, window, strict=True)]
     for z in starts[0]:
         for y in starts[1]:
             for xx in starts[2]:
@@ -71,7 +82,7 @@ def reference_blend(model, volume, window, overlap) -> np.ndarray:
 # ----------------------------------------------------------------------------- geometry
 def test_gaussian_importance_map_shape_sigma_and_normalisation():
     window = (8, 12, 16)
-    g = infer.gaussian_importance_map(window)
+    g = gaussian_importance_map(window)
     assert g.shape == window and g.dtype == np.float32
     assert g.max() == pytest.approx(1.0) and g.min() > 0
     # Centred and symmetric: the maximum is at the middle and flips leave it unchanged.
@@ -85,7 +96,7 @@ def test_gaussian_importance_map_shape_sigma_and_normalisation():
         off = d2 > d2.min()
         sigma = np.sqrt(-(d2[off] - d2.min()) / (2 * np.log(profile[off])))
         np.testing.assert_allclose(sigma, w / 8, rtol=1e-5)
-    outer = np.einsum("i,j,k->ijk", *(infer.gaussian_1d(w) for w in window))
+    outer = np.einsum("i,j,k->ijk", *(gaussian_1d(w) for w in window))
     np.testing.assert_allclose(g, outer, rtol=1e-6)
 
 
@@ -95,7 +106,7 @@ def test_gaussian_importance_map_shape_sigma_and_normalisation():
      (37, 12, 0.75)],
 )  # fmt: skip
 def test_window_starts_cover_with_requested_overlap(size, window, overlap):
-    starts = infer.window_starts(size, window, overlap)
+    starts = window_starts(size, window, overlap)
     if size <= window:
         assert starts == [0]  # padded: one window
         return
@@ -114,7 +125,7 @@ def test_window_starts_cover_with_requested_overlap(size, window, overlap):
 def test_window_grid_covers_a_non_divisible_volume():
     shape, window = (41, 9, 30), (16, 16, 12)
     count = np.zeros(shape, int)
-    starts = [infer.window_starts(s, w, 0.5) for s, w in zip(shape, window, strict=True)]
+    starts = [window_starts(s, w, 0.5) for s, w in zip(shape, window, strict=True)]
     for z in starts[0]:
         for y in starts[1]:
             for x in starts[2]:
@@ -124,13 +135,13 @@ def test_window_grid_covers_a_non_divisible_volume():
 
 
 def test_slab_plan_respects_budget_and_flushes_on_chunk_boundaries():
-    starts = infer.window_starts(200, 16, 0.5)
-    slabs = infer.plan_slabs(200, 16, starts, 8, 100, 50, budget_bytes=100 * 40 + 50 * 24)
+    starts = window_starts(200, 16, 0.5)
+    slabs = plan_slabs(200, 16, starts, 8, 100, 50, budget_bytes=100 * 40 + 50 * 24)
     assert [r for s in slabs for r in s.rows] == starts
     assert len(slabs) > 3
-    assert max(infer.slab_costs(slabs, 100, 50)) <= 100 * 40 + 50 * 24
+    assert max(slab_costs(slabs, 100, 50)) <= 100 * 40 + 50 * 24
     assert all(s.flush_to % 8 == 0 for s in slabs[:-1]) and slabs[-1].flush_to == 200
-    one = infer.plan_slabs(200, 16, starts, 8, 100, 50, budget_bytes=1e12)
+    one = plan_slabs(200, 16, starts, 8, 100, 50, budget_bytes=1e12)
     assert len(one) == 1 and one[0].z0 == 0 and one[0].z1 == 200
 
 
@@ -147,14 +158,11 @@ def test_streaming_equals_whole_volume_reference(tmp_path, shape, chunks, window
     volume = random_volume(shape)
     store = image_store(tmp_path / "img.zarr", volume, chunks)
     model = tiny_unet()
-    info = infer.infer_volume(
+    info = infer_volume(
         model,
         store,
         tmp_path / "prob.zarr",
-        window=window,
-        overlap=0.5,
-        batch_size=3,
-        memory_budget_mb=budget_mb,
+        InferenceSettings(window=window, overlap=0.5, batch_size=3, memory_budget_mb=budget_mb),
     )
     prob = open_volume(tmp_path / "prob.zarr")
     assert prob.dtype == np.float16 and prob.shape == shape
@@ -175,9 +183,9 @@ def test_memory_is_bounded_by_the_slab_not_the_volume(tmp_path):
     def peak(budget_mb: float) -> tuple[int, dict]:
         tracemalloc.start()
         try:
-            info = infer.infer_volume(
-                model, store, tmp_path / f"p{budget_mb}.zarr", window=(16, 16, 16),
-                batch_size=8, memory_budget_mb=budget_mb,
+            info = infer_volume(
+                model, store, tmp_path / f"p{budget_mb}.zarr",
+                InferenceSettings(window=(16, 16, 16), batch_size=8, memory_budget_mb=budget_mb),
             )  # fmt: skip
             return tracemalloc.get_traced_memory()[1], info
         finally:
@@ -207,7 +215,7 @@ class CountingModel(nn.Module):
 
 
 def run(model, store, dest, **kw):
-    infer.infer_volume(model, store, dest, window=(12, 12, 12), batch_size=4, **kw)
+    infer_volume(model, store, dest, InferenceSettings(window=(12, 12, 12), batch_size=4, **kw))
     return open_volume(dest)[...].astype(np.float32)
 
 
@@ -250,12 +258,14 @@ def read_mask(path: Path) -> np.ndarray:
 def test_postprocess_threshold_streams_pages(tmp_path):
     probs = np.random.default_rng(0).random((10, 7, 9)).astype(np.float16)
     store = prob_store(tmp_path / "p.zarr", probs)
-    info = infer.postprocess(store, tmp_path / "m.tif", threshold=0.3)
+    info = write_mask(store, tmp_path / "m.tif", PostprocessSettings(threshold=0.3))
     mask = read_mask(tmp_path / "m.tif")
     np.testing.assert_array_equal(mask, (probs > 0.3).astype(np.uint8))
     assert info["foreground_voxels"] == int(mask.sum()) and not info["holds_whole_mask"]
     # The whole-volume path with a no-op size filter writes the same mask.
-    infer.postprocess(store, tmp_path / "w.tif", threshold=0.3, min_component_voxels=1)
+    write_mask(
+        store, tmp_path / "w.tif", PostprocessSettings(threshold=0.3, min_component_voxels=1)
+    )
     np.testing.assert_array_equal(read_mask(tmp_path / "w.tif"), mask)
 
 
@@ -265,11 +275,11 @@ def test_postprocess_removes_small_components_26_connected(tmp_path):
     probs[8, 8, 8] = 0.9  # 1 voxel
     probs[5, 9, 2] = probs[6, 10, 3] = 0.9  # 2 voxels touching at a corner: one component
     store = prob_store(tmp_path / "p.zarr", probs)
-    info = infer.postprocess(store, tmp_path / "m.tif", min_component_voxels=2)
+    info = write_mask(store, tmp_path / "m.tif", PostprocessSettings(min_component_voxels=2))
     mask = read_mask(tmp_path / "m.tif")
     assert mask.sum() == 29 and mask[8, 8, 8] == 0 and mask[5, 9, 2] == mask[6, 10, 3] == 1
     assert info["removed_voxels"] == 1
-    infer.postprocess(store, tmp_path / "m28.tif", min_component_voxels=28)
+    write_mask(store, tmp_path / "m28.tif", PostprocessSettings(min_component_voxels=28))
     assert read_mask(tmp_path / "m28.tif").sum() == 0
 
 
@@ -280,7 +290,7 @@ def test_postprocess_fills_enclosed_cavities_per_volume(tmp_path):
     probs[:, 8:13, 8:13] = 0.9
     probs[:, 9:12, 9:12] = 0.1  # a tube open at both z ends: a hole per slice, not in 3D
     store = prob_store(tmp_path / "p.zarr", probs)
-    info = infer.postprocess(store, tmp_path / "m.tif", fill_holes=True)
+    info = write_mask(store, tmp_path / "m.tif", PostprocessSettings(fill_holes=True))
     mask = read_mask(tmp_path / "m.tif")
     assert mask[2:5, 2:5, 2:5].all() and info["filled_voxels"] == 27
     assert not mask[:, 9:12, 9:12].any()
@@ -313,7 +323,7 @@ def test_weights_load_with_weights_only_and_give_identical_logits(tmp_path, monk
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(torch, "load", spy)
-    loaded, patch = infer.load_model(weights, "cpu")
+    loaded, patch = load_model(weights, "cpu")
     assert seen == [True] and patch == (12, 12, 12) and not loaded.training
     x = torch.rand(2, 1, 12, 10, 12)
     with torch.no_grad():
@@ -326,10 +336,10 @@ def test_infer_records_names_outputs_by_id(tmp_path):
         image_store(tmp_path / "images" / f"{rid}.zarr", random_volume((14, 16, 18), seed=i))
         for i, rid in enumerate(["1004283650", "vol_b"])
     ]
-    rows = infer.infer_records(
+    rows = infer_records(
         weights, stores, tmp_path / "predictions", tmp_path / "probabilities",
-        overlap=0.5, batch_size=2, tta_flips=False, threshold=0.5, min_component_voxels=0,
-        fill_holes=False, device="cpu",
+        InferenceSettings(overlap=0.5, batch_size=2, tta_flips=False, device="cpu"),
+        PostprocessSettings(threshold=0.5, min_component_voxels=0, fill_holes=False),
     )  # fmt: skip
     assert [r["id"] for r in rows] == ["1004283650", "vol_b"]
     assert sorted(p.name for p in (tmp_path / "predictions").iterdir()) == [
@@ -351,48 +361,48 @@ def test_infer_records_names_outputs_by_id(tmp_path):
 # ----------------------------------------------------------------------------- errors
 def test_weight_errors_name_the_file(tmp_path):
     with pytest.raises(CtsegError, match="missing.pt: weights file not found"):
-        infer.load_model(tmp_path / "missing.pt", "cpu")
+        load_model(tmp_path / "missing.pt", "cpu")
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CtsegError, match="corrupt.pt: cannot load weights"):
-        infer.load_model(tmp_path / "corrupt.pt", "cpu")
+        load_model(tmp_path / "corrupt.pt", "cpu")
     torch.save({"model": {}}, tmp_path / "partial.pt")
     with pytest.raises(CtsegError, match="partial.pt: expected a dict with keys"):
-        infer.load_model(tmp_path / "partial.pt", "cpu")
+        load_model(tmp_path / "partial.pt", "cpu")
     weights = save_weights(tmp_path / "wrong.pt", build_model({"filters": [4, 16]}))
     with pytest.raises(CtsegError, match="wrong.pt: weights do not match"):
-        infer.load_model(weights, "cpu")
+        load_model(weights, "cpu")
 
 
 def test_image_errors_name_the_store_and_leave_no_output(tmp_path):
     model = nn.Conv3d(1, 1, 1)
     kw = {"window": (8, 8, 8)}
     with pytest.raises(CtsegError, match="nope.zarr: image store not found"):
-        infer.infer_volume(model, tmp_path / "nope.zarr", tmp_path / "p.zarr", **kw)
+        infer_volume(model, tmp_path / "nope.zarr", tmp_path / "p.zarr", InferenceSettings(**kw))
     flat = tmp_path / "flat.zarr"
     zarr.create_array(str(flat), shape=(8, 8), dtype=np.uint8, attributes={"p0_5": 0, "p99_5": 1})
     with pytest.raises(CtsegError, match="flat.zarr: expected a 3D volume"):
-        infer.infer_volume(model, flat, tmp_path / "p.zarr", **kw)
+        infer_volume(model, flat, tmp_path / "p.zarr", InferenceSettings(**kw))
     bare = tmp_path / "bare.zarr"
     create_volume(bare, (8, 8, 8), np.uint8, (8, 8, 8))
     with pytest.raises(CtsegError, match="bare.zarr: image attributes lack"):
-        infer.infer_volume(model, bare, tmp_path / "p.zarr", **kw)
+        infer_volume(model, bare, tmp_path / "p.zarr", InferenceSettings(**kw))
     good = image_store(tmp_path / "good.zarr", random_volume((8, 8, 8)))
     with pytest.raises(CtsegError, match="overlap"):
-        infer.infer_volume(model, good, tmp_path / "p.zarr", overlap=1.0, **kw)
+        infer_volume(model, good, tmp_path / "p.zarr", InferenceSettings(overlap=1.0, **kw))
     with pytest.raises(CtsegError, match="expected one channel"):
-        infer.infer_volume(nn.Conv3d(1, 2, 1), good, tmp_path / "p.zarr", **kw)
+        infer_volume(nn.Conv3d(1, 2, 1), good, tmp_path / "p.zarr", InferenceSettings(**kw))
     assert not (tmp_path / "p.zarr").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     with pytest.raises(CtsegError, match="missing.zarr: probability store not found"):
-        infer.postprocess(tmp_path / "missing.zarr", tmp_path / "m.tif")
+        write_mask(tmp_path / "missing.zarr", tmp_path / "m.tif", PostprocessSettings())
     assert not (tmp_path / "m.tif").exists()
 
 
 def test_duplicate_ids_are_refused(tmp_path):
     stores = [tmp_path / "a" / "x1.zarr", tmp_path / "b" / "x1.zarr"]
     with pytest.raises(CtsegError, match="same id"):
-        infer.infer_records(
-            tmp_path / "w.pt", stores, tmp_path / "o", tmp_path / "p", overlap=0.5,
-            batch_size=1, tta_flips=False, threshold=0.5, min_component_voxels=0,
-            fill_holes=False,
+        infer_records(
+            tmp_path / "w.pt", stores, tmp_path / "o", tmp_path / "p",
+            InferenceSettings(overlap=0.5, batch_size=1, tta_flips=False),
+            PostprocessSettings(threshold=0.5, min_component_voxels=0, fill_holes=False),
         )  # fmt: skip

@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 from ctseg.cli import main as cli_main
-from ctseg.inference import infer
+from ctseg.inference.settings import InferenceSettings
+from ctseg.inference.volume import infer_volume, predict_volume
+from ctseg.inference.windows import device_importance_map, gaussian_importance_map, resident_bytes
 from ctseg.io import CtsegError
 from ctseg.network.model import build_model
+from ctseg.postprocess.masks import PostprocessSettings
+from ctseg.postprocess.write import write_mask
 from ctseg.store import create_volume, open_volume
 from ctseg.training.checkpoint import save_checkpoint
 
@@ -61,11 +65,11 @@ class Recorder(nn.Module):
 def run(tmp_path, store, name, model, **kw):
     kw.setdefault("window", (16, 16, 16))
     kw.setdefault("batch_size", 3)
-    info = infer.infer_volume(model, store, tmp_path / f"{name}.zarr", **kw)
+    info = infer_volume(model, store, tmp_path / f"{name}.zarr", InferenceSettings(**kw))
     prob = open_volume(tmp_path / f"{name}.zarr")
     assert prob.dtype == np.float16
     mask = tmp_path / f"{name}.tif"
-    infer.postprocess(tmp_path / f"{name}.zarr", mask, threshold=0.5)
+    write_mask(tmp_path / f"{name}.zarr", mask, PostprocessSettings(threshold=0.5))
     return info, prob[...].astype(np.float32), tifffile.imread(mask)
 
 
@@ -97,21 +101,24 @@ def test_resident_equals_streamed(tmp_path, shape, tta):
 def test_the_device_budget_decides_resident_or_streamed(tmp_path):
     shape, window, batch = (40, 24, 24), (16, 16, 16), 3
     store = image_store(tmp_path / "img.zarr", shape)
-    needed = infer.resident_bytes(shape, window, 1, batch)
+    needed = resident_bytes(shape, window, 1, batch)
     assert needed >= 8 * math.prod(shape)  # at least the float32 input and accumulator
     model = nn.Conv3d(1, 1, 1)
     kw = {"window": window, "batch_size": batch, "memory_budget_mb": 0.05}
-    fits = infer.infer_volume(
-        model, store, tmp_path / "a.zarr", device_budget_mb=needed / 2**20, **kw
+    fits = infer_volume(
+        model, store, tmp_path / "a.zarr", InferenceSettings(device_budget_mb=needed / 2**20, **kw)
     )
-    over = infer.infer_volume(
-        model, store, tmp_path / "b.zarr", device_budget_mb=(needed - 1) / 2**20, **kw
+    over = infer_volume(
+        model, store, tmp_path / "b.zarr",
+        InferenceSettings(device_budget_mb=(needed - 1) / 2**20, **kw),
+    )  # fmt: skip
+    never = infer_volume(
+        model, store, tmp_path / "c.zarr", InferenceSettings(device_budget_mb=0, **kw)
     )
-    never = infer.infer_volume(model, store, tmp_path / "c.zarr", device_budget_mb=0, **kw)
     # No device budget given: the host budget decides (a CPU's device is the host).
-    default_small = infer.infer_volume(model, store, tmp_path / "d.zarr", **kw)
-    default_big = infer.infer_volume(model, store, tmp_path / "e.zarr", window=window,
-                                     batch_size=batch, memory_budget_mb=needed / 2**20)  # fmt: skip
+    default_small = infer_volume(model, store, tmp_path / "d.zarr", InferenceSettings(**kw))
+    default_big = infer_volume(model, store, tmp_path / "e.zarr", InferenceSettings(
+        window=window, batch_size=batch, memory_budget_mb=needed / 2**20))  # fmt: skip
     assert fits["mode"] == "resident" and fits["resident_mb"] == pytest.approx(needed / 2**20)
     assert over["mode"] == never["mode"] == default_small["mode"] == "streamed"
     assert over["slabs"] > 1
@@ -140,12 +147,13 @@ def test_predict_volume_returns_what_infer_volume_writes(tmp_path):
     store = image_store(tmp_path / "img.zarr", (30, 20, 26))
     model = decisive_unet(seed=2)
     model.train()
-    probs = infer.predict_volume(model, store, window=(16, 16, 16), batch_size=2)
+    probs = predict_volume(model, store, InferenceSettings(window=(16, 16, 16), batch_size=2))
     assert model.training  # the training flag is restored
     assert probs.dtype == np.float16 and probs.shape == (30, 20, 26)
-    info = infer.infer_volume(
-        model, store, tmp_path / "p.zarr", window=(16, 16, 16), batch_size=2, device_budget_mb=64
-    )
+    info = infer_volume(
+        model, store, tmp_path / "p.zarr",
+        InferenceSettings(window=(16, 16, 16), batch_size=2, device_budget_mb=64),
+    )  # fmt: skip
     assert info["mode"] == "resident"
     np.testing.assert_array_equal(open_volume(tmp_path / "p.zarr")[...], probs)
 
@@ -153,14 +161,16 @@ def test_predict_volume_returns_what_infer_volume_writes(tmp_path):
 def test_resident_path_errors_leave_no_output(tmp_path):
     store = image_store(tmp_path / "img.zarr", (16, 16, 16))
     with pytest.raises(CtsegError, match="expected one channel"):
-        infer.infer_volume(
-            nn.Conv3d(1, 2, 1), store, tmp_path / "p.zarr", window=(8, 8, 8), device_budget_mb=64
-        )
+        infer_volume(
+            nn.Conv3d(1, 2, 1), store, tmp_path / "p.zarr",
+            InferenceSettings(window=(8, 8, 8), device_budget_mb=64),
+        )  # fmt: skip
     assert not (tmp_path / "p.zarr").exists()
     with pytest.raises(CtsegError, match="device_budget_mb"):
-        infer.infer_volume(
-            nn.Conv3d(1, 1, 1), store, tmp_path / "p.zarr", window=(8, 8, 8), device_budget_mb=-1
-        )
+        infer_volume(
+            nn.Conv3d(1, 1, 1), store, tmp_path / "p.zarr",
+            InferenceSettings(window=(8, 8, 8), device_budget_mb=-1),
+        )  # fmt: skip
 
 
 def test_cli_passes_the_device_budget(tmp_path, capsys):
@@ -185,7 +195,7 @@ def test_cli_passes_the_device_budget(tmp_path, capsys):
 
 def test_device_importance_map_is_built_once_and_equals_the_host_map():
     cpu = torch.device("cpu")
-    first = infer.device_importance_map((6, 8, 10), cpu)
-    assert infer.device_importance_map((6, 8, 10), cpu) is first  # cached per window and device
-    np.testing.assert_array_equal(first.numpy(), infer.gaussian_importance_map((6, 8, 10)))
+    first = device_importance_map((6, 8, 10), cpu)
+    assert device_importance_map((6, 8, 10), cpu) is first  # cached per window and device
+    np.testing.assert_array_equal(first.numpy(), gaussian_importance_map((6, 8, 10)))
     assert not first.is_inference()  # usable outside inference mode

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ctseg.inference.infer import load_model
+from ctseg.inference.run import load_model
 from ctseg.network.model import build_model, parameter_digest, portable_state_dict, tensor_bytes
 from ctseg.training.checkpoint import save_checkpoint
 
@@ -68,7 +68,7 @@ def test_weights_saved_from_channels_last_load_in_either_format(
     x = torch.randn(1, 1, 16, 16, 16)
     with torch.no_grad():
         expected = last(x.contiguous(memory_format=CHANNELS_LAST))
-    # Through ctseg.inference.infer.load_model, as `ctseg infer` loads them.
+    # Through ctseg.inference.run.load_model, as `ctseg infer` loads them.
     loaded, patch = load_model(path, "cpu")
     loaded = loaded.to(memory_format=load_as)
     with torch.no_grad():

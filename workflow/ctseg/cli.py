@@ -16,12 +16,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ctseg.io import CtsegError
+from ctseg import __version__
+from ctseg.io import CtsegError, strict_json
 
 # `ArgumentParser.add_subparsers().add_parser`: each subcommand's builder adds itself with it.
 AddParser = Callable[..., argparse.ArgumentParser]
 
 if TYPE_CHECKING:
+    from ctseg.inference.settings import InferenceSettings
+    from ctseg.postprocess.masks import PostprocessSettings
     from ctseg.training.distributed import Ranks
 
 
@@ -105,7 +108,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         expect_shape=expect_shape,
         like_source=args.like,
     )
-    print(json.dumps(attrs, indent=1))
+    print(strict_json(attrs, indent=1))
 
 
 def cmd_targets(args: argparse.Namespace) -> None:
@@ -123,7 +126,7 @@ def cmd_targets(args: argparse.Namespace) -> None:
         codec=args.codec,
         workers=args.workers,
     )
-    print(json.dumps(summary, indent=1))
+    print(strict_json(summary, indent=1))
 
 
 def cmd_split(args: argparse.Namespace) -> None:
@@ -153,7 +156,7 @@ def cmd_stage(args: argparse.Namespace) -> None:
         storage_options=args.storage_options,
         workers=args.workers,
     )
-    print(json.dumps(summary, indent=1, default=str))
+    print(strict_json(summary, indent=1, default=str))
 
 
 def _split_ids(split_csv: str) -> tuple[list[str], list[str]]:
@@ -187,7 +190,7 @@ def _scratch(args: argparse.Namespace, ranks: Ranks) -> Path:
                 scratch,
                 fmt=args.experiment["scratch_format"],
             )
-            print(json.dumps({"staged": summary}, default=str))
+            print(strict_json({"staged": summary}, default=str))
         ranks.barrier()
     # A file deleted or cut short since staging would fail deep inside the loader workers.
     check_staged(scratch, [i for ids in _split_ids(args.split) for i in ids])
@@ -261,37 +264,86 @@ def cmd_train(args: argparse.Namespace) -> None:
                 stop=stop,
             )
     if first:
-        print(json.dumps({"phase": phase_id, **summary}, indent=1, default=str))
+        print(strict_json({"phase": phase_id, **summary}, indent=1, default=str))
     if summary.get("stopped"):
         raise SystemExit(RESUMABLE_EXIT)  # "stopped with a checkpoint: run me again"
 
 
-def cmd_infer(args: argparse.Namespace) -> None:
-    from ctseg.inference.infer import load_model, predict_record
-    from ctseg.training.distributed import pick_device
+def _inference_settings(args: argparse.Namespace) -> InferenceSettings:
+    from ctseg.inference.settings import InferenceSettings
 
-    # Before the (long) inference, which would otherwise run only to have postprocess refuse it.
-    if not 0 <= args.threshold < 1:
-        raise CtsegError(f"--threshold {args.threshold!r}: expected 0 <= threshold < 1")
-    device = pick_device(args.device)
-    model, patch = load_model(Path(args.weights), device)
+    return InferenceSettings(
+        window=args.window,
+        overlap=args.overlap,
+        batch_size=args.batch_size,
+        tta_flips=args.tta_flips,
+        memory_budget_mb=args.memory_budget_mb,
+        device_budget_mb=args.device_budget_mb,
+        device=args.device,
+    )
+
+
+def _fixed_given(args: argparse.Namespace) -> dict[str, object]:
+    from ctseg.postprocess.masks import SETTING_KEYS
+
+    return {k: getattr(args, k) for k in SETTING_KEYS if getattr(args, k, None) is not None}
+
+
+def _fixed_postprocess(args: argparse.Namespace) -> PostprocessSettings:
+    """The fixed post-processing options given, the others at `PostprocessSettings`' defaults."""
+    from ctseg.postprocess.masks import PostprocessSettings
+
+    return PostprocessSettings(**_fixed_given(args))  # type: ignore[arg-type]
+
+
+def cmd_infer(args: argparse.Namespace) -> None:
+    from ctseg.inference.run import load_model, predict_record
+
+    # Both settings are checked when made, before the (long) inference, which would otherwise
+    # run only to have postprocess refuse them.
+    postprocess = _fixed_postprocess(args)
+    inference = _inference_settings(args)
+    model, patch = load_model(Path(args.weights), inference.torch_device())
     row = predict_record(
         model,
         Path(args.image),
         Path(args.probabilities),
         Path(args.mask) if args.mask else None,
-        window=args.window or patch,
-        overlap=args.overlap,
-        batch_size=args.batch_size,
-        tta_flips=args.tta_flips,
-        device=device,
-        memory_budget_mb=args.memory_budget_mb,
-        device_budget_mb=args.device_budget_mb,
-        threshold=args.threshold,
-        min_component_voxels=args.min_component_voxels,
-        fill_holes=args.fill_holes,
+        inference.with_window(patch),
+        postprocess,
     )
-    print(json.dumps(row, indent=1, default=str))
+    print(strict_json(row, indent=1, default=str))
+
+
+def cmd_predict(args: argparse.Namespace) -> None:
+    from ctseg.inference.predict import predict_folder, resolve_run, run_postprocess
+    from ctseg.postprocess.tuning import load_tuned
+
+    inference = _inference_settings(args)
+    if args.settings:
+        if _fixed_given(args):
+            raise CtsegError(
+                f"--settings {args.settings} and the fixed options {sorted(_fixed_given(args))} "
+                "exclude each other: give one"
+            )
+        postprocess, source = load_tuned(Path(args.settings)), args.settings
+    else:
+        postprocess, source = run_postprocess(
+            Path(args.run), _fixed_postprocess(args), bool(_fixed_given(args))
+        )
+    run = resolve_run(Path(args.run), Path(args.experiments_dir), Path(args.ensembles_dir))
+    summary = predict_folder(
+        run,
+        Path(args.input),
+        Path(args.output),
+        inference,
+        postprocess,
+        probabilities_dir=Path(args.probabilities) if args.probabilities else None,
+        only=args.only,
+        scratch=Path(args.scratch) if args.scratch else None,
+        postprocess_from=source,
+    )
+    print(strict_json(summary, indent=1))
 
 
 def cmd_tune_postprocess(args: argparse.Namespace) -> None:
@@ -322,35 +374,22 @@ def cmd_tune_postprocess(args: argparse.Namespace) -> None:
     summary = tune_postprocess(
         volumes, Path(args.out), space, workers=args.workers, topo_method=args.topo_method
     )
-    print(json.dumps(summary, indent=1))
+    print(strict_json(summary, indent=1))
 
 
 def cmd_postprocess(args: argparse.Namespace) -> None:
-    from ctseg.inference.infer import write_mask
-    from ctseg.postprocess.masks import PostprocessSettings
     from ctseg.postprocess.tuning import load_tuned
+    from ctseg.postprocess.write import write_mask
 
-    if args.settings:
-        settings = load_tuned(Path(args.settings))
-    else:
-        settings = PostprocessSettings(
-            threshold=args.threshold,
-            hysteresis_high=args.hysteresis_high,
-            min_component_voxels=args.min_component_voxels,
-            fill_holes=args.fill_holes,
-            hysteresis_mode=args.hysteresis_mode,
-            plug_holes_max_area=args.plug_holes_max_area,
-            patch_holes_max_area=args.patch_holes_max_area,
-            closing_radius=args.closing_radius,
-        )
+    settings = load_tuned(Path(args.settings)) if args.settings else _fixed_postprocess(args)
     info = write_mask(Path(args.probabilities), Path(args.mask), settings)
-    print(json.dumps(info, indent=1))
+    print(strict_json(info, indent=1))
 
 
 def cmd_score(args: argparse.Namespace) -> None:
     from ctseg.evaluation.metrics import score_files
 
-    print(json.dumps(score_files(Path(args.pred), Path(args.gt)), indent=1))
+    print(strict_json(score_files(Path(args.pred), Path(args.gt)), indent=1))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
@@ -364,7 +403,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         topo_method=args.topo_method,
         provenance=dict(args.provenance or []),
     )
-    print(json.dumps(summary, indent=1))
+    print(strict_json(summary, indent=1))
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -440,11 +479,13 @@ def _training_args(p: argparse.ArgumentParser) -> None:
 def _demo_data_parser(add_parser: AddParser) -> None:
     p = add_parser("demo-data", help="generate the synthetic dataset in the Kaggle layout")
     p.add_argument("--out", required=True, help="dataset directory, e.g. resources/demo")
-    p.add_argument("--n-train", type=int, default=4)
-    p.add_argument("--n-test", type=int, default=2)
+    p.add_argument("--n-train", type=int, default=4, help="labelled training volumes")
+    p.add_argument("--n-test", type=int, default=2, help="test volumes (labelled, for scoring)")
     p.add_argument("--shape", type=_shape, default=(96, 96, 96), help="Z,Y,X voxels")
-    p.add_argument("--scroll-ids", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scroll-ids", type=int, nargs="+", default=[1, 2], help="scroll ids, dealt in turn"
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed of the generated volumes")
     p.add_argument(
         "--preset",
         choices=("simple", "realistic"),
@@ -458,14 +499,23 @@ def _convert_parser(add_parser: AddParser) -> None:
     p = add_parser("convert", help="TIFF (multi-page or directory of slices) to Zarr v3")
     p.add_argument("source", help="a 3D .tif/.tiff or a directory of 2D slice TIFFs")
     p.add_argument("dest", help="the .zarr store to write")
-    p.add_argument("--kind", choices=["image", "label"], default="image")
+    p.add_argument(
+        "--kind",
+        choices=["image", "label"],
+        default="image",
+        help="image: intensity statistics; label: values checked to be 0, 1 or 2",
+    )
     p.add_argument("--like", default=None, help="image .zarr whose shape the label must match")
-    p.add_argument("--chunks", type=_shape, default=(64, 64, 64))
-    p.add_argument("--shards", type=_shape, default=None)
+    p.add_argument("--chunks", type=_shape, default=(64, 64, 64), help="Z,Y,X chunk shape")
+    p.add_argument(
+        "--shards", type=_shape, default=None, help="Z,Y,X shard shape (default: no shards)"
+    )
     p.add_argument(
         "--codec", type=_codec, default=None, help="NAME[,KEY=VALUE...], e.g. blosc,cname=lz4"
     )
-    p.add_argument("--memory-budget-mb", type=float, default=256.0)
+    p.add_argument(
+        "--memory-budget-mb", type=float, default=256.0, help="bound on the slabs held, MB"
+    )
     p.set_defaults(func=cmd_convert)
 
 
@@ -473,18 +523,27 @@ def _targets_parser(add_parser: AddParser) -> None:
     p = add_parser("targets", help="precompute training targets from a label store")
     p.add_argument("label", help="label .zarr written by `ctseg convert --kind label`")
     p.add_argument("dest", help="the targets .zarr group to write")
-    p.add_argument("--clip-distance", type=float, default=8.0)
+    p.add_argument(
+        "--clip-distance", type=float, default=8.0, help="signed distance clipped to [-d, d]"
+    )
     p.add_argument(
         "--skeleton-method",
         choices=["distance_ridge", "medial_surface", "medial_surface_fast", "lee3d"],
         default="distance_ridge",
+        help="how the skeleton is made (config/README.md, targets.skeleton_method)",
     )
-    p.add_argument("--tube-dilations", type=int, default=2)
-    p.add_argument("--block", type=_shape, default=(128, 128, 128))
-    p.add_argument("--max-samples", type=int, default=20000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tube-dilations", type=int, default=2, help="dilations of the skeleton: the tube"
+    )
+    p.add_argument(
+        "--block", type=_shape, default=(128, 128, 128), help="Z,Y,X block computed at a time"
+    )
+    p.add_argument(
+        "--max-samples", type=int, default=20000, help="foreground locations kept at most"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the foreground sample")
     p.add_argument("--codec", type=_codec, default=None, help="as for convert")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1, help="processes computing blocks")
     p.set_defaults(func=cmd_targets)
 
 
@@ -504,16 +563,21 @@ def _stage_parser(add_parser: AddParser) -> None:
     p.add_argument("source", help="preprocessed store: a local path or an fsspec URL")
     p.add_argument("split_csv", help="split.csv naming the ids to stage")
     p.add_argument("dest", help="scratch directory ($VARS expand)")
-    p.add_argument("--format", choices=["raw", "zarr"], default="raw")
+    p.add_argument(
+        "--format",
+        choices=["raw", "zarr"],
+        default="raw",
+        help="raw: uncompressed .npy files; zarr: a copy of the stores",
+    )
     p.add_argument("--storage-options", type=_json, default=None, help="fsspec options, JSON")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=4, help="records copied in parallel")
     p.set_defaults(func=cmd_stage)
 
 
 def _trial_parser(add_parser: AddParser) -> None:
     p = add_parser("trial", help="a short measured run of one loader phase")
     _training_args(p)
-    p.add_argument("--phase", required=True)
+    p.add_argument("--phase", required=True, help="the phase of --phases to run")
     p.add_argument("--previous", default=None, help="the previous phase's summary.json")
     p.set_defaults(func=cmd_trial)
 
@@ -534,6 +598,78 @@ def _train_parser(add_parser: AddParser) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def _inference_options(p: argparse.ArgumentParser) -> None:
+    """The sliding window's options (`infer`, `predict`), defaults from `InferenceSettings`."""
+    from ctseg.inference.settings import InferenceSettings
+
+    default = InferenceSettings()
+    p.add_argument(
+        "--window", type=_shape, default=None, help="Z,Y,X window (default: the training patch)"
+    )
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=default.overlap,
+        help="fraction of the window shared by neighbouring windows, 0 <= overlap < 1 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=default.batch_size,
+        help="windows per forward pass (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tta-flips",
+        action="store_true",
+        default=default.tta_flips,
+        help="average the 8 flipped copies (8x the cost)",
+    )
+    p.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=default.memory_budget_mb,
+        help="host memory for the z-slabs of a streamed volume (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device-budget-mb",
+        type=float,
+        default=default.device_budget_mb,
+        help="hold the whole volume on the device when it fits (default: --memory-budget-mb; "
+        "0: always stream)",
+    )
+    p.add_argument(
+        "--device",
+        default=default.device,
+        help="cuda, cuda:1, cpu (default: cuda if there is one, else cpu)",
+    )
+
+
+def _postprocess_options(p: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
+    """The fixed post-processing options (`postprocess`, `predict`; `infer` takes three). Each
+    defaults to None: what is not given keeps `PostprocessSettings`' default (`_fixed_postprocess`).
+    """
+    options: dict[str, dict[str, object]] = {
+        "threshold": {"type": float, "help": "probability above which a voxel is foreground "
+                      "(default: 0.5)"},
+        "hysteresis_high": {"type": float, "help": "keep only the components above --threshold "
+                            "that reach this probability (default: off)"},
+        "min_component_voxels": {"type": int, "help": "remove 26-connected components smaller "
+                                 "than this (default: 0, keep all)"},
+        "fill_holes": {"action": "store_true", "help": "fill enclosed 3D cavities"},
+        "hysteresis_mode": {"choices": ["3d", "z"], "help": "hysteresis components in 3D, or z: "
+                            "within each z-slice (default: 3d)"},
+        "plug_holes_max_area": {"type": int, "help": "fill 2D holes up to this area in every "
+                                "slice (default: 0, off)"},
+        "patch_holes_max_area": {"type": int, "help": "fill larger holes lying inside a sheet "
+                                 "(default: 0, off)"},
+        "closing_radius": {"type": int, "choices": [0, 1, 2], "help": "closing by a (2r+1)^3 "
+                           "cube (default: 0, off)"},
+    }  # fmt: skip
+    for name in names or options:
+        p.add_argument(f"--{name.replace('_', '-')}", default=None, **options[name])  # type: ignore[arg-type]
+
+
 def _infer_parser(add_parser: AddParser) -> None:
     p = add_parser("infer", help="sliding-window inference of one volume")
     p.add_argument("weights", help="last.pt written by ctseg train")
@@ -542,23 +678,51 @@ def _infer_parser(add_parser: AddParser) -> None:
         "--mask", default=None, help="uint8 mask TIFF to write (default: probabilities only)"
     )
     p.add_argument("--probabilities", required=True, help="float16 probability .zarr to write")
-    p.add_argument("--window", type=_shape, default=None, help="default: the training patch")
-    p.add_argument("--overlap", type=float, default=0.5)
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
-    p.add_argument("--tta-flips", action="store_true", help="average the 8 flipped copies")
-    p.add_argument("--threshold", type=float, default=0.5)
-    p.add_argument("--min-component-voxels", type=int, default=0)
-    p.add_argument("--fill-holes", action="store_true")
-    p.add_argument("--memory-budget-mb", type=float, default=512)
-    p.add_argument(
-        "--device-budget-mb",
-        type=float,
-        default=None,
-        help="hold the whole volume on the device when it fits (default: --memory-budget-mb; "
-        "0: always stream)",
-    )
-    p.add_argument("--device", default=None)
+    _inference_options(p)
+    _postprocess_options(p, ["threshold", "min_component_voxels", "fill_holes"])
     p.set_defaults(func=cmd_infer)
+
+
+def _predict_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "predict",
+        help="a trained run's post-processed masks of a folder of new volumes",
+        description="The masks of every volume in --input (<id>.tif/.tiff, or <id>/ of slice "
+        "TIFFs) by the run's models, as <output>/<id>.tif (uint8 0/1). Post-processing: "
+        "<run>/postprocess/tuned.json when it exists and no fixed option is given, else the "
+        "fixed options (their defaults unless given).",
+    )
+    p.add_argument(
+        "--run",
+        required=True,
+        help="results/<run>: an experiment, a fold <exp>.fold<i>, a cross-validation <exp>.cv "
+        "or an ensemble",
+    )
+    p.add_argument("-i", "--input", required=True, help="folder of TIFF volumes or slice folders")
+    p.add_argument("-o", "--output", required=True, help="folder for the masks <id>.tif")
+    p.add_argument(
+        "--probabilities", default=None, help="also keep the probabilities as <DIR>/<id>.zarr"
+    )
+    p.add_argument("--only", nargs="+", default=None, metavar="ID", help="only these volumes")
+    p.add_argument(
+        "--settings", default=None, help="a tuned.json to apply instead of the run's own"
+    )
+    p.add_argument(
+        "--experiments-dir",
+        default="config/experiments",
+        help="where a cross-validation's experiment is (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ensembles-dir",
+        default="config/ensembles",
+        help="where an ensemble's file is (default: %(default)s)",
+    )
+    p.add_argument(
+        "--scratch", default=None, help="folder for the temporary stores (default: $TMPDIR)"
+    )
+    _inference_options(p)
+    _postprocess_options(p)
+    p.set_defaults(func=cmd_predict)
 
 
 def _hysteresis_pair(text: str) -> tuple[float, float]:
@@ -669,7 +833,10 @@ def _tune_postprocess_parser(add_parser: AddParser) -> None:
         "--workers", type=int, default=1, help="cores: a process per volume, the rest as threads"
     )
     p.add_argument(
-        "--topo-method", choices=["betti_matching", "betti_counts"], default="betti_matching"
+        "--topo-method",
+        choices=["betti_matching", "betti_counts"],
+        default="betti_matching",
+        help="exact Betti matching, or the faster upper bound min(p_k, g_k)",
     )
     p.set_defaults(func=cmd_tune_postprocess)
 
@@ -679,16 +846,7 @@ def _postprocess_parser(add_parser: AddParser) -> None:
     p.add_argument("probabilities", help="float16 probability .zarr written by ctseg infer")
     p.add_argument("mask", help="uint8 mask TIFF to write")
     p.add_argument("--settings", default=None, help="tuned.json; overrides the options below")
-    p.add_argument("--threshold", type=float, default=0.5)
-    p.add_argument("--hysteresis-high", type=float, default=None)
-    p.add_argument("--min-component-voxels", type=int, default=0)
-    p.add_argument("--fill-holes", action="store_true")
-    p.add_argument(
-        "--hysteresis-mode", choices=["3d", "z"], default="3d", help="z: within each z-slice"
-    )
-    p.add_argument("--plug-holes-max-area", type=int, default=0, help="per-slice plugging; 0 off")
-    p.add_argument("--patch-holes-max-area", type=int, default=0, help="large holes; 0: off")
-    p.add_argument("--closing-radius", type=int, choices=[0, 1, 2], default=0, help="0: off")
+    _postprocess_options(p)
     p.set_defaults(func=cmd_postprocess)
 
 
@@ -701,7 +859,9 @@ def _score_parser(add_parser: AddParser) -> None:
 
 def _evaluate_parser(add_parser: AddParser) -> None:
     p = add_parser("evaluate", help="score predictions against labels; scores.csv + summary")
-    p.add_argument("--predictions", nargs="+", required=True)
+    p.add_argument(
+        "--predictions", nargs="+", required=True, help="predicted mask TIFFs (<id>.tif)"
+    )
     p.add_argument("--labels", nargs="+", required=True, help="in the same order")
     p.add_argument("--out", required=True, help="evaluation directory")
     p.add_argument(
@@ -761,7 +921,7 @@ def cmd_ensemble(args: argparse.Namespace) -> None:
         memory_budget_mb=args.memory_budget_mb,
         where=where,
     )
-    print(json.dumps(info, indent=1))
+    print(strict_json(info, indent=1))
 
 
 def cmd_tune_ensemble(args: argparse.Namespace) -> None:
@@ -776,7 +936,7 @@ def cmd_tune_ensemble(args: argparse.Namespace) -> None:
         topo_method=args.topo_method,
         workers=args.workers,
     )
-    print(json.dumps({k: v for k, v in summary.items() if k != "grid"}, indent=1))
+    print(strict_json({k: v for k, v in summary.items() if k != "grid"}, indent=1))
 
 
 def _ensemble_parser(add_parser: AddParser) -> None:
@@ -812,14 +972,18 @@ def _tune_ensemble_parser(add_parser: AddParser) -> None:
     p.add_argument("--step", type=float, default=None, help="grid step; 0.25 up to 4 members")
     p.add_argument("--workers", type=int, default=1, help="volumes scored in parallel")
     p.add_argument(
-        "--topo-method", choices=["betti_matching", "betti_counts"], default="betti_matching"
+        "--topo-method",
+        choices=["betti_matching", "betti_counts"],
+        default="betti_matching",
+        help="exact Betti matching, or the faster upper bound min(p_k, g_k)",
     )
     p.set_defaults(func=cmd_tune_ensemble)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctseg", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"ctseg {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, help="the step to run")
     for add in (
         _demo_data_parser,
         _convert_parser,
@@ -829,6 +993,7 @@ def build_parser() -> argparse.ArgumentParser:
         _trial_parser,
         _train_parser,
         _infer_parser,
+        _predict_parser,
         _tune_postprocess_parser,
         _postprocess_parser,
         _score_parser,

@@ -12,7 +12,7 @@ experiment name to its ``split.folds``, a set of names, or a callable). Every pr
 one-line `CtsegError` naming the file.
 
 `ensemble_volume` writes ``results/<name>/probabilities/<id>.zarr``: sum_i w_i p_i / sum_i w_i
-of the members' float16 stores, in the format `ctseg.inference.infer.infer_volume` writes (float16,
+of the members' float16 stores, in the format `ctseg.inference.volume.infer_volume` writes (float16,
 the first member's chunks, the same attributes plus ``ensemble``), so post-processing, tuning and
 evaluation read it unchanged. It streams z-slabs: at most ``memory_budget_mb`` holds the slab's
 float32 sum, one member's float16 slab, its float32 product and the float16 result (12 bytes a
@@ -52,10 +52,10 @@ import numpy as np
 import zarr
 
 from ctseg.config import check_weights, default_step
-from ctseg.io import CtsegError, atomic_path, check_id
+from ctseg.io import CtsegError, atomic_path, check_id, strict_json
 from ctseg.store import create_volume, open_volume
 
-# What ctseg.inference.infer.infer_volume records about its blending; members must agree on all of
+# What ctseg.inference.volume.infer_volume records about its blending; members must agree on all of
 # them.
 WINDOW_ATTRIBUTES = ("window", "overlap", "tta_flips", "blending")
 # float32 sum + float32 weighted member + float16 member slab + float16 result, per voxel.
@@ -325,7 +325,7 @@ def tune_weights(
         "grid": rows,
     }
     with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        tmp.write_text(strict_json(summary, indent=1) + "\n")
     return summary
 
 

@@ -139,7 +139,7 @@ class Run:
             )
 
     def final_state(self) -> dict[str, Any]:
-        """The final weights file's contents (last.pt: see `ctseg.inference.infer.load_model`)."""
+        """The final weights file's contents (last.pt: see `ctseg.inference.run.load_model`)."""
         return {
             "model": portable_state_dict(self.weights),
             "weights": "ema" if self.ema is not None else "trained",

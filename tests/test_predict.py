@@ -1,0 +1,255 @@
+"""`ctseg predict`: a run's masks of a folder of new volumes, byte for byte the masks the
+workflow's own steps make of the same volumes with the same run.
+
+The reference is the workflow's rules run by hand on each volume, with the command lines the
+rules build from the shipped config (`ctseg convert` as rule convert_image, `ctseg infer` as rule
+infer, `ctseg ensemble` as rule ensemble for a cross-validation, `ctseg postprocess` as rule
+postprocess), not a whole `snakemake` run (which would train the run first). The runs are tiny
+trained runs built as tests/test_infer.py builds weights (`save_checkpoint` of a random U-Net).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+import yaml
+from conftest import REPO, TINY_CONFIG, TINY_EXPERIMENT
+
+from ctseg import rule_args
+from ctseg.cli import main
+from ctseg.config import load_config
+from ctseg.network.model import build_model
+from ctseg.training.checkpoint import save_checkpoint
+
+MODEL = {"filters": [4, 8]}
+PATCH = [16, 16, 16]
+SHIPPED = load_config(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
+TUNED = {"threshold": 0.45, "hysteresis_high": None, "min_component_voxels": 3, "fill_holes": True}
+# Each run's members and their weights, as the workflow's rules infer and ensemble take them.
+MEMBERS = {
+    "tiny": {"tiny": 1.0},
+    "tiny_cv.cv": {"tiny_cv.fold0": 1.0, "tiny_cv.fold1": 1.0},  # a new volume: every fold
+    "ens": {"tiny": 2.0, "tiny_cv.fold0": 1.0},  # config/ensembles/ens.yaml's weights
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_tifffile():
+    logging.getLogger("tifffile").setLevel(logging.ERROR)
+
+
+def save_run(run_dir: Path, seed: int) -> Path:
+    """last.pt of a random U-Net whose logits are spread about 0, so the masks are not trivial."""
+    torch.manual_seed(seed)
+    model = build_model(MODEL).eval()
+    with torch.no_grad():
+        model.heads[0].weight.mul_(8)
+        model.heads[0].bias.zero_()
+        model.heads[0].bias.sub_(model(torch.rand(1, 1, *PATCH)).median())
+    payload = {"model": model.state_dict(), "model_config": MODEL, "patch_size": PATCH}
+    save_checkpoint(run_dir / "last.pt", {**payload, "fingerprint": "0123456789abcdef", "step": 1})
+    return run_dir
+
+
+def volume(shape, seed) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    zz = np.arange(shape[0])[:, None, None]
+    return np.clip(
+        rng.integers(0, 256, size=shape) * 0.5 + 90 * np.sin(zz / 4) + 60, 0, 255
+    ).astype(np.uint8)
+
+
+def write_volume(path: Path, data: np.ndarray) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tifffile.imwrite(path, data, photometric="minisblack")
+    return path
+
+
+def write_slices(folder: Path, data: np.ndarray) -> Path:
+    folder.mkdir(parents=True)
+    for z, plane in enumerate(data):
+        tifffile.imwrite(folder / f"slice_{z:03d}.tif", plane)
+    return folder
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """results/tiny (tuned), results/tiny_cv.fold{0,1} and the experiment files beside them."""
+    save_run(tmp_path / "results" / "tiny", seed=0)
+    tuned = tmp_path / "results" / "tiny" / "postprocess" / "tuned.json"
+    tuned.parent.mkdir(parents=True)
+    tuned.write_text(json.dumps({"settings": TUNED, "score": 0.5}))
+    for fold in (0, 1):
+        save_run(tmp_path / "results" / f"tiny_cv.fold{fold}", seed=1 + fold)
+    experiments = tmp_path / "config" / "experiments"
+    experiments.mkdir(parents=True)
+    for name, folds in (("tiny", None), ("tiny_cv", 2)):
+        exp = copy.deepcopy(TINY_EXPERIMENT)
+        exp["name"], exp["split"]["folds"] = name, folds
+        (experiments / f"{name}.yaml").write_text(yaml.safe_dump(exp))
+    ensembles = tmp_path / "config" / "ensembles"
+    ensembles.mkdir()
+    spec = {"name": "ens", "members": list(MEMBERS["ens"]), "weights": [2, 1]}
+    (ensembles / "ens.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path
+
+
+def ctseg(*args: object) -> None:
+    assert main([str(a) for a in args]) == 0
+
+
+def workflow_mask(project: Path, run: str, source: Path, rid: str, work: Path) -> bytes:
+    """The mask the workflow's rules make of `source` with `run`, their commands by hand."""
+    infer = SHIPPED["infer"]
+    image = work / "zarr" / f"{rid}.zarr"
+    # rule convert_image, with the test workflow's chunks (the masks do not depend on them)
+    ctseg("convert", source, image, "--kind", "image", "--chunks",
+          rule_args.shape_arg(TINY_CONFIG["convert"]["chunks"]), "--codec",
+          rule_args.codec_arg(SHIPPED["convert"]["codec"]), "--memory-budget-mb",
+          SHIPPED["convert"]["memory_budget_mb"])  # fmt: skip
+    probs = []
+    for member in MEMBERS[run]:  # rule infer
+        probs.append(work / member / f"{rid}.zarr")
+        ctseg("infer", project / "results" / member / "last.pt", image, "--probabilities",
+              probs[-1], "--overlap", infer["overlap"], "--batch-size", infer["batch_size"],
+              "--memory-budget-mb", infer["memory_budget_mb"], "--device-budget-mb",
+              infer["device_budget_mb"], "--device", "cpu")  # fmt: skip
+    if run != "tiny":  # rule ensemble
+        probs.append(work / run / f"{rid}.zarr")
+        ctseg("ensemble", "--members", *probs[:-1], "--weights", *MEMBERS[run].values(),
+              "--out", probs[-1], "--memory-budget-mb", infer["memory_budget_mb"])  # fmt: skip
+    # rule postprocess: tuned.json for a run that has one, else the config's fixed values
+    tuned = project / "results" / run / "postprocess" / "tuned.json"
+    settings = rule_args.postprocess_args(
+        {**infer, "postprocess": "tuned" if tuned.exists() else "fixed"}, str(tuned)
+    )
+    mask = work / f"{rid}.tif"
+    ctseg("postprocess", probs[-1], mask, *[a.strip("'") for a in settings.split()])
+    return mask.read_bytes()
+
+
+def predict(project: Path, run: str, folder: Path, out: Path, *extra: object) -> dict:
+    ctseg("predict", "--run", project / "results" / run, "-i", folder, "-o", out,
+          "--experiments-dir", project / "config" / "experiments", "--ensembles-dir",
+          project / "config" / "ensembles", "--device", "cpu", *extra)  # fmt: skip
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize("run", list(MEMBERS))
+def test_predict_gives_the_workflows_masks_byte_for_byte(project, tmp_path, run, capsys):
+    volumes = tmp_path / "new_volumes"
+    sources = {
+        "vol_a": write_volume(volumes / "vol_a.tif", volume((20, 24, 28), seed=5)),
+        "vol_b": write_volume(volumes / "vol_b.tiff", volume((36, 18, 22), seed=6)),
+    }
+    slices = tmp_path / "slice_volumes"
+    sources["vol_c"] = write_slices(slices / "vol_c", volume((18, 26, 20), seed=7))
+
+    capsys.readouterr()
+    masks = predict(project, run, volumes, tmp_path / "masks", "--probabilities", tmp_path / "p")
+    log = capsys.readouterr()
+    masks |= predict(project, run, slices, tmp_path / "masks_c")
+    assert sorted(masks) == ["vol_a.tif", "vol_b.tif", "vol_c.tif"]
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["vol_a.zarr", "vol_b.zarr"]
+
+    for rid, source in sources.items():
+        expected = workflow_mask(project, run, source, rid, tmp_path / "workflow")
+        assert masks[f"{rid}.tif"] == expected, rid
+        mask = tifffile.imread(tmp_path / "workflow" / f"{rid}.tif")
+        assert mask.dtype == np.uint8 and 0.02 < mask.mean() < 0.98  # not a trivial mask
+
+    summary = json.loads(log.out)
+    assert [v["id"] for v in summary["volumes"]] == ["vol_a", "vol_b"]
+    tuned = project / "results" / "tiny" / "postprocess" / "tuned.json"
+    if run == "tiny":
+        assert summary["postprocess"]["from"] == str(tuned)
+        assert summary["postprocess"]["min_component_voxels"] == 3
+        assert f"post-processing t>0.45 min 3 fill: {tuned}" in log.err
+    else:
+        assert summary["members"] == list(MEMBERS[run])
+        assert summary["postprocess"]["from"].startswith("the fixed defaults (")
+        assert "tuned.json does not exist" in log.err
+
+
+def test_fixed_options_and_only(project, tmp_path):
+    volumes = tmp_path / "in"
+    for i, rid in enumerate(["a", "b"]):
+        write_volume(volumes / f"{rid}.tif", volume((20, 20, 20), seed=i))
+    out = tmp_path / "out"
+    predict(project, "tiny", volumes, out, "--only", "b", "--threshold", "0.7")
+    assert sorted(p.name for p in out.iterdir()) == ["b.tif"]
+    assert main(["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes),
+                 "-o", str(out), "--settings", "t.json", "--threshold", "0.7"]) == 2  # fmt: skip
+
+
+def cli_error(args: list[str], capsys) -> str:
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda path: path.write_bytes(b"II*\x00" + bytes(4000)), id="corrupt"),
+        pytest.param(
+            lambda path: tifffile.imwrite(path, np.zeros((20, 30), np.uint8)), id="2d-image"
+        ),
+        pytest.param(
+            lambda path: tifffile.imwrite(
+                path, np.zeros((4, 8, 8), np.float32), photometric="minisblack"
+            ),
+            id="float-dtype",
+        ),
+    ],
+)
+def test_bad_inputs_get_converts_errors_and_nothing_is_written(project, tmp_path, capsys, bad):
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a_good.tif", volume((20, 20, 20), seed=0))
+    bad(volumes / "b_bad.tif")
+    convert_error = cli_error(["convert", str(volumes / "b_bad.tif"), str(tmp_path / "x.zarr")],
+                              capsys)  # fmt: skip
+    args = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes), "-o"]
+    predict_error = cli_error([*args, str(tmp_path / "out"), "--device", "cpu"], capsys)
+    assert convert_error.startswith("ctseg convert: error: ")
+    assert predict_error.removeprefix("ctseg predict: error: ") == convert_error.removeprefix(
+        "ctseg convert: error: "
+    )
+    assert not (tmp_path / "out").exists()  # checked before the good volume is predicted
+
+
+def test_folder_and_run_errors_name_the_path(project, tmp_path, capsys):
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    (volumes / "notes.txt").write_text("x")
+    (volumes / ".DS_Store").write_text("hidden: skipped")
+    run = ["predict", "--run", str(project / "results" / "tiny"), "-o", str(tmp_path / "o")]
+    assert "notes.txt: not a TIFF volume" in cli_error([*run, "-i", str(volumes)], capsys)
+    (volumes / "notes.txt").unlink()
+    write_volume(volumes / "a.tiff", volume((20, 20, 20), seed=1))
+    assert "two volumes with the id 'a'" in cli_error([*run, "-i", str(volumes)], capsys)
+    (volumes / "a.tiff").unlink()
+    assert "no such folder of volumes" in cli_error([*run, "-i", str(tmp_path / "x")], capsys)
+    missing = [
+        "predict",
+        "--run",
+        str(tmp_path / "results" / "nope"),
+        "-i",
+        str(volumes),
+        "-o",
+        "o",
+    ]
+    assert "no such run folder" in cli_error(missing, capsys)
+    (tmp_path / "results" / "empty").mkdir()
+    empty = ["predict", "--run", str(tmp_path / "results" / "empty"), "-i", str(volumes), "-o", "o"]
+    assert "last.pt: weights file not found" in cli_error(empty, capsys)
+

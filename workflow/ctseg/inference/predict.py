@@ -1,0 +1,258 @@
+"""`ctseg predict`: a trained run's post-processed masks of new volumes, in one command.
+
+The run is a folder ``results/<run>/`` (`resolve_run`), of any kind `ctseg.runs` knows:
+
+- an experiment or a fold (``<exp>.fold<i>``): its own ``last.pt``;
+- a cross-validation ``<exp>.cv``: its folds' ``last.pt``, weighing the same (a new volume is
+  held out by every fold);
+- an ensemble, ``config/ensembles/<name>.yaml``: its members' ``last.pt`` under the same
+  ``results/``, with the file's weights, or, when they are ``tuned``,
+  ``results/<name>/ensemble/weights.json``.
+
+These are the models and weights the workflow's own rules (infer, ensemble) use for a test
+volume. The post-processing is the run's own too: ``results/<run>/postprocess/tuned.json`` when it
+exists, else the fixed settings the caller passes (`ctseg.postprocess.masks.PostprocessSettings`'
+defaults unless given); the log says which.
+
+The input is a folder of volumes (`ctseg.inference.inputs.input_volumes`): multi-page TIFFs
+``<id>.tif``/``<id>.tiff``, or folders ``<id>/`` of 2D slice TIFFs, which are what `ctseg
+convert` takes. Every volume's header is checked first (`ctseg.preprocess.convert.read_header`),
+so a bad input stops the command before any inference, with convert's one-line error. Then, one
+volume at a time, the same steps as the workflow: `ctseg.preprocess.convert.convert_volume` to a
+temporary Zarr store (streamed in slabs under the convert budget),
+`ctseg.inference.volume.infer_volume` per model, the members'
+`ctseg.inference.ensemble.ensemble_volume` for a combined run, and
+`ctseg.postprocess.write.write_mask` to ``<out>/<id>.tif`` (uint8 0/1, the submission layout).
+Memory stays bounded by the settings' budgets, as in each step; the temporary stores are removed
+as each volume is done. With ``probabilities``, ``<probabilities>/<id>.zarr`` is kept as well.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ctseg.config import load_ensemble, load_experiment
+from ctseg.inference.ensemble import ensemble_volume, load_weights
+from ctseg.inference.inputs import input_volumes
+from ctseg.inference.run import load_model
+from ctseg.inference.settings import InferenceSettings
+from ctseg.inference.volume import infer_volume
+from ctseg.io import CtsegError, remove_path
+from ctseg.postprocess.masks import PostprocessSettings
+from ctseg.postprocess.tuning import load_tuned
+from ctseg.postprocess.write import write_mask
+from ctseg.preprocess.convert import convert_volume, read_header
+from ctseg.runs import cv_base
+
+EXPERIMENTS_DIR = Path("config/experiments")
+ENSEMBLES_DIR = Path("config/ensembles")
+WEIGHTS_FILE = "last.pt"
+TUNED_FILE = Path("postprocess") / "tuned.json"
+ENSEMBLE_WEIGHTS = Path("ensemble") / "weights.json"
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class PredictRun:
+    """What predicts with a run: its members' weights files and their weights (one member of
+    weight 1 for a trained run), and where the weights came from."""
+
+    name: str
+    directory: Path
+    kind: str  # trained, cv or ensemble
+    members: tuple[str, ...]
+    weight_files: tuple[Path, ...]
+    weights: tuple[float, ...]
+    weights_from: str
+
+    def describe(self) -> str:
+        if self.kind == "trained":
+            return f"{self.directory} (trained: {self.weight_files[0]})"
+        listed = ", ".join(f"{m} {w:g}" for m, w in zip(self.members, self.weights, strict=True))
+        return f"{self.directory} ({self.kind}: {listed}; weights from {self.weights_from})"
+
+
+def resolve_run(
+    run_dir: Path,
+    experiments_dir: Path = EXPERIMENTS_DIR,
+    ensembles_dir: Path = ENSEMBLES_DIR,
+) -> PredictRun:
+    """The run at ``results/<run>``: an ensemble when ``<ensembles_dir>/<run>.yaml`` exists, a
+    cross-validation when the run is ``<exp>.cv`` of an experiment in `experiments_dir`, else a
+    trained run (an experiment or a fold), whose folder holds its last.pt. A combined run's
+    members live beside it (its own folder need not exist yet, unless its weights are tuned)."""
+    run_dir = Path(run_dir)
+    name, root = run_dir.name, run_dir.parent
+    base = cv_base(name)
+    ensemble_file = Path(ensembles_dir) / f"{name}.yaml"
+    if ensemble_file.is_file():
+        spec = load_ensemble(ensemble_file, _folds_lookup(Path(experiments_dir)))
+        members = tuple(spec.member_names)
+        if spec.tuned:
+            tuned = run_dir / ENSEMBLE_WEIGHTS
+            weights, where = tuple(load_weights(tuned, members)), str(tuned)
+        else:
+            weights, where = tuple(spec.weights or ()), str(ensemble_file)
+        kind = "ensemble"
+    elif base is not None and (Path(experiments_dir) / f"{base}.yaml").is_file():
+        exp_file = Path(experiments_dir) / f"{base}.yaml"
+        folds = load_experiment(exp_file)["split"]["folds"] or 0
+        if not folds:
+            raise CtsegError(
+                f"{exp_file}: run {name!r}: experiment {base!r} declares no split.folds, so it "
+                "has no cross-validation"
+            )
+        members = tuple(f"{base}.fold{i}" for i in range(folds))
+        weights, where, kind = (1.0,) * folds, "equal weights", "cv"
+    elif not run_dir.is_dir():
+        raise CtsegError(
+            f"{run_dir}: no such run folder, and not an ensemble of {ensembles_dir} or a "
+            f"cross-validation of {experiments_dir} (give results/<run>, e.g. results/exp001)"
+        )
+    else:
+        return PredictRun(name, run_dir, "trained", (name,), (run_dir / WEIGHTS_FILE,), (1.0,), "")
+    files = tuple(root / m / WEIGHTS_FILE for m in members)
+    return PredictRun(name, run_dir, kind, members, files, weights, where)
+
+
+def _folds_lookup(experiments_dir: Path) -> Callable[[str], int | None]:
+    """`ctseg.config.load_ensemble`'s view of the experiments: an unknown one is a KeyError."""
+
+    def folds(name: str) -> int | None:
+        path = experiments_dir / f"{name}.yaml"
+        if not path.is_file():
+            raise KeyError(name)
+        return load_experiment(path)["split"]["folds"]
+
+    return folds
+
+
+def run_postprocess(
+    run_dir: Path, fixed: PostprocessSettings, fixed_given: bool
+) -> tuple[PostprocessSettings, str]:
+    """The run's post-processing and where it comes from: ``postprocess/tuned.json`` when it
+    exists and no fixed setting was given, else `fixed`."""
+    tuned = Path(run_dir) / TUNED_FILE
+    if fixed_given:
+        return fixed, "the fixed settings given"
+    if tuned.is_file():
+        return load_tuned(tuned), str(tuned)
+    return fixed, f"the fixed defaults ({tuned} does not exist)"
+
+
+# ----------------------------------------------------------------------------- predicting
+def _selected(volumes: dict[str, Path], only: Sequence[str] | None, folder: Path) -> list[str]:
+    if only is None:
+        return list(volumes)
+    missing = sorted(set(only) - set(volumes))
+    if missing:
+        raise CtsegError(f"{folder}: no volume with the id(s) {missing} (it has {list(volumes)})")
+    return [i for i in volumes if i in set(only)]
+
+
+def predict_folder(
+    run: PredictRun,
+    folder: Path,
+    out_dir: Path,
+    inference: InferenceSettings,
+    postprocess: PostprocessSettings,
+    *,
+    probabilities_dir: Path | None = None,
+    only: Sequence[str] | None = None,
+    scratch: Path | None = None,
+    postprocess_from: str = "given",
+) -> dict[str, Any]:
+    """``<out_dir>/<id>.tif`` of every volume of `folder` (or of the ids in `only`) by `run`;
+    returns what was done, one row per volume (module docstring). The log (stderr) names the
+    run, its models and weights, and the post-processing with `postprocess_from`, its source."""
+    folder, out_dir = Path(folder), Path(out_dir)
+    volumes = input_volumes(folder)
+    ids = _selected(volumes, only, folder)
+    for rid in ids:
+        read_header(volumes[rid])  # convert's checks, before any long step
+    device = inference.torch_device()
+    models = [load_model(f, device) for f in run.weight_files]
+    print(
+        f"predict: {len(ids)} volume(s) of {folder} by {run.describe()} on {device}\n"
+        f"predict: post-processing {postprocess.label()}: {postprocess_from}",
+        file=sys.stderr,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ctseg-predict-", dir=scratch) as tmp:
+        work = Path(tmp)
+        for rid in tqdm(ids, unit="volume", desc="predict", file=sys.stderr):
+            rows.append(
+                _predict_volume(
+                    run,
+                    models,
+                    rid,
+                    volumes[rid],
+                    work,
+                    out_dir,
+                    probabilities_dir,
+                    inference,
+                    postprocess,
+                )  # fmt: skip
+            )
+    return {
+        "run": str(run.directory),
+        "kind": run.kind,
+        "members": list(run.members),
+        "weights": list(run.weights),
+        "input": str(folder),
+        "output": str(out_dir),
+        "postprocess": {**postprocess.as_dict(), "from": postprocess_from},
+        "volumes": rows,
+    }
+
+
+def _predict_volume(
+    run: PredictRun,
+    models: Sequence[tuple[torch.nn.Module, Any]],
+    rid: str,
+    source: Path,
+    work: Path,
+    out_dir: Path,
+    probabilities_dir: Path | None,
+    inference: InferenceSettings,
+    postprocess: PostprocessSettings,
+) -> dict[str, Any]:
+    image = work / "images" / f"{rid}.zarr"
+    convert_volume(source, image, kind="image")
+    prob = Path(probabilities_dir) / f"{rid}.zarr" if probabilities_dir else work / f"{rid}.zarr"
+    if run.kind == "trained":
+        model, patch = models[0]
+        info = infer_volume(model, image, prob, inference.with_window(patch))
+    else:
+        member_probs = [work / "members" / m / f"{rid}.zarr" for m in run.members]
+        for (model, patch), member_prob in zip(models, member_probs, strict=True):
+            infer_volume(model, image, member_prob, inference.with_window(patch))
+        info = ensemble_volume(
+            member_probs,
+            run.weights,
+            prob,
+            memory_budget_mb=inference.memory_budget_mb,
+            where=run.weights_from,
+        )
+        for member_prob in member_probs:
+            remove_path(member_prob)
+    mask = write_mask(prob, out_dir / f"{rid}.tif", postprocess)
+    remove_path(image)
+    if not probabilities_dir:
+        remove_path(prob)
+    return {
+        "id": rid,
+        "source": str(source),
+        "mask": str(out_dir / f"{rid}.tif"),
+        "probabilities": str(prob) if probabilities_dir else None,
+        "shape": info["shape"],
+        **{k: v for k, v in mask.items() if k.endswith("_voxels")},
+    }

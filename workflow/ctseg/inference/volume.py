@@ -1,0 +1,398 @@
+"""The volume driver: a model's sliding-window probabilities of one Zarr image store, blended on
+the device or streamed in z-slabs, written as a float16 Zarr store (`infer_volume`) or returned
+(`predict_volume`). The windows, weights and slabs are `ctseg.inference.windows`'; the settings
+are one `ctseg.inference.settings.InferenceSettings`.
+
+Resident or streamed
+--------------------
+A volume whose working set fits ``device_budget_mb`` (default: ``memory_budget_mb``; on a CPU
+run the device is host memory) is *resident*: it is read and normalised once, copied to the
+device once, and every window crop, forward, flip, Gaussian weighting and accumulation happens
+there; the divided result comes back as float16 and is written in one go. Nothing returns to
+the host per window, so a GPU never waits on a copy or on numpy. The working set
+(`ctseg.inference.windows.resident_bytes`) is the float32 input and accumulator of the padded
+volume (8 bytes a voxel), the raw volume and the float16 result (on the device and the host),
+and one batch of windows; a real 320^3 uint8 volume needs about 0.4 GB. Larger volumes are
+streamed (below). Both paths read with the same function, run the same windows in the same
+order, and divide by the same factorised weights, so they agree to float32 rounding before the
+float16 store (bit for bit on the test's pointwise model).
+
+Batches are made of (window, flip) pairs: with ``tta_flips`` the 8 flipped copies of a window
+share forwards with other windows, so every forward but the last is ``batch_size`` inputs.
+
+Streaming
+---------
+Slab by slab (`ctseg.inference.windows.plan_slabs`), the output that is final is divided by the
+weights and written to the probability store, in whole z-chunks of the store when the chunk is
+no deeper than the window (so no chunk is written twice), and the accumulator keeps only the
+remainder. If even one row of windows exceeds ``memory_budget_mb``, the result reports
+``budget_exceeded`` (the plane, Y x X, is not tiled: volumes are streamed along z only).
+
+Speed
+-----
+``batch_size`` windows go through the model per call, under ``torch.inference_mode``; ``amp``
+(default: on CUDA only) runs the forward under bf16 autocast while the blending stays float32.
+On a CPU the gain over one window at a time comes from batching (PyTorch sends every
+convolution of a batch of two or more to oneDNN) and from keeping freed activation buffers in
+the heap (`ctseg.data.heap.tune_malloc`); bench/infer.py measures both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from tqdm import tqdm
+
+from ctseg.data.heap import tune_malloc
+from ctseg.inference.settings import InferenceSettings, Shape3
+from ctseg.inference.windows import (
+    FLIP_DIMS,
+    SIGMA_SCALE,
+    Slab,
+    device_importance_map,
+    padded_shape,
+    plan_slabs,
+    resident_bytes,
+    slab_costs,
+    weight_norms,
+    window_starts,
+)
+from ctseg.io import CtsegError, atomic_path
+from ctseg.postprocess.write import open_checked
+from ctseg.store import create_volume
+
+
+# ----------------------------------------------------------------------------- inputs
+def open_image(image_store: Path) -> tuple[zarr.Array, float, float]:
+    """The image array and its normalisation range (p0_5, p99_5), checked."""
+    image = open_checked(Path(image_store), "image store")
+    attrs = dict(image.attrs)
+    if "p0_5" not in attrs or "p99_5" not in attrs:
+        raise CtsegError(f"{image_store}: image attributes lack the intensity range p0_5/p99_5")
+    if not np.issubdtype(image.dtype, np.number) or np.issubdtype(image.dtype, np.complexfloating):
+        raise CtsegError(f"{image_store}: unsupported image dtype {image.dtype}")
+    return image, float(attrs["p0_5"]), float(attrs["p99_5"])
+
+
+def normalise(raw: np.ndarray, low: float, high: float) -> np.ndarray:
+    """clip((x - p0_5) / (p99_5 - p0_5), 0, 1) in float32, exactly as `ctseg.data.to_device`."""
+    low32, high32 = np.float32(low), np.float32(high)
+    span = max(high32 - low32, np.float32(1e-6))
+    x = raw.astype(np.float32)
+    x -= low32
+    x /= span
+    return np.clip(x, 0.0, 1.0, out=x)
+
+
+def _read_slab(
+    image: zarr.Array, z0: int, z1: int, low: float, high: float, padded: Shape3
+) -> np.ndarray:
+    """Normalised input [z0, z1), zero-padded at the far end to at least `padded`."""
+    x = normalise(np.asarray(image[z0:z1]), low, high)
+    target = tuple(max(a, b) for a, b in zip(x.shape, padded, strict=True))
+    if target == x.shape:
+        return x
+    out = np.zeros(target, np.float32)
+    out[: x.shape[0], : x.shape[1], : x.shape[2]] = x
+    return out
+
+
+# ----------------------------------------------------------------------------- model
+def _check_output(logits: torch.Tensor, x: torch.Tensor) -> None:
+    if logits.shape != x.shape:
+        raise CtsegError(
+            f"model output of shape {tuple(logits.shape)} for input {tuple(x.shape)}: "
+            "expected one channel of the input's size"
+        )
+
+
+def predict_windows(
+    model: torch.nn.Module,
+    crops: np.ndarray,
+    weight: torch.Tensor,
+    *,
+    tta_flips: bool,
+    device: torch.device,
+    amp: bool,
+) -> np.ndarray:
+    """Gaussian-weighted probabilities (B, Z, Y, X) float32 for a batch of windows (B, Z, Y, X)."""
+    x = torch.from_numpy(crops)[:, None].to(device)
+    flips = FLIP_DIMS if tta_flips else ((),)
+    total: torch.Tensor | None = None
+    for dims in flips:
+        xi = x.flip(dims) if dims else x
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(xi)
+        _check_output(logits, xi)
+        p = torch.sigmoid(logits.float())
+        p = p.flip(dims) if dims else p
+        total = p if total is None else total.add_(p)
+    assert total is not None
+    prob = total[:, 0].div_(len(flips)).mul_(weight)
+    return prob.cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- streamed
+class BlendAccumulator:
+    """Weighted probabilities of the z-range [z0, z0 + depth) that is not yet written.
+
+    The weight sum is not accumulated: it is the outer product of three 1D sums
+    (`ctseg.inference.windows.weight_norms`), applied when a finished range is flushed.
+    """
+
+    def __init__(self, shape: Shape3, starts: Sequence[Sequence[int]], window: Shape3) -> None:
+        self.shape = shape
+        self.z0 = 0
+        self.acc = np.zeros((0, *shape[1:]), np.float32)
+        self.peak_bytes = 0
+        self.norm_z, self.norm_yx = weight_norms(shape, starts, window)
+
+    def grow_to(self, z1: int) -> None:
+        """Extend the held range to end at z1, keeping the unflushed remainder."""
+        if self.z0 + self.acc.shape[0] < z1:
+            grown = np.zeros((z1 - self.z0, *self.shape[1:]), np.float32)
+            grown[: self.acc.shape[0]] = self.acc
+            self.acc = grown
+        self.peak_bytes = max(self.peak_bytes, self.acc.nbytes)
+
+    def add(self, probs: np.ndarray, positions: Sequence[Shape3]) -> None:
+        """Add each weighted window, cropped to the volume (windows may overhang padded axes)."""
+        for (z, y, x), p in zip(positions, probs, strict=True):
+            corner = (z, y, x)
+            dz, dy, dx = (
+                min(w, s - o) for w, s, o in zip(p.shape, self.shape, corner, strict=True)
+            )
+            self.acc[z - self.z0 : z - self.z0 + dz, y : y + dy, x : x + dx] += p[:dz, :dy, :dx]
+
+    def flush(self, z_to: int, out: zarr.Array) -> None:
+        """Divide [z0, z_to) by the weights, write it as float16 and drop it."""
+        n = z_to - self.z0
+        if n <= 0:
+            return
+        final = self.acc[:n]
+        final /= self.norm_yx
+        final /= self.norm_z[self.z0 : z_to, None, None]
+        out[self.z0 : z_to] = final.astype(np.float16)
+        self.acc = self.acc[n:]
+        self.z0 = z_to
+
+
+def _plane_bytes(image: zarr.Array, window: Shape3) -> tuple[int, int]:
+    """Bytes per z-plane of the accumulator and of the input slab, for the slab plan."""
+    plane = image.shape[1] * image.shape[2]
+    padded = max(image.shape[1], window[1]) * max(image.shape[2], window[2])
+    # accumulator float32 (4) + growth copy (4) + float16 flush copy (2); raw + float32 input.
+    return plane * 10, plane * image.dtype.itemsize + padded * 4
+
+
+def _crops(x: np.ndarray, z0: int, batch: Sequence[Shape3], window: Shape3) -> np.ndarray:
+    wz, wy, wx = window
+    return np.stack([x[z - z0 : z - z0 + wz, y : y + wy, xx : xx + wx] for z, y, xx in batch])
+
+
+def _blend_streamed(
+    model: torch.nn.Module,
+    image: zarr.Array,
+    low: float,
+    high: float,
+    starts: Sequence[Sequence[int]],
+    slabs: Sequence[Slab],
+    out: zarr.Array,
+    settings: InferenceSettings,
+    device: torch.device,
+    progress: tqdm,
+) -> int:
+    """Slab by slab into `out`; returns the accumulator's peak bytes."""
+    shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
+    win = settings.checked_window()
+    padded = (win[0], max(shape[1], win[1]), max(shape[2], win[2]))
+    weight = device_importance_map(win, device)
+    blend = BlendAccumulator(shape, starts, win)
+    amp = settings.use_amp(device)
+    for slab in slabs:
+        blend.grow_to(slab.z1)
+        x = _read_slab(image, slab.z0, slab.z1, low, high, padded)
+        positions = list(itertools.product(slab.rows, starts[1], starts[2]))
+        for k in range(0, len(positions), settings.batch_size):
+            batch = positions[k : k + settings.batch_size]
+            probs = predict_windows(
+                model,
+                _crops(x, slab.z0, batch, win),
+                weight,
+                tta_flips=settings.tta_flips,
+                device=device,
+                amp=amp,
+            )
+            blend.add(probs, batch)
+            progress.update(len(batch))
+        del x  # the next slab's input is read before this one would be collected
+        blend.flush(slab.flush_to, out)
+    return blend.peak_bytes
+
+
+# ----------------------------------------------------------------------------- resident
+def _flip(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return t.flip(dims) if dims else t
+
+
+def _blend_resident(
+    model: torch.nn.Module,
+    image: zarr.Array,
+    low: float,
+    high: float,
+    starts: Sequence[Sequence[int]],
+    settings: InferenceSettings,
+    device: torch.device,
+    progress: tqdm | None = None,
+) -> np.ndarray:
+    """Blended probabilities of the whole volume, computed on `device`, as a float16 host array.
+
+    The caller puts the model in eval mode on `device` and holds `torch.inference_mode`.
+    """
+    shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
+    win = settings.checked_window()
+    padded = padded_shape(shape, win)
+    # Read and normalised on the host by the same function as the streamed slabs (identical
+    # inputs on both paths), then one copy to the device.
+    x = torch.from_numpy(_read_slab(image, 0, shape[0], low, high, padded)).to(device)
+    acc = torch.zeros(padded, dtype=torch.float32, device=device)
+    flips = FLIP_DIMS if settings.tta_flips else ((),)
+    weight = device_importance_map(win, device)
+    if len(flips) > 1:
+        weight = weight / len(flips)  # the TTA mean folded into the weight (exact: 2^3)
+    # (window, flip) pairs in window-major order; FLIP_DIMS index (B, C, Z, Y, X), a crop is
+    # (Z, Y, X).
+    items = [
+        (pos, tuple(d - 2 for d in dims)) for pos in itertools.product(*starts) for dims in flips
+    ]
+    wz, wy, wx = win
+    amp = settings.use_amp(device)
+    for k in range(0, len(items), settings.batch_size):
+        batch = items[k : k + settings.batch_size]
+        crops = torch.stack(
+            [_flip(x[z : z + wz, y : y + wy, xx : xx + wx], dims) for (z, y, xx), dims in batch]
+        )[:, None]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(crops)
+        _check_output(logits, crops)
+        probs = torch.sigmoid(logits.float())[:, 0].mul_(weight)
+        for ((z, y, xx), dims), p in zip(batch, probs, strict=True):
+            acc[z : z + wz, y : y + wy, xx : xx + wx] += _flip(p, dims)
+        if progress is not None:
+            progress.update(len(batch) / len(flips))
+    del x
+    norm_z, norm_yx = weight_norms(shape, starts, win)
+    result = acc[: shape[0], : shape[1], : shape[2]]
+    result /= torch.from_numpy(norm_yx).to(device)
+    result /= torch.from_numpy(norm_z).to(device)[:, None, None]
+    return result.half().cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- volumes
+def _starts(shape: Sequence[int], settings: InferenceSettings) -> list[list[int]]:
+    win = settings.checked_window()
+    return [window_starts(int(s), w, settings.overlap) for s, w in zip(shape, win, strict=True)]
+
+
+def predict_volume(
+    model: torch.nn.Module, image_store: Path, settings: InferenceSettings
+) -> np.ndarray:
+    """Blended probabilities of a whole volume, held on the device, as a float16 host array.
+
+    The resident path of `infer_volume` without the store: the volume must fit the device.
+    """
+    settings.checked_window()
+    image, low, high = open_image(Path(image_store))
+    starts = _starts(image.shape, settings)
+    dev = settings.torch_device()
+    tune_malloc()
+    was_training = model.training
+    model.to(dev).eval()
+    try:
+        with torch.inference_mode():
+            return _blend_resident(model, image, low, high, starts, settings, dev)
+    finally:
+        model.train(was_training)
+
+
+def infer_volume(
+    model: torch.nn.Module, image_store: Path, prob_store: Path, settings: InferenceSettings
+) -> dict[str, Any]:
+    """Blended sliding-window probabilities of `image_store`, written to a float16 Zarr store.
+
+    Resident on the device when `resident_bytes` fits the device budget (module docstring),
+    else streamed in z-slabs under ``memory_budget_mb``. The model is moved to the device and
+    run in eval mode (its training flag is restored after). The store is chunked like the input
+    and written atomically. Returns counts and timings.
+    """
+    image_store, prob_store = Path(image_store), Path(prob_store)
+    win = settings.checked_window()
+    image, low, high = open_image(image_store)
+    shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
+    dev = settings.torch_device()
+    starts = _starts(shape, settings)
+    n_flips = len(FLIP_DIMS) if settings.tta_flips else 1
+    needed = resident_bytes(shape, win, image.dtype.itemsize, settings.batch_size)
+    device_budget = settings.device_budget_bytes()
+    resident = needed <= device_budget
+    plane_acc, plane_in = _plane_bytes(image, win)
+    budget = settings.memory_budget_mb * 2**20
+    slabs = plan_slabs(
+        shape[0], win[0], starts[0], int(image.chunks[0]), plane_acc, plane_in, budget
+    )
+    n_windows = math.prod(len(s) for s in starts)
+    attributes = {
+        "source": str(image_store),
+        "window": list(win),
+        "overlap": settings.overlap,
+        "tta_flips": bool(settings.tta_flips),
+        "blending": f"gaussian sigma=window*{SIGMA_SCALE}",
+        "value": "foreground probability (sigmoid)",
+    }
+
+    # Each forward frees and reallocates the same activation buffers (28 MB per tensor for a
+    # batch of four 48^3 windows at 16 channels); glibc would hand them back to the OS and
+    # page-fault them in again every batch, a third of the CPU time in bench/infer.py.
+    tune_malloc()
+    was_training = model.training
+    model.to(dev).eval()
+    t0 = time.perf_counter()
+    bar = tqdm(total=n_windows, unit="window", desc=f"infer {image_store.name}", file=sys.stderr)
+    try:
+        with atomic_path(prob_store) as tmp, torch.inference_mode():
+            out = create_volume(tmp, shape, np.float16, image.chunks, attributes=attributes)
+            if resident:
+                out[...] = _blend_resident(model, image, low, high, starts, settings, dev, bar)
+                accumulator_bytes = 4 * math.prod(padded_shape(shape, win))
+            else:
+                accumulator_bytes = _blend_streamed(
+                    model, image, low, high, starts, slabs, out, settings, dev, bar
+                )
+    finally:
+        bar.close()
+        model.train(was_training)
+    seconds = time.perf_counter() - t0
+    return {
+        "shape": list(shape),
+        "window": list(win),
+        "windows": n_windows,
+        "forward_windows": n_windows * n_flips,
+        "mode": "resident" if resident else "streamed",
+        "resident_mb": needed / 2**20,
+        "device_budget_mb": device_budget / 2**20,
+        "slabs": 1 if resident else len(slabs),
+        "accumulator_peak_mb": accumulator_bytes / 2**20,
+        "budget_exceeded": not resident and max(slab_costs(slabs, plane_acc, plane_in)) > budget,
+        "amp": settings.use_amp(dev),
+        "seconds": seconds,
+        "voxels_per_s": math.prod(shape) / seconds if seconds > 0 else float("inf"),
+    }

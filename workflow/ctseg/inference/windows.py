@@ -1,0 +1,190 @@
+"""The window maths of sliding-window inference: where the windows go, how they are weighted, and
+how the rows of windows are grouped into z-slabs. Pure numpy (and one cached torch copy of the
+weight map); `ctseg.inference.volume` drives them over a volume.
+
+Windows
+-------
+Along each axis the window starts are spread evenly from 0 to ``size - window`` with a step of
+at most ``window * (1 - overlap)`` (as nnU-Net), so the actual overlap is never less than the
+requested one and the last window ends exactly at the far face. An axis shorter than the window
+gets one window at 0 and the input is zero-padded (the value training sees outside a volume
+after normalisation, see `ctseg.data`); the padded part of the output is cropped away.
+
+Blending
+--------
+Each window's probabilities (sigmoid of the logits, so a convex combination stays in [0, 1] and
+TTA averages probabilities) are weighted by a Gaussian importance map, sigma = window / 8 per
+axis, normalised to a maximum of 1 (as nnU-Net; the scale cancels in the division below), and
+summed; the result is sum(w * p) / sum(w). The map is the outer product of three 1D Gaussians
+and the window starts form a Cartesian grid, so sum(w) factorises into three 1D sums
+(`weight_norms`): the weight volume is never stored. The analytic Gaussian is >= exp(-8) at the
+window faces, so the sum is never zero.
+
+Flip TTA averages the probabilities over all 8 combinations of flips of the three axes
+(`FLIP_DIMS`, identity included), at 8x the cost. The Gaussian map is symmetric under every
+flip, so a flipped output is weighted before it is flipped back.
+
+Slabs
+-----
+Windows are processed row by row in z (a row = every window with the same z start). After a
+group of rows (a *slab*, `plan_slabs`) the output below the next row's z start is final, since
+no later window reaches back there. The number of rows per slab comes from the memory budget:
+memory is O(slab depth x Y x X), never the whole volume. At least one row is always taken.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ctseg.inference.settings import Shape3
+
+SIGMA_SCALE = 1 / 8
+# All 8 combinations of flips of the spatial dims of a (B, C, Z, Y, X) tensor, identity first.
+FLIP_DIMS: tuple[tuple[int, ...], ...] = tuple(
+    dims for n in range(4) for dims in itertools.combinations((2, 3, 4), n)
+)
+
+
+# ----------------------------------------------------------------------------- geometry
+def window_starts(size: int, window: int, overlap: float) -> list[int]:
+    """Window starts along one axis: 0 .. size - window, step <= window * (1 - overlap)."""
+    if size <= window:
+        return [0]
+    target_step = window * (1 - overlap)
+    n = math.ceil((size - window) / target_step) + 1
+    actual_step = (size - window) / (n - 1)
+    return [round(i * actual_step) for i in range(n)]
+
+
+def padded_shape(shape: Sequence[int], window: Sequence[int]) -> Shape3:
+    """The volume zero-padded at the far end of every axis shorter than the window."""
+    return tuple(max(int(s), int(w)) for s, w in zip(shape, window, strict=True))  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- weights
+def gaussian_1d(window: int, sigma_scale: float = SIGMA_SCALE) -> np.ndarray:
+    """exp(-d^2 / 2 sigma^2) about the window's centre, sigma = window * sigma_scale, max 1."""
+    centre = (window - 1) / 2
+    sigma = window * sigma_scale
+    d = np.arange(window, dtype=np.float64) - centre
+    g = np.exp(-(d**2) / (2 * sigma**2))
+    return g / g.max()
+
+
+def gaussian_importance_map(window: Sequence[int], sigma_scale: float = SIGMA_SCALE) -> np.ndarray:
+    """The 3D Gaussian importance map (float32, maximum 1): an outer product of 1D Gaussians."""
+    gz, gy, gx = (gaussian_1d(int(w), sigma_scale) for w in window)
+    return (gz[:, None, None] * gy[None, :, None] * gx[None, None, :]).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def device_importance_map(window: Shape3, device: torch.device) -> torch.Tensor:
+    """`gaussian_importance_map` on `device`, built once per window and device: a 72x136x136
+    map takes about 13 ms on the host, half of what a GPU needs for a whole 128^3 volume.
+    Shared: read it, never write it."""
+    with torch.inference_mode(False):  # a plain tensor, usable outside inference mode too
+        return torch.from_numpy(gaussian_importance_map(window)).to(device)
+
+
+def weight_sum_1d(size: int, window: int, starts: Sequence[int]) -> np.ndarray:
+    """Sum over the window starts of the 1D Gaussian, on [0, size): one factor of sum(w)."""
+    g = gaussian_1d(window)
+    total = np.zeros(max(size, window), np.float64)
+    for s in starts:
+        total[s : s + window] += g
+    return total[:size]
+
+
+def weight_norms(
+    shape: Shape3, starts: Sequence[Sequence[int]], window: Shape3
+) -> tuple[np.ndarray, np.ndarray]:
+    """sum(w) as float32 factors: (Z,) along z and (Y, X) in the plane.
+
+    float32, so the division happens in place and allocates nothing volume-sized; both paths
+    of `ctseg.inference.volume` divide by these same arrays, first by the plane, then by z.
+    """
+    norm_z = weight_sum_1d(shape[0], window[0], starts[0]).astype(np.float32)
+    norm_yx = np.outer(
+        weight_sum_1d(shape[1], window[1], starts[1]),
+        weight_sum_1d(shape[2], window[2], starts[2]),
+    ).astype(np.float32)
+    return norm_z, norm_yx
+
+
+# ----------------------------------------------------------------------------- slabs
+@dataclass(frozen=True)
+class Slab:
+    rows: tuple[int, ...]  # z starts of the window rows processed together
+    z0: int  # input read [z0, z1)
+    z1: int
+    flush_to: int  # output below this z is final once the slab is done
+
+
+def plan_slabs(
+    depth: int,
+    window_z: int,
+    z_starts: Sequence[int],
+    chunk_z: int,
+    plane_bytes_acc: int,
+    plane_bytes_in: int,
+    budget_bytes: float,
+) -> list[Slab]:
+    """Group window rows into slabs that fit the budget (at least one row each).
+
+    The accumulator of a slab spans [last flush, slab end); its input spans [first row, slab
+    end). Flushes stop at a chunk boundary of the output (when chunks are no deeper than the
+    window), so every output chunk is encoded once.
+    """
+    align = chunk_z if chunk_z <= window_z else 1
+    slabs: list[Slab] = []
+    acc_z0, i, n = 0, 0, len(z_starts)
+    while i < n:
+        j = i
+        while j + 1 < n:
+            end = min(z_starts[j + 1] + window_z, depth)
+            cost = (end - acc_z0) * plane_bytes_acc + (end - z_starts[i]) * plane_bytes_in
+            if cost > budget_bytes:
+                break
+            j += 1
+        flush_to = depth if j == n - 1 else (z_starts[j + 1] // align) * align
+        slabs.append(
+            Slab(
+                tuple(z_starts[i : j + 1]),
+                z_starts[i],
+                min(z_starts[j] + window_z, depth),
+                flush_to,
+            )
+        )
+        acc_z0 = max(acc_z0, flush_to)
+        i = j + 1
+    return slabs
+
+
+def slab_costs(slabs: Sequence[Slab], plane_acc: int, plane_in: int) -> list[int]:
+    """The bytes each slab of a plan holds (the quantity `plan_slabs` keeps under budget)."""
+    costs, acc_z0 = [], 0
+    for s in slabs:
+        costs.append((s.z1 - acc_z0) * plane_acc + (s.z1 - s.z0) * plane_in)
+        acc_z0 = max(acc_z0, s.flush_to)
+    return costs
+
+
+def resident_bytes(
+    shape: Sequence[int], window: Sequence[int], itemsize: int, batch_size: int
+) -> int:
+    """Working set of the resident path (`ctseg.inference.volume`), model activations excluded
+    as in the streaming budget: float32 input and accumulator of the padded volume, the raw
+    volume, the float16 result on the device and on the host, and a batch of crops, outputs and
+    flipped outputs in float32."""
+    return (
+        8 * math.prod(padded_shape(shape, window))
+        + (itemsize + 4) * math.prod(shape)
+        + 12 * batch_size * math.prod(window)
+    )
