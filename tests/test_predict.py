@@ -20,7 +20,7 @@ import pytest
 import tifffile
 import torch
 import yaml
-from conftest import REPO, TINY_CONFIG, TINY_EXPERIMENT
+from conftest import REPO, TINY_CONFIG, TINY_EXPERIMENT, run_snakemake
 
 from ctseg import rule_args
 from ctseg.cli import main
@@ -253,3 +253,20 @@ def test_folder_and_run_errors_name_the_path(project, tmp_path, capsys):
     empty = ["predict", "--run", str(tmp_path / "results" / "empty"), "-i", str(volumes), "-o", "o"]
     assert "last.pt: weights file not found" in cli_error(empty, capsys)
 
+
+def test_the_workflow_route_plans_one_predict_job_per_volume_naming_run_and_folder(
+    workflow_dir, tmp_path
+):
+    folder = tmp_path / "scans"
+    write_volume(folder / "a.tif", volume((20, 20, 20), seed=0))
+    write_slices(folder / "b", volume((20, 20, 20), seed=1))
+    config = f"predict={{input: {folder}, run: tiny}}"
+    plan = run_snakemake(workflow_dir, "-n", "-p", "predict_folder", "--config", config).stdout
+    for rid in ("a", "b"):
+        assert f"results/tiny/predict/scans/{rid}.tif" in plan
+        assert f"ctseg predict --run results/tiny -i {folder} --only {rid} " in plan
+    assert "rule train_model:" in plan  # the run is made first
+    # Without predict.input the target is one line saying what to set.
+    refused = run_snakemake(workflow_dir, "-n", "predict_folder", check=False)
+    assert refused.returncode != 0
+    assert "config predict.input: not set" in refused.stdout + refused.stderr

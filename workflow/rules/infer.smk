@@ -1,3 +1,7 @@
+from ctseg.inference.inputs import input_volumes, predict_outputs
+from ctseg.runs import alternatives
+
+
 rule infer:
     input:
         weights=f"{ROOT}/{{exp}}/last.pt",
@@ -64,3 +68,68 @@ rule postprocess:
 rule predict:
     input:
         sorted({prediction(r, i) for r in DEFAULT_RUNS for i in infer_ids(r)}),
+
+
+# New volumes: config predict.input (a folder of TIFF volumes or slice folders) predicted by
+# the run predict.run (default: the first of `experiment`) with `ctseg predict`, its masks in
+# <run>/predict/<folder name>/<id>.tif. The run's models, ensemble weights and tuned.json are
+# inputs, so the workflow makes them first.
+PREDICT_RUN = config["predict"]["run"] or DEFAULT_RUNS[0]
+PREDICT_FOLDER = alternatives(
+    [Path(config["predict"]["input"]).name] if config["predict"]["input"] else []
+)
+
+
+rule predict_folder:
+    input:
+        # The run is checked first: an unknown one is one line naming it.
+        lambda wildcards: run_kind(PREDICT_RUN)
+        and planning(predict_outputs)(config["predict"]["input"], run_dir(PREDICT_RUN)),
+
+
+rule predict_volume:
+    input:
+        volume=lambda wildcards: planning(input_volumes)(config["predict"]["input"])[
+            wildcards.id
+        ],
+        weights=lambda wildcards: [
+            f"{run_dir(r)}/last.pt" for r in trained_runs(wildcards.exp)
+        ],
+        ensemble_weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
+        settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
+    output:
+        mask=f"{ROOT}/{{exp}}/predict/{{folder}}/{{id}}.tif",
+    log:
+        f"{ROOT}/logs/predict/{{exp}}_{{folder}}_{{id}}.log",
+    benchmark:
+        bench("{exp}", "predict/{folder}/{id}")
+    wildcard_constraints:
+        exp=ANY_RUN,
+        folder=PREDICT_FOLDER,
+    conda:
+        "../../environment.yml"
+    threads: 2
+    resources:
+        gpu=1,
+        mem_mb=2000
+        + max(
+            2 * config["infer"]["memory_budget_mb"],
+            config["infer"]["device_budget_mb"],
+        ),
+    params:
+        run=lambda wildcards: run_dir(wildcards.exp),
+        folder=config["predict"]["input"],
+        out=lambda wildcards, output: Path(output.mask).parent,
+        overlap=config["infer"]["overlap"],
+        batch=config["infer"]["batch_size"],
+        tta="--tta-flips" if config["infer"]["tta_flips"] else "",
+        budget=config["infer"]["memory_budget_mb"],
+        device_budget=config["infer"]["device_budget_mb"],
+        settings=lambda wildcards, input: rule_args.postprocess_args(
+            config["infer"], input.settings
+        ),
+    shell:
+        "ctseg predict --run {params.run:q} -i {params.folder:q} --only {wildcards.id} "
+        "-o {params.out:q} --overlap {params.overlap} --batch-size {params.batch} {params.tta} "
+        "--memory-budget-mb {params.budget} --device-budget-mb {params.device_budget} "
+        "{params.settings} > {log:q} 2>&1"
