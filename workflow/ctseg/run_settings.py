@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ctseg.io import CtsegError, atomic_path
+from ctseg.io import CtsegError, atomic_path, strict_json
 
 SETTINGS_JSON = "settings.json"
 
@@ -45,7 +45,7 @@ def write_run_settings(
         "run_identity": run_identity,
     }
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+        tmp.write_text(strict_json(record, indent=1, sort_keys=True, default=str) + "\n")
     return path
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ctseg.io import CtsegError, atomic_path
+from ctseg.io import CtsegError, atomic_path, strict_json
 
 # The columns every steps.csv row has, in file order. The loss terms (one column per term with
 # weight > 0, named as ctseg.network.losses names them) come between "loss" and "grad_norm": see
@@ -179,4 +179,4 @@ class TrialSummary:
     def write(self, path: Path) -> None:
         """Write atomically (a reader never sees half a summary)."""
         with atomic_path(Path(path)) as tmp:
-            tmp.write_text(json.dumps(self.to_dict(), indent=1, default=str))
+            tmp.write_text(strict_json(self.to_dict(), indent=1, default=str))

@@ -59,7 +59,7 @@ from skimage.metrics import variation_of_information
 from ctseg.evaluation import surface_dice as _surface
 from ctseg.evaluation.betti_matching import matched_counts
 from ctseg.evaluation.thinning import slices_skeleton
-from ctseg.io import CtsegError
+from ctseg.io import CtsegError, strict_json
 from ctseg.machine import available_cpus
 
 TopoMethod = Literal["betti_matching", "betti_counts"]
@@ -748,7 +748,6 @@ def evaluate_pairs(
     WORKER_MEMORY_GB at 320^3. Every volume is scored by the same deterministic code either
     way, and rows keep the input order, so the outputs are identical to a serial run.
     """
-    import json
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -793,5 +792,5 @@ def evaluate_pairs(
     with atomic_path(out_dir / "scores.csv") as tmp:
         table.to_csv(tmp, index=False)
     with atomic_path(out_dir / "summary.json") as tmp:
-        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.write_text(strict_json(summary, indent=1))
     return summary

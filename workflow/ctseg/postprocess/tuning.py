@@ -117,7 +117,7 @@ from ctseg.evaluation.metrics import (
     topo_counts,
     with_topology,
 )
-from ctseg.io import CtsegError, atomic_path, check_id
+from ctseg.io import CtsegError, atomic_path, check_id, strict_json
 from ctseg.postprocess.masks import (
     CLOSING_RADII,
     HYSTERESIS_MODES,
@@ -755,7 +755,7 @@ _CANDIDATE_COLUMNS += [*SCORE_TERMS, "score_bound", "pruned", "chosen", "max_can
 
 
 def _write_outputs(out_dir: Path, summary: dict[str, Any], table: pd.DataFrame) -> None:
-    text = json.dumps(summary, indent=1)
+    text = strict_json(summary, indent=1)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Both written to temporaries first, then renamed one after the other: a failure on the
     # way leaves the previous pair as it was, never a new table beside an old choice.

@@ -70,6 +70,7 @@ from ctseg.io import (
     disk_full_is_an_error,
     remove_path,
     sha256_file,
+    strict_json,
 )
 from ctseg.layout import SCRATCH_FORMATS, RawFile, npy_header, raw_files, raw_meta
 from ctseg.store import TARGET_VOLUMES
@@ -503,7 +504,7 @@ def check_staged(scratch: Path, ids: Sequence[str], fix: str = STAGE_FIX) -> dic
 
 
 def _write_json(path: Path, payload: Mapping) -> None:
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(strict_json(payload, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- the stage step

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import json
 import statistics
 import traceback
 from collections.abc import Mapping
@@ -37,7 +36,7 @@ from typing import Any
 import psutil
 import torch
 
-from ctseg.io import CtsegError
+from ctseg.io import CtsegError, strict_json
 from ctseg.machine import available_cpus
 from ctseg.network.flops import Efficiency
 from ctseg.summaries import STEP_COLUMNS, SUMMARY_VERSION, TrialSummary, add_efficiency_columns
@@ -289,4 +288,4 @@ def choose_phase(summaries: list[Path]) -> int:
 
 def summary_json(summary: TrialSummary) -> str:
     """The summary as `ctseg trial` prints it."""
-    return json.dumps(summary.to_dict(), indent=1, default=str)
+    return strict_json(summary.to_dict(), indent=1, default=str)
