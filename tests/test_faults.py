@@ -27,7 +27,8 @@ from conftest import BIN, TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snake
 from training_setup import EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch
 
 from ctseg.cli import main as cli_main
-from ctseg.io import CtsegError
+from ctseg.inference.ensemble import ensemble_volume
+from ctseg.io import CtsegError, atomic_path
 from ctseg.preprocess.convert import convert_volume
 from ctseg.preprocess.stage import stage_records
 from ctseg.preprocess.targets import compute_targets
@@ -96,6 +97,13 @@ def run_and_signal(source: Path, dest: Path, signum: int) -> subprocess.Complete
     """Run a real `ctseg convert` and send it `signum` while its temporary store exists."""
     command = [str(BIN / "ctseg"), "convert", str(source), str(dest)]
     command += ["--chunks", "16", "--memory-budget-mb", "1"]
+    return signal_while_writing(command, dest, signum)
+
+
+def signal_while_writing(
+    command: list[str], dest: Path, signum: int
+) -> subprocess.CompletedProcess:
+    """Run `command` and send it `signum` while its temporary of `dest` exists."""
     for _ in range(5):
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
@@ -117,7 +125,7 @@ def run_and_signal(source: Path, dest: Path, signum: int) -> subprocess.Complete
         if child.returncode != 0:
             return subprocess.CompletedProcess(command, child.returncode, "", err.decode())
         shutil.rmtree(dest)  # it finished before the signal: try again
-    pytest.fail("ctseg convert always finished before it could be signalled")
+    pytest.fail(f"ctseg {command[1]} always finished before it could be signalled")
 
 
 def test_convert_killed_with_sigkill_leaves_a_temporary_that_the_rerun_removes(tmp_path):
@@ -364,7 +372,104 @@ def test_restaging_repairs_what_the_scratch_check_found(staged, tmp_path, capsys
     check_staged(scratch, TRAIN_IDS + VAL_IDS)
 
 
-# --------------------------------------------------------------------------- infer
+# --------------------------------------------------------------------------- infer and ensemble
+
+# What ctseg.inference.volume.infer_volume records, as ensemble checks it.
+INFER_ATTRS = {"window": [8, 16, 16], "overlap": 0.5, "tta_flips": False, "blending": "gaussian"}
+
+
+def probability_store(path: Path, values: np.ndarray) -> Path:
+    """A probability store written as infer writes one: atomically, so with its chunk record."""
+    with atomic_path(path) as tmp:
+        create_volume(tmp, values.shape, np.float16, (16, 64, 64), attributes=INFER_ATTRS)[...] = (
+            values.astype(np.float16)
+        )
+    return path
+
+
+def test_ensemble_killed_with_sigkill_leaves_a_temporary_that_the_rerun_removes(tmp_path):
+    rng = np.random.default_rng(3)
+    members = [probability_store(tmp_path / m / "v.zarr", rng.random(KILL_SHAPE)) for m in "ab"]
+    dest = tmp_path / "ens" / "v.zarr"
+    command = [str(BIN / "ctseg"), "ensemble", "--members", *map(str, members)]
+    command += ["--weights", "1", "1", "--out", str(dest), "--memory-budget-mb", "1"]
+
+    killed = signal_while_writing(command, dest, signal.SIGKILL)
+
+    assert killed.returncode == -signal.SIGKILL
+    leaked = stale_temporaries(dest)
+    assert leaked and not dest.exists()
+    assert f".{dest.name}.lock" in beside(dest)  # the killed run held the output's lock
+
+    rerun = subprocess.run(command, capture_output=True, text=True, check=False)
+
+    assert rerun.returncode == 0, rerun.stderr
+    assert beside(dest) == []  # neither the killed run's store nor its lock file
+    want = (open_volume(members[0])[...].astype(np.float32) + open_volume(members[1])[...]) / 2
+    np.testing.assert_allclose(open_volume(dest)[...], want, atol=2**-11)
+
+
+HOLD_OUTPUT = """
+import sys, time
+from ctseg.io import atomic_path
+from ctseg.store import create_volume
+with atomic_path(sys.argv[1]) as tmp:
+    create_volume(tmp, (8, 8, 8), "float16", (8, 8, 8))[...] = 1
+    print("writing", flush=True)
+    time.sleep(60)
+"""
+
+
+def hold_output(dest: Path) -> subprocess.Popen:
+    """A process in the middle of writing `dest` through atomic_path, as every step writes."""
+    child = subprocess.Popen(
+        [str(BIN / "python"), "-c", HOLD_OUTPUT, str(dest)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline() == "writing\n"
+    return child
+
+
+def test_the_next_write_of_an_output_removes_a_killed_writers_temporary(tmp_path):
+    # infer writes its probability store as ensemble does, through atomic_path.
+    dest = tmp_path / "probabilities" / "v.zarr"
+    child = hold_output(dest)
+    child.kill()
+    child.wait()
+    (leaked,) = stale_temporaries(dest)
+    assert (leaked / "zarr.json").exists()
+
+    probability_store(dest, np.zeros((8, 8, 8)))
+
+    assert beside(dest) == [] and open_volume(dest).shape == (8, 8, 8)
+
+
+def test_a_living_writers_temporary_is_never_removed(tmp_path):
+    dest = tmp_path / "probabilities" / "v.zarr"
+    child = hold_output(dest)
+    try:
+        (theirs,) = stale_temporaries(dest)
+        with pytest.raises(CtsegError, match=r"v.zarr: another run is writing this output now"):
+            probability_store(dest, np.zeros((8, 8, 8)))
+        assert theirs.exists() and not dest.exists()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_an_ensemble_member_missing_a_chunk_is_an_error_naming_it(tmp_path):
+    # A member's store lost one chunk file (a partial copy): zarr would read zeros there, and
+    # the ensemble would be half the other member's probability.
+    rng = np.random.default_rng(4)
+    a, b = (probability_store(tmp_path / m / "v.zarr", rng.random((32, 64, 64))) for m in "ab")
+    (b / "c" / "1" / "0" / "0").unlink()
+    out = tmp_path / "ens" / "v.zarr"
+
+    with pytest.raises(CtsegError) as info:
+        ensemble_volume([a, b], [1, 1], out)
+
+    message = str(info.value)
+    assert f"{b}: chunk c/1/0/0 is missing: 1 of the 2 chunks written" in message
+    assert "\n" not in message and not out.parent.exists()  # refused before anything is written
 
 
 @pytest.mark.parametrize("threshold", ["2", "1", "-0.1", "nan"])

@@ -379,11 +379,12 @@ def test_image_errors_name_the_store_and_leave_no_output(tmp_path):
     with pytest.raises(CtsegError, match="nope.zarr: image store not found"):
         infer_volume(model, tmp_path / "nope.zarr", tmp_path / "p.zarr", InferenceSettings(**kw))
     flat = tmp_path / "flat.zarr"
-    zarr.create_array(str(flat), shape=(8, 8), dtype=np.uint8, attributes={"p0_5": 0, "p99_5": 1})
+    attributes = {"p0_5": 0, "p99_5": 1}
+    zarr.create_array(str(flat), shape=(8, 8), dtype=np.uint8, attributes=attributes)[...] = 1
     with pytest.raises(CtsegError, match="flat.zarr: expected a 3D volume"):
         infer_volume(model, flat, tmp_path / "p.zarr", InferenceSettings(**kw))
     bare = tmp_path / "bare.zarr"
-    create_volume(bare, (8, 8, 8), np.uint8, (8, 8, 8))
+    create_volume(bare, (8, 8, 8), np.uint8, (8, 8, 8))[...] = 1
     with pytest.raises(CtsegError, match="bare.zarr: image attributes lack"):
         infer_volume(model, bare, tmp_path / "p.zarr", InferenceSettings(**kw))
     good = image_store(tmp_path / "good.zarr", random_volume((8, 8, 8)))

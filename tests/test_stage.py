@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import zarr
 
+from ctseg.chunks import RECORD, record_stores
 from ctseg.io import CtsegError, sha256_file
 from ctseg.preprocess.stage import check_staged, expand_scratch, stage_records
 from ctseg.store import (
@@ -41,7 +42,8 @@ ARRAYS = ("image", "ignore", "foreground", "skeleton", "tube", "sdt", "fg_locati
 def make_record(
     source: Path, record_id: str, seed: int, shape=SHAPE, chunks=CHUNKS, n_locations=37
 ) -> dict:
-    """One record of a preprocessed store, as convert and precompute_targets would leave it."""
+    """One record of a preprocessed store, as convert and precompute_targets would leave it
+    (with the record of the chunks written, which they write through ctseg.io.atomic_path)."""
     rng = np.random.default_rng(seed)
     image = rng.integers(0, 256, shape, dtype=np.uint8)
     image[:8] = 0  # whole chunks at the fill value are never written: raw must still fill them
@@ -76,6 +78,8 @@ def make_record(
     locations = create_in_group(group, "fg_locations", (n_locations, 3), np.int32, (16, 3))
     if n_locations:
         locations[:] = arrays["fg_locations"]
+    record_stores(source / f"zarr/images/{record_id}.zarr")
+    record_stores(source / f"targets/{record_id}.zarr")
     return {**arrays, "attrs": attrs, "target_attrs": target_attrs}
 
 
@@ -123,12 +127,9 @@ def read_back(dest: Path, record_id: str, fmt: str) -> dict:
     targets = open_targets(record / "targets.zarr")
     image = open_volume(record / "image.zarr")
     arrays = {name: targets[name][:] for name in ARRAYS[1:]}
-    return {
-        "image": image[:],
-        **arrays,
-        "attrs": image.attrs.asdict(),
-        "target_attrs": targets.attrs.asdict(),
-    }
+    attrs = image.attrs.asdict()
+    assert attrs.pop(RECORD)["written"] > 0  # the copy keeps the source's chunk record
+    return {"image": image[:], **arrays, "attrs": attrs, "target_attrs": targets.attrs.asdict()}
 
 
 def assert_same_record(actual: dict, expected: dict) -> None:
@@ -350,6 +351,39 @@ def test_missing_record_in_source_names_it_and_writes_nothing(
     assert not dest.exists()
 
 
+@pytest.mark.parametrize("fmt", ["raw", "zarr"])
+def test_a_source_store_missing_a_chunk_is_refused_naming_it(
+    private_store, tmp_path: Path, fmt: str
+) -> None:
+    # A partial copy of the preprocessed store: zarr would read the lost chunk as zeros.
+    source, _ = private_store
+    (source / "targets" / "r1.zarr" / "sdt" / "c" / "1" / "0" / "2").unlink()
+    dest = tmp_path / "scratch"
+    with pytest.raises(CtsegError) as info:
+        stage_records(str(source), IDS, dest, fmt=fmt)
+    assert str(info.value).startswith(
+        f"{source}/targets/r1.zarr: chunk sdt/c/1/0/2 is missing: 1 of the 36 chunks written to "
+        "this store are gone"
+    )
+    assert not dest.exists()
+
+
+def test_a_source_store_without_a_chunk_record_must_hold_every_chunk(
+    private_store, tmp_path: Path
+) -> None:
+    source, expected = private_store
+    metadata = source / "zarr" / "images" / "r0.zarr" / "zarr.json"
+    meta = json.loads(metadata.read_text())
+    del meta["attributes"][RECORD]  # as written before the record, or by another tool
+    metadata.write_text(json.dumps(meta))
+    stage_records(str(source), ["r0"], tmp_path / "complete")  # every chunk there: staged
+    (metadata.parent / "c" / "2" / "2" / "3").unlink()
+    with pytest.raises(
+        CtsegError, match=r"r0.zarr: chunk c/2/2/3 is missing, and the store has no record"
+    ):
+        stage_records(str(source), ["r0"], tmp_path / "scratch")
+
+
 def test_target_shape_mismatch_is_an_error(private_store, tmp_path: Path) -> None:
     source, _ = private_store
     group = zarr.open_group(str(source / "targets" / "r0.zarr"), mode="r+")
@@ -560,6 +594,32 @@ def test_s3_source_stages_the_same_bytes_as_local(tmp_path: Path, s3_endpoint) -
     # Same content, other address: the fingerprint ignores the URL, so nothing is copied.
     moved = stage_records(str(source), ids, tmp_path / "remote-zarr", fmt="zarr")
     assert moved["records_skipped"] == 2
+
+
+def test_an_s3_source_missing_a_chunk_is_refused_naming_it(
+    tmp_path: Path, s3_endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An interrupted upload: one chunk of the image never reached the bucket.
+    source = tmp_path / "store"
+    make_store(source, ["r0"], chunks=(16, 16, 16))
+    (source / "zarr" / "images" / "r0.zarr" / "c" / "1" / "0" / "0").unlink()
+    upload(s3_endpoint, source, "ctseg-partial", "v1")
+    url = "s3://ctseg-partial/v1"
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+    }
+    missing = f"{url}/zarr/images/r0.zarr: chunk c/1/0/0 is missing: 1 of the 8 chunks written"
+    with pytest.raises(CtsegError) as info:
+        stage_records(url, ["r0"], tmp_path / "scratch", fmt="raw", storage_options=options)
+    assert str(info.value).startswith(missing)
+    assert not (tmp_path / "scratch").exists()
+    # Opened straight from the bucket (ctseg.store.open_volume), the same store is refused too.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    with pytest.raises(CtsegError) as info:
+        open_volume(f"{url}/zarr/images/r0.zarr")
+    assert str(info.value).startswith(missing)
 
 
 # --------------------------------------------------------------------------- check_staged

@@ -638,7 +638,9 @@ def test_reference_rejects_bad_values() -> None:
 
 def test_not_3d_and_missing_store(tmp_path: Path) -> None:
     flat = tmp_path / "flat.zarr"
-    zarr.create_array(str(flat), shape=(10, 10), dtype=np.uint8, chunks=(5, 5), zarr_format=3)
+    zarr.create_array(str(flat), shape=(10, 10), dtype=np.uint8, chunks=(5, 5), zarr_format=3)[
+        ...
+    ] = 1
     dest = tmp_path / "out.zarr"
     with pytest.raises(CtsegError, match="3D") as err:
         compute_targets(flat, dest)

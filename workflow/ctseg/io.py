@@ -1,7 +1,8 @@
 """Shared input checks and atomic output helpers.
 
 Every step writes to a temporary sibling and renames it into place, so a crash or a bad input
-never leaves a partial output where Snakemake (or a person) would take it for a finished one.
+never leaves a partial output where Snakemake (or a person) would take it for a finished one,
+and the next write of an output removes the temporaries a killed run left beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ctseg import chunks
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 # atomic_path names its temporaries ".<name>.tmp-<pid>-<8 hex>".
@@ -58,17 +61,32 @@ def remove_path(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(final: str | Path) -> Iterator[Path]:
+def atomic_path(final: str | Path, *, record_chunks: bool = True) -> Iterator[Path]:
     """Yield a temporary path next to `final`; rename it onto `final` only if the block succeeds.
 
     Works for files and directories (a Zarr store is a directory). On any exception the
-    temporary path is removed and `final` is left exactly as it was.
+    temporary path is removed and `final` is left exactly as it was. A run killed before it
+    could remove its temporary (SIGKILL, a lost node) leaves it behind: the next write of the
+    same `final` removes it first, under a lock on `final` that a living writer holds (see
+    `fresh_output`, which adds a free-space check). Every zarr array in a finished directory
+    gets the record of the chunks written to it (`ctseg.chunks`), unless `record_chunks` is
+    off (a byte-for-byte copy of stores that carry their own).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    with _output_lock(final):
+        _remove_stale_temporaries(final)
+        with _renamed_into_place(final, record_chunks) as tmp:
+            yield tmp
+
+
+@contextlib.contextmanager
+def _renamed_into_place(final: Path, record_chunks: bool = True) -> Iterator[Path]:
     tmp = _temporary_sibling(final)
     try:
         yield tmp
+        if record_chunks and tmp.is_dir():
+            chunks.record_stores(tmp)
         if final.exists() and final.is_dir() and tmp.is_dir():
             # A directory cannot be renamed over a non-empty one: move the old one aside first
             # so the swap stays a pair of renames.
@@ -189,6 +207,12 @@ def stale_temporaries(final: str | Path) -> list[Path]:
     )
 
 
+def _remove_stale_temporaries(final: Path) -> None:
+    # Only under `_output_lock`: no living run owns them.
+    for stale in stale_temporaries(final):
+        remove_path(stale)
+
+
 @contextlib.contextmanager
 def _output_lock(final: Path) -> Iterator[None]:
     """An exclusive lock on ``.<name>.lock`` beside `final`, removed again on release.
@@ -223,21 +247,23 @@ def _output_lock(final: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def fresh_output(final: str | Path, needed_bytes: int = 0, what: str = "write") -> Iterator[Path]:
-    """`atomic_path` for a large output, with what a killed or failed run needs:
+    """`atomic_path` for a large output, with what a failed run needs:
 
-    - under a lock on `final`, the temporaries of earlier, killed runs are removed first (they
-      would otherwise fill the disk a little more on every retry);
+    - as in `atomic_path`, the temporaries of earlier, killed runs are removed first, under the
+      lock on `final` (so before the free-space check: a retry on a full disk gets them back);
     - `needed_bytes` must be free before anything is written (`what` says what for);
     - running out of space anyway is a `CtsegError` naming `final`, after the temporary is gone.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     with _output_lock(final):
-        for stale in stale_temporaries(final):
-            remove_path(stale)
+        _remove_stale_temporaries(final)
         check_free_space(final, needed_bytes, what)
         try:
-            with disk_full_is_an_error(final, f"trying to {what}"), atomic_path(final) as tmp:
+            with (
+                disk_full_is_an_error(final, f"trying to {what}"),
+                _renamed_into_place(final) as tmp,
+            ):
                 yield tmp
         except BaseException:
             # A write zarr still had in flight when the error (or SIGTERM, see ctseg.cli)

@@ -4,11 +4,15 @@ Layout (the results contract), under one root per dataset, ``results/preprocesse
 (the root a `ctseg.preprocess.stage` source points at):
 - ``zarr/images/<id>.zarr`` and ``zarr/labels/<id>.zarr``: one 3D array each,
   attributes ``source``, ``source_sha256``, ``shape``, ``dtype``, ``mean``, ``std``,
-  ``p0_5``, ``p99_5``.
+  ``p0_5``, ``p99_5`` (of the voxels neither saturated nor in an empty slice:
+  ``stats_voxels``, ``stats_left_out``; see `ctseg.preprocess.convert`).
 - ``targets/<id>.zarr``: a group with 3D arrays ``ignore``, ``foreground``,
   ``skeleton``, ``tube`` (uint8, 0/1) and ``sdt`` (float16, clipped signed distance, positive
   outside the foreground), all on the label's chunk grid, plus ``fg_locations`` (int32, N x 3,
   z/y/x of sampled foreground voxels).
+
+Every array a step writes carries the record of the chunks written to it (``chunks_written``,
+see `ctseg.chunks`), and the open functions here refuse a store that lacks one of them.
 
 The scratch formats a staged record takes (raw .npy or zarr), and the results paths, are
 `ctseg.layout`'s: each format's writer beside its reader.
@@ -20,9 +24,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import zarr
 import zarr.codecs
+
+from ctseg import chunks
+from ctseg.io import CtsegError
 
 DEFAULT_CODEC: dict[str, Any] = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
 TARGET_VOLUMES = ("ignore", "foreground", "skeleton", "tube", "sdt")
@@ -119,8 +127,36 @@ def create_in_group(
 
 
 def open_volume(path: str | Path) -> zarr.Array:
-    return zarr.open_array(str(path), mode="r")
+    """The array at `path` (a directory or an fsspec URL such as s3://...), once every chunk its
+    writer wrote is found there (`check_complete`)."""
+    array = zarr.open_array(str(path), mode="r")
+    check_complete(path, {"": array.metadata.to_dict()})
+    return array
 
 
 def open_targets(path: str | Path) -> zarr.Group:
-    return zarr.open_group(str(path), mode="r")
+    """The targets group at `path`, once every chunk of each of its arrays is found there."""
+    group = zarr.open_group(str(path), mode="r")
+    check_complete(path, {name: array.metadata.to_dict() for name, array in group.arrays()})
+    return group
+
+
+def check_complete(path: str | Path, arrays: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse a store that lacks a chunk its writer wrote (`ctseg.chunks`): zarr would read it as
+    zeros. `arrays` maps each array's path inside the store ("" for the store itself) to its
+    metadata. Costs one listing of the store's files."""
+    files = _stored_files(path)
+    for node, meta in arrays.items():
+        problem = chunks.problem(str(path), node, meta, chunks.chunk_files(files, node))
+        if problem is not None:
+            raise CtsegError(problem)
+
+
+def _stored_files(path: str | Path) -> set[str]:
+    text = str(path)
+    if "://" not in text:
+        return chunks.list_files(Path(text))
+    fs, root = fsspec.core.url_to_fs(text)
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)  # a long-lived process may hold a listing from before a change
+    return {f[len(root) + 1 :] for f in fs.find(root) if f.startswith(f"{root}/")}

@@ -23,6 +23,9 @@ Guarantees, so a staged directory can be trusted without looking inside it:
   every ``zarr.json`` (shape, codecs, attributes such as ``source_sha256``), so re-converting or
   recomputing targets upstream re-stages the record. It does not name the source URL: moving the
   same store from disk to S3 does not force a copy.
+- Each source store is checked complete from its listing before anything is copied: a chunk
+  that its writer recorded (`ctseg.chunks`) and the listing lacks is an error naming the store
+  and the chunk, where zarr would have read zeros (a partial upload or sync).
 - Temporaries from a killed run are removed at the start of the next one, under an exclusive
   lock on ``<dest>`` that also refuses a second concurrent staging run into the same directory.
 - The bytes needed are computed before anything is written and checked against free space.
@@ -61,6 +64,7 @@ import zarr
 from tqdm import tqdm
 from zarr.storage import FsspecStore
 
+from ctseg import chunks
 from ctseg.io import (
     TEMP_NAME,
     CtsegError,
@@ -157,6 +161,7 @@ def _scan_record(fs: Any, root: str, source: str, record_id: str) -> SourceRecor
         for name in TARGET_ARRAYS
     }
     _check_shapes(image_url, targets_url, image, targets)
+    _check_chunks(files, texts, {"image.zarr": image_url, "targets.zarr": targets_url})
     return SourceRecord(
         id=record_id,
         image_url=image_url,
@@ -248,6 +253,22 @@ def _check_shapes(
         raise CtsegError(f"{targets_url}/fg_locations: shape {locations}, expected N x 3")
 
 
+def _check_chunks(
+    files: Sequence[SourceFile], texts: Mapping[str, bytes], urls: Mapping[str, str]
+) -> None:
+    """Refuse a source store that lacks a chunk its writer wrote (`ctseg.chunks`), from the
+    listing already made: a partial upload would otherwise be staged, and read, as zeros."""
+    rels = {f.rel for f in files}
+    for node, text in sorted(texts.items()):
+        meta = json.loads(text)
+        if meta.get("node_type") != "array":
+            continue
+        store, _, inner = node.partition("/")
+        problem = chunks.problem(urls[store], inner, meta, chunks.chunk_files(rels, node))
+        if problem is not None:
+            raise CtsegError(problem)
+
+
 def _fingerprint(files: Sequence[SourceFile], texts: Mapping[str, bytes]) -> str:
     digest = hashlib.sha256()
     for f in files:
@@ -265,9 +286,9 @@ def _raw_files(record: SourceRecord) -> tuple[RawFile, ...]:
 
 
 def _meta_json(record: SourceRecord) -> bytes:
-    return raw_meta(
-        record.attributes, record.target_attributes, record.image.shape, record.image.dtype
-    )
+    # The record of the chunks written describes the zarr store's files, not the .npy copies.
+    attributes = {k: v for k, v in record.attributes.items() if k != chunks.RECORD}
+    return raw_meta(attributes, record.target_attributes, record.image.shape, record.image.dtype)
 
 
 def _bytes_needed(record: SourceRecord, fmt: Format) -> int:
@@ -525,11 +546,16 @@ def _locked(dest: Path) -> Iterator[None]:
 
 
 def _remove_stale_temps(dest: Path) -> int:
-    # Only called under the lock, so no living run owns these.
-    stale = [p for p in dest.iterdir() if TEMP_NAME.match(p.name)]
+    # Only called under the lock, so no living run owns these: a killed run's temporary record
+    # directories, and the lock files `atomic_path` took beside them.
+    stale = [p for p in dest.iterdir() if TEMP_NAME.match(p.name) or _lock_file(p)]
     for path in stale:
         remove_path(path)
     return len(stale)
+
+
+def _lock_file(path: Path) -> bool:
+    return path.name.startswith(".") and path.name.endswith(".lock") and path.is_file()
 
 
 def _check_args(ids: Sequence[str], fmt: str, verify: str, workers: int, reserve: int) -> list:
@@ -561,7 +587,8 @@ def _stage_one(
     storage_options: Mapping,
     progress: _Progress,
 ) -> list[dict]:
-    with atomic_path(dest / record.id) as tmp:
+    # The copy keeps the source's zarr.json byte for byte, with the source's chunk record.
+    with atomic_path(dest / record.id, record_chunks=False) as tmp:
         tmp.mkdir()
         if fmt == "zarr":
             entries = _copy_zarr(fs, record, tmp, progress)

@@ -599,6 +599,8 @@ def _check_params(clip_distance: float, skeleton_method: str, tube_dilations: in
 def _open_label(label_store: Path) -> zarr.Array:
     try:
         label = open_volume(label_store)
+    except CtsegError:
+        raise  # a store that lacks a chunk: the message names it
     except Exception as exc:  # zarr raises several types for "not an array here"
         raise CtsegError(f"{label_store}: cannot open as a Zarr array ({exc})") from exc
     if label.ndim != 3:

@@ -1,0 +1,171 @@
+"""The chunks a zarr store's writer wrote, recorded so that a reader tells a lost chunk from an
+empty one.
+
+zarr reads a chunk whose file is absent as the fill value: a store that lost chunk files (a
+partial copy, an interrupted rsync or S3 sync) reads as zeros there, without an error. So every
+array a ctseg step writes carries, in its attributes under `RECORD`, its chunk grid, how many
+chunks were written and which were left unwritten on purpose (all fill value), as runs of
+linear chunk indices in C order. `ctseg.io.atomic_path` writes the record (`record_stores`) once
+the step's block has finished, just before the store is renamed into place, so it describes
+exactly what the step wrote. Readers (`ctseg.store`'s open functions; `ctseg.preprocess.stage`
+for a source, local or s3://) list the chunk files present and compare (`missing_chunks`).
+
+A store without the record (made by another tool, or by ctseg before the record existed), or
+whose record describes another grid, is read only when every chunk of its grid is present:
+there a lost chunk cannot be told from one left empty on purpose.
+
+A chunk here is a storage object: with sharding, a shard (``chunk_grid`` in zarr v3 metadata
+is the shard grid). Pure metadata and file names, so `ctseg.io` can use it without zarr.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+RECORD = "chunks_written"
+METADATA = "zarr.json"
+
+
+def grid_shape(meta: Mapping[str, Any]) -> tuple[int, ...]:
+    """Chunks (or shards) per axis of an array's regular chunk grid."""
+    shape = [int(s) for s in meta["shape"]]
+    chunk_shape = [int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"]]
+    return tuple(-(-s // max(c, 1)) for s, c in zip(shape, chunk_shape, strict=True))
+
+
+def chunk_key(meta: Mapping[str, Any], coords: Sequence[int]) -> str:
+    """The storage key of the chunk at `coords`, relative to the array (``c/0/1/2``)."""
+    encoding = meta.get("chunk_key_encoding") or {"name": "default"}
+    name = encoding.get("name", "default")
+    config = encoding.get("configuration") or {}
+    if name == "v2":
+        separator = config.get("separator", ".")
+        return separator.join(str(c) for c in coords) if coords else "0"
+    separator = config.get("separator", "/")
+    return separator.join(["c", *(str(c) for c in coords)])
+
+
+def _keys(meta: Mapping[str, Any]) -> Iterator[str]:
+    """Every chunk key of the grid, in C order (the linear index order of the record)."""
+    for coords in itertools.product(*(range(n) for n in grid_shape(meta))):
+        yield chunk_key(meta, coords)
+
+
+def _runs(indices: Sequence[int]) -> list[list[int]]:
+    """Sorted indices as [start, stop) runs: an empty background region is a few numbers."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def record_for(meta: Mapping[str, Any], present: Collection[str]) -> dict[str, Any]:
+    """The record of an array whose chunk files are `present` (keys relative to the array)."""
+    absent = [i for i, key in enumerate(_keys(meta)) if key not in present]
+    grid = grid_shape(meta)
+    return {"grid": list(grid), "written": math.prod(grid) - len(absent), "absent": _runs(absent)}
+
+
+def _valid_record(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    record = (meta.get("attributes") or {}).get(RECORD)
+    try:
+        if [int(n) for n in record["grid"]] != list(grid_shape(meta)):
+            return None
+        absent = bytearray(math.prod(grid_shape(meta)))
+        for start, stop in record["absent"]:
+            absent[int(start) : int(stop)] = b"\x01" * (int(stop) - int(start))
+        if len(absent) != math.prod(grid_shape(meta)):
+            return None
+        return {"written": int(record["written"]), "absent": absent}
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def missing_chunks(meta: Mapping[str, Any], present: Collection[str]) -> tuple[list[str], bool]:
+    """The keys of chunks that should be there and are not, and whether a record said so.
+
+    With a valid record, a chunk is expected unless the record lists it as left unwritten;
+    without one, every chunk of the grid is expected.
+    """
+    record = _valid_record(meta)
+    absent = record["absent"] if record else bytearray(math.prod(grid_shape(meta)))
+    missing = [key for i, key in enumerate(_keys(meta)) if not absent[i] and key not in present]
+    return missing, record is not None
+
+
+def problem(store: str, node: str, meta: Mapping[str, Any], present: Collection[str]) -> str | None:
+    """One line naming `store` and its first missing chunk, or None when none is missing.
+
+    `node` is the array's path inside the store ("" for a store that is one array), `present`
+    its chunk files, relative to the array."""
+    missing, recorded = missing_chunks(meta, present)
+    if not missing:
+        return None
+    chunk = f"{node}/{missing[0]}" if node else missing[0]
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    if recorded:
+        written = _valid_record(meta)["written"]  # type: ignore[index]
+        return (
+            f"{store}: chunk {chunk} is missing{more}: {len(missing)} of the {written} chunks "
+            "written to this store are gone (a partial copy or sync?), and zarr would read them "
+            "as zeros; copy the store again, or rerun the step that writes it"
+        )
+    return (
+        f"{store}: chunk {chunk} is missing{more}, and the store has no record of the chunks "
+        f"written to it ('{RECORD}' in its attributes), so a lost chunk cannot be told from an "
+        "empty one; write the store again with the ctseg step that makes it"
+    )
+
+
+# --------------------------------------------------------------------------- a local directory
+
+
+def list_files(root: Path) -> set[str]:
+    """Every file under `root`, as a path relative to it with / separators."""
+    found = set()
+    for directory, _, names in os.walk(root):
+        rel = os.path.relpath(directory, root)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        found.update(prefix + name for name in names)
+    return found
+
+
+def arrays_in(files: Collection[str], read: Any) -> dict[str, dict[str, Any]]:
+    """{node: metadata} of every array among `files` (paths relative to a store or a directory
+    of stores); `read(rel)` returns the text of one file."""
+    nodes = {}
+    for rel in sorted(f for f in files if f == METADATA or f.endswith(f"/{METADATA}")):
+        try:
+            meta = json.loads(read(rel))
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and meta.get("node_type") == "array":
+            nodes[rel[: -len(METADATA)].rstrip("/")] = meta
+    return nodes
+
+
+def chunk_files(files: Collection[str], node: str) -> set[str]:
+    """The files under array `node`, relative to it, but its metadata."""
+    prefix = f"{node}/" if node else ""
+    return {f[len(prefix) :] for f in files if f.startswith(prefix) and f != f"{prefix}{METADATA}"}
+
+
+def record_stores(root: Path) -> int:
+    """Write the record into every zarr v3 array under `root` (a store, a group, or a directory
+    holding some); returns how many arrays were recorded. Only for a store no one is writing."""
+    files = list_files(root)
+    nodes = arrays_in(files, lambda rel: (root / rel).read_bytes())
+    for node, meta in nodes.items():
+        meta.setdefault("attributes", {})[RECORD] = record_for(meta, chunk_files(files, node))
+        path = root / node / METADATA if node else root / METADATA
+        path.write_text(json.dumps(meta, indent=2))
+    return len(nodes)
