@@ -13,6 +13,7 @@ import pytest
 import tifffile
 import zarr.codecs
 
+from ctseg.chunks import RECORD, record_stores
 from ctseg.cli import main as cli_main
 from ctseg.io import CtsegError, sha256_file, sha256_files
 from ctseg.preprocess.convert import (
@@ -86,7 +87,18 @@ def chunk_files(root: Path) -> dict[str, bytes]:
     }
 
 
+def kept_voxels(data: np.ndarray) -> np.ndarray:
+    """The voxels the statistics are of: not in a slice of one value, not the dtype's maximum;
+    every voxel where that leaves none."""
+    planes = data.reshape(len(data), -1)
+    values = planes[planes.min(axis=1) != planes.max(axis=1)].reshape(-1)
+    values = values[values != np.iinfo(data.dtype).max]
+    return values if values.size else data.reshape(-1)
+
+
 def assert_stats_match_numpy(attrs: dict, data: np.ndarray) -> None:
+    data = kept_voxels(data)
+    assert attrs["stats_voxels"] == data.size
     assert attrs["mean"] == pytest.approx(data.mean(dtype=np.float64), rel=1e-12)
     assert attrs["std"] == pytest.approx(data.std(dtype=np.float64), rel=1e-12)
     assert attrs["p0_5"] == pytest.approx(np.percentile(data, 0.5, method="linear"), rel=1e-12)
@@ -106,7 +118,10 @@ def test_uint8_round_trip_is_exact_and_attributes_are_complete(tmp_path):
     arr = open_volume(dest)
     np.testing.assert_array_equal(arr[:], data)
     assert arr.dtype == np.uint8
-    assert dict(arr.attrs) == attrs
+    stored = dict(arr.attrs)
+    # Beside what convert returns: the record of the chunks written (ctseg.chunks).
+    assert stored.pop(RECORD) == {"grid": [3, 4, 4], "written": 48, "absent": []}
+    assert stored == attrs
     assert attrs["source"] == str(source)
     assert attrs["source_sha256"] == sha256_file(source)
     assert attrs["shape"] == list(SHAPE)
@@ -417,6 +432,10 @@ def test_empty_chunks_are_left_out_as_zarr_leaves_them_out(tmp_path):
     expected = chunk_files(tmp_path / "theirs.zarr")
     assert "c/0/0/0" not in expected and len(expected) == 3 * 4 * 4 - 1
     assert chunk_files(tmp_path / "ours.zarr") == expected
+    # A chunk left out on purpose is read as zeros only once the record says so.
+    with pytest.raises(CtsegError, match=r"ours.zarr: chunk c/0/0/0 is missing.*no record"):
+        open_volume(tmp_path / "ours.zarr")
+    record_stores(tmp_path / "ours.zarr")
     np.testing.assert_array_equal(open_volume(tmp_path / "ours.zarr")[:], data)
 
 
@@ -467,6 +486,43 @@ def test_statistics_are_exact_with_a_large_budget(tmp_path):
 
     np.testing.assert_array_equal(open_volume(tmp_path / "vol.zarr")[:], data)
     assert_stats_match_numpy(attrs, data)
+
+
+def test_saturated_and_empty_slabs_are_left_out_of_the_statistics(tmp_path):
+    # A uint16 scan with a slab clipped at 65535 and a slab of zero padding: with them, the
+    # 99.5th percentile would be 65535 and the 0.5th 0, and the normalisation of the whole
+    # volume would shift. Saturated voxels elsewhere are left out too.
+    rng = np.random.default_rng(21)
+    data = rng.normal(20_000, 3_000, SHAPE).clip(1, 60_000).astype(np.uint16)
+    data[5:13] = 65535
+    data[30:34] = 0
+    data[20, :3, :5] = 65535
+    scan = np.concatenate([data[:5], data[13:30], data[34:]]).reshape(-1)
+    scan = scan[scan != 65535]
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    attrs = convert(source, tmp_path / "vol.zarr", chunks=(4, 16, 16))
+
+    assert attrs["p99_5"] == pytest.approx(np.percentile(scan, 99.5), rel=1e-12)
+    assert attrs["p0_5"] == pytest.approx(np.percentile(scan, 0.5), rel=1e-12)
+    assert attrs["p99_5"] < 40_000 < 65535 and attrs["p0_5"] > 5_000
+    assert attrs["mean"] == pytest.approx(scan.mean(dtype=np.float64), rel=1e-12)
+    assert attrs["stats_voxels"] == scan.size
+    assert attrs["stats_left_out"] == {"saturated_voxels": 15, "empty_slices": 12}
+    stored = dict(open_volume(tmp_path / "vol.zarr").attrs)
+    assert stored["p99_5"] == attrs["p99_5"] and stored["stats_left_out"]["empty_slices"] == 12
+
+
+def test_a_volume_of_nothing_but_empty_slices_keeps_every_voxel(tmp_path):
+    data = np.zeros((6, 8, 8), np.uint8)
+    data[3:] = 255
+    source = write_tiff(tmp_path / "vol.tif", data)
+
+    attrs = convert(source, tmp_path / "vol.zarr", chunks=(2, 8, 8))
+
+    assert (attrs["p0_5"], attrs["p99_5"], attrs["mean"]) == (0.0, 255.0, 127.5)
+    assert attrs["stats_voxels"] == data.size
+    assert attrs["stats_left_out"] == {"saturated_voxels": 0, "empty_slices": 0}
 
 
 # --- bad input: a clear error, and nothing left at dest ------------------------------------------

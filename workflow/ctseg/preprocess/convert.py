@@ -5,6 +5,9 @@ in natural order of file name. The array is written once, slab by slab, each sla
 of chunk (or shard) rows, so peak memory follows ``memory_budget_mb`` and not the volume. The
 intensity statistics come from an exact histogram that is accumulated on the way, so they cost
 no second pass. Percentiles use numpy's default definition (``np.percentile(method="linear")``).
+The statistics leave out saturated voxels (the dtype's maximum) and empty slices (one value
+throughout), which would otherwise set the normalisation range (`_Histogram`); the attributes
+``stats_voxels`` and ``stats_left_out`` say how many voxels they are of and what was left out.
 
 Throughput: the work is spread over threads that release the GIL. The source's sha256 is
 computed on its own thread from the start; pixel data stored plainly (uncompressed, page after
@@ -446,10 +449,20 @@ def _open_reader(src: _Source) -> Iterator[SlabReader]:
 
 
 class _Histogram:
-    """Exact value counts, accumulated slab by slab, from which the statistics follow."""
+    """Exact value counts, accumulated slab by slab, from which the statistics follow.
+
+    The statistics (mean, std, `PERCENTILES`) leave out what would skew a CT volume's
+    normalisation range: saturated voxels (the dtype's maximum, e.g. 65535 where the detector
+    clipped) and empty slices (a z slice holding one value throughout: padding, a blank or
+    fully saturated slice). A volume with nothing else (constant, or all saturated) gets the
+    statistics of every voxel. What was left out is recorded beside them (`stats`).
+    """
 
     def __init__(self, dtype: np.dtype, piece_elements: int) -> None:
         self.counts = np.zeros(1 << (8 * dtype.itemsize), dtype=np.int64)
+        # The voxels of empty slices, by value: left out of the statistics.
+        self.empty = np.zeros_like(self.counts)
+        self.empty_slices = 0
         self.piece = min(max(1, piece_elements), MAX_HISTOGRAM_PIECE)
         # uint8 is counted two bytes at a time, as uint16 values: half the elements for
         # bincount's cast to intp (its main cost), then the 65536 pair counts are folded back
@@ -457,7 +470,8 @@ class _Histogram:
         self.pairs = dtype.itemsize == 1 and self.piece >= MIN_PAIR_PIECE
 
     def add(self, slab: np.ndarray) -> np.ndarray:
-        """Count a slab; returns the slab's own counts (used to find bad label values)."""
+        """Count a slab (z slices, or any 1D run of values); returns the slab's own counts
+        (used to find bad label values)."""
         flat = slab.reshape(-1)
         if self.pairs:
             even = flat.size - flat.size % 2
@@ -470,6 +484,12 @@ class _Histogram:
         else:
             counts = self._count(flat, self.counts.size)
         self.counts += counts
+        if slab.ndim == 3 and slab.size:
+            planes = slab.reshape(len(slab), -1)
+            low, high = planes.min(axis=1), planes.max(axis=1)
+            for value in low[low == high]:
+                self.empty[value] += planes.shape[1]
+                self.empty_slices += 1
         return counts
 
     def _count(self, values: np.ndarray, size: int) -> np.ndarray:
@@ -479,31 +499,45 @@ class _Histogram:
             counts += np.bincount(values[start : start + self.piece], minlength=size)
         return counts
 
-    def stats(self) -> dict[str, float]:
-        values = np.flatnonzero(self.counts)
-        counts = self.counts[values]
+    def kept(self) -> tuple[np.ndarray, dict[str, int]]:
+        """The counts the statistics are of, and what was left out of them."""
+        kept = self.counts - self.empty
+        saturated = int(kept[-1])
+        kept[-1] = 0
+        if not kept.any():
+            return self.counts, {"saturated_voxels": 0, "empty_slices": 0}
+        return kept, {"saturated_voxels": saturated, "empty_slices": self.empty_slices}
+
+    def stats(self) -> dict[str, Any]:
+        counts_by_value, left_out = self.kept()
+        values = np.flatnonzero(counts_by_value)
+        counts = counts_by_value[values]
         # Python integers: the sum of squares of a large uint16 volume overflows int64.
         n = sum(int(c) for c in counts)
         s1 = sum(int(v) * int(c) for v, c in zip(values, counts, strict=True))
         s2 = sum(int(v) * int(v) * int(c) for v, c in zip(values, counts, strict=True))
-        stats = {"mean": s1 / n, "std": math.sqrt((n * s2 - s1 * s1) / (n * n))}
+        stats: dict[str, Any] = {"mean": s1 / n, "std": math.sqrt((n * s2 - s1 * s1) / (n * n))}
         for key, q in PERCENTILES.items():
-            stats[key] = self.percentile(q)
+            stats[key] = _percentile(counts_by_value, q)
+        stats["stats_voxels"] = n
+        stats["stats_left_out"] = left_out
         return stats
 
-    def percentile(self, q: float) -> float:
-        """`np.percentile(volume, q, method="linear")`, reproduced step for step from counts."""
-        cumulative = np.cumsum(self.counts)
-        n = int(cumulative[-1])
-        index = (n - 1) * (q / 100)
-        below = min(math.floor(index), n - 1)
-        above = min(below + 1, n - 1)
-        a, b = (int(np.searchsorted(cumulative, k, side="right")) for k in (below, above))
-        gamma = index - below
-        # numpy's _lerp: interpolating from the nearer end keeps the result exact near b.
-        if gamma >= 0.5:
-            return float(b - (b - a) * (1 - gamma))
-        return float(a + (b - a) * gamma)
+
+def _percentile(counts: np.ndarray, q: float) -> float:
+    """`np.percentile(values, q, method="linear")` of the values counted in `counts`, reproduced
+    step for step."""
+    cumulative = np.cumsum(counts)
+    n = int(cumulative[-1])
+    index = (n - 1) * (q / 100)
+    below = min(math.floor(index), n - 1)
+    above = min(below + 1, n - 1)
+    a, b = (int(np.searchsorted(cumulative, k, side="right")) for k in (below, above))
+    gamma = index - below
+    # numpy's _lerp: interpolating from the nearer end keeps the result exact near b.
+    if gamma >= 0.5:
+        return float(b - (b - a) * (1 - gamma))
+    return float(a + (b - a) * gamma)
 
 
 # --- writing -----------------------------------------------------------------------------------
