@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import math
 import os
@@ -48,7 +49,13 @@ from ctseg.network.flops import Efficiency, count_flops
 from ctseg.network.losses import TERMS, compute_losses, loss_settings
 from ctseg.network.model import build_model
 from ctseg.summaries import SUMMARY_VERSION
-from ctseg.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ctseg.training.checkpoint import (
+    CHECKSUM_TAG,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from ctseg.training.recipe import lr_at, scaled_lr
 from ctseg.training.train import train
 from ctseg.trials.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
@@ -190,6 +197,11 @@ def test_checkpoint_is_replaced_atomically(tmp_path: Path) -> None:
 def test_load_checkpoint_names_the_file_when_it_is_unreadable(tmp_path: Path) -> None:
     path = tmp_path / "resume.pt"
     path.write_bytes(b"not a checkpoint")
+    with pytest.raises(CtsegError, match="resume.pt: unverifiable checkpoint: it has no checksum"):
+        load_checkpoint(path)
+    # Its checksum right, its bytes still not a torch file: torch's reason, with the file.
+    junk = b"not a checkpoint"
+    path.write_bytes(junk + CHECKSUM_TAG + hashlib.sha256(junk).hexdigest().encode())
     with pytest.raises(CtsegError, match="resume.pt: cannot load checkpoint"):
         load_checkpoint(path)
 
