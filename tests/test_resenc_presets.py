@@ -1,6 +1,7 @@
 """The shipped residual-encoder experiments (config/experiments/resenc_*.yaml): the starting
-point's recipe with another model, sized by the activation estimate for their card, and each
-trains a step on the CPU at its own model settings (a tiny patch)."""
+point's recipe on its unpadded patch (exp001_full_unpadded) with another model, sized by the
+activation estimate for their card, and each trains a step on the CPU at its own model settings
+(a tiny patch)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from ctseg.training.train import train
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
 STARTING_POINT = "exp001_full"
+UNPADDED = "exp001_full_unpadded"  # the starting point on the size its patch is computed at
 # Every shipped experiment with a residual encoder (a blocks_per_stage of its own).
 PRESETS = sorted(
     p.stem
@@ -54,12 +56,16 @@ def test_both_cards_are_shipped():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_a_preset_is_the_starting_point_with_another_model(name):
-    """Same data, patch, losses, schedule and seed as exp001_full: only the model and the
-    trials' memory limit and phases differ, so a comparison isolates the model."""
-    preset, base = experiment(name), experiment(STARTING_POINT)
+    """Same data, patch, losses, schedule and seed as exp001_full_unpadded (exp001_full on
+    80x144x144, the size its 72x136x136 is computed at): only the model and the trials' memory
+    limit and phases differ, so a comparison isolates the model, and no FLOP goes to padding."""
+    preset, base = experiment(name), experiment(UNPADDED)
     for section in ("subset", "split", "data", "loss", "train"):
         assert preset[section] == base[section], section
-    assert preset["data"]["patch_size"] == [72, 136, 136]
+    assert preset["data"]["patch_size"] == [80, 144, 144]
+    start = experiment(STARTING_POINT)
+    assert {**base["data"], "patch_size": start["data"]["patch_size"]} == start["data"]
+    assert base["model"] == start["model"]
     trial = {k: v for k, v in preset["trial"].items() if k not in ("vram_limit_gb", "phases")}
     assert trial == {k: v for k, v in base["trial"].items() if k in trial}
     assert preset["model"]["block"] == "residual" and preset["model"]["decoder_convs"] == 1
