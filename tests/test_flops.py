@@ -10,7 +10,8 @@ import torch
 import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
-from ctseg.network.flops import NORM_FLOPS_PER_ELEMENT, Efficiency, count_flops
+from ctseg.config import load_experiment
+from ctseg.network.flops import NORM_FLOPS_PER_ELEMENT, Efficiency, count_flops, padding_warning
 from ctseg.network.model import build_model
 from ctseg.network.peaks import Peak
 
@@ -81,3 +82,68 @@ def test_efficiency_columns_are_tflops_and_the_fraction_of_the_peak():
     cols = eff.columns(1e9)
     assert cols["tflops"] == pytest.approx(count.train * 1e9 / 1e12)
     assert cols["mfu"] == pytest.approx(cols["tflops"] / 2.0)
+    assert cols["useful_mfu"] == cols["mfu"]  # 4^3 with two levels: nothing padded
+
+
+# Every shipped experiment: its patch, the size its network computes it at, the padding share.
+SHIPPED = {
+    "exp001": ((32, 48, 48), (32, 48, 48)),
+    "exp001_cv": ((32, 48, 48), (32, 48, 48)),
+    "exp001_full": ((72, 136, 136), (80, 144, 144)),
+    "exp001_full_unpadded": ((80, 144, 144), (80, 144, 144)),
+    "resenc_24gb": ((80, 144, 144), (80, 144, 144)),
+    "resenc_80gb": ((80, 144, 144), (80, 144, 144)),
+}
+
+
+def test_every_shipped_experiment_is_listed_here():
+    assert sorted(p.stem for p in (REPO / "config/experiments").glob("*.yaml")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_patches_padding_share_and_warning(name):
+    """Only exp001_full (the starting point's own setup) pads: 72x136x136 runs at 80x144x144,
+    19.7% of its FLOPs padding, and its warning names 80x144x144; every other shipped patch is
+    planned for its network."""
+    exp = load_experiment(REPO / "config/experiments" / f"{name}.yaml")
+    patch, computed = SHIPPED[name]
+    assert tuple(exp["data"]["patch_size"]) == patch
+    count = count_flops(exp["model"], patch)
+    assert count.computed_patch == computed
+    warning = padding_warning(exp["model"], patch)
+    if patch == computed:
+        assert count.padding_share == 0 and warning is None
+        assert count.useful_train == count.train
+    else:
+        assert count.padding_share == pytest.approx(1 - (72 * 136 * 136) / (80 * 144 * 144))
+        assert round(100 * count.padding_share, 1) == 19.7
+        assert count.useful_train == pytest.approx(count.train * (1 - count.padding_share))
+        assert "computed at 80x144x144" in warning and "19.7%" in warning
+        assert warning.endswith("80x144x144 costs the same with none")
+
+
+def test_the_unpadded_patch_costs_what_the_padded_one_computes():
+    exp = load_experiment(REPO / "config/experiments/exp001_full.yaml")
+    padded = count_flops(exp["model"], (72, 136, 136))
+    unpadded = count_flops(exp["model"], (80, 144, 144))
+    assert unpadded.train == padded.train and unpadded.useful_train > padded.useful_train
+    record = padded.to_dict()
+    assert record["computed_patch"] == [80, 144, 144] and record["patch"] == [72, 136, 136]
+    assert record["padding_share"] == pytest.approx(padded.padding_share)
+
+
+def test_mfu_is_divided_by_every_device_once_and_useful_mfu_leaves_out_padding():
+    count = count_flops({"filters": [2, 4, 8]}, (6, 8, 8))  # computed at 8x8x8
+    assert count.computed_patch == (8, 8, 8) and count.padding_share == pytest.approx(0.25)
+    peak = Peak(2.0, "bf16", "table", "test card", "test")
+    one, four = Efficiency(count, peak), Efficiency(count, peak, devices=4)
+    assert four.mfu(1e9) == pytest.approx(one.mfu(1e9) / 4)
+    assert four.columns(1e9)["mfu"] == pytest.approx(four.tflops(1e9) / 8.0)
+    assert four.useful_mfu(1e9) == pytest.approx(0.75 * four.mfu(1e9))
+    assert four.columns(1e9)["useful_mfu"] == pytest.approx(four.useful_mfu(1e9))
+
+
+def test_layout_instance_norm_counts_as_instance_norm():
+    plain = count_flops({"filters": [4, 8], "norm": "instance"}, (8, 8, 8))
+    layout = count_flops({"filters": [4, 8], "norm": "instance_layout"}, (8, 8, 8))
+    assert layout.by_kind == plain.by_kind and layout.by_kind["norm"] > 0

@@ -86,15 +86,19 @@ def test_trial_records_tflops_and_mfu_in_summary_and_steps(trial):
     assert peak["source"] == "measured" and peak["precision"] == "fp32" and peak["tflops"] > 0
     assert summary.mfu == pytest.approx(summary.tflops / peak["tflops"])
     assert summary.ceiling_mfu == pytest.approx(summary.ceiling_tflops / peak["tflops"])
+    # The tiny setup's patch is a multiple of its network's: the useful MFU is the MFU.
+    assert summary.flops["padding_share"] == 0 and summary.useful_mfu == summary.mfu
+    assert summary.backend["torch"] and summary.backend["device_type"] == "cpu"
     for path in (out / "steps.csv", out / "ceiling" / "steps.csv"):
         with open(path, newline="") as handle:
             reader = csv.DictReader(handle)
             rows = list(reader)
-        assert list(reader.fieldnames)[-2:] == list(EFFICIENCY_COLUMNS)
+        assert list(reader.fieldnames)[-len(EFFICIENCY_COLUMNS) :] == list(EFFICIENCY_COLUMNS)
         for row in rows:
             tflops = flops.train * float(row["samples_per_s"]) / 1e12
             assert math.isclose(float(row["tflops"]), tflops, rel_tol=1e-6)
             assert math.isclose(float(row["mfu"]), tflops / peak["tflops"], rel_tol=1e-6)
+            assert float(row["useful_mfu"]) == float(row["mfu"])
 
 
 @pytest.mark.parametrize(

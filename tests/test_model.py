@@ -14,6 +14,7 @@ from ctseg.io import CtsegError
 from ctseg.network.model import (
     BLOCKS,
     NORMS,
+    LayoutInstanceNorm3d,
     UNet3D,
     build_model,
     count_parameters,
@@ -427,3 +428,67 @@ def test_ctseg_model_summary_prints_an_experiments_model(capsys, tmp_path):
     assert cli.main(["model-summary", str(missing)]) == 2
     err = capsys.readouterr().err.strip()
     assert "nope.yaml" in err and "\n" not in err
+
+
+# ----------------------------------------------------------------------------- instance_layout
+def _norm_pair(channels: int = 6) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """nn.InstanceNorm3d and LayoutInstanceNorm3d with the same (non-default) affine weights."""
+    torch.manual_seed(0)
+    ref = torch.nn.InstanceNorm3d(channels, affine=True)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.uniform_(-1.0, 1.0)
+    new = LayoutInstanceNorm3d(channels)
+    new.load_state_dict(ref.state_dict())  # strict: the same names and shapes
+    return ref, new
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"]
+)
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+def test_layout_instance_norm_equals_instance_norm_forward_and_backward(dtype, tol, layout):
+    ref, new = _norm_pair()
+    x = (3 * seeded_input((2, 6, 5, 7, 9)) + 1).to(dtype).contiguous(memory_format=layout)
+    grad = seeded_input((2, 6, 5, 7, 9), seed=1).to(dtype)
+    x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y_new = ref(x_ref), new(x_new)
+    y_ref.backward(grad)
+    y_new.backward(grad)
+    assert y_new.dtype == y_ref.dtype == dtype
+    torch.testing.assert_close(y_new, y_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(x_new.grad, x_ref.grad, rtol=tol, atol=tol)
+    for name in ("weight", "bias"):
+        grads = getattr(new, name).grad, getattr(ref, name).grad
+        torch.testing.assert_close(*grads, rtol=1e-4, atol=1e-4)
+
+
+def test_layout_instance_norm_keeps_channels_last_where_instance_norm_does_not():
+    ref, new = _norm_pair()
+    x = seeded_input((2, 6, 5, 7, 9)).contiguous(memory_format=torch.channels_last_3d)
+    assert new(x).is_contiguous(memory_format=torch.channels_last_3d)
+    assert not ref(x).is_contiguous(memory_format=torch.channels_last_3d)  # what it fixes
+    plain = seeded_input((2, 6, 5, 7, 9))
+    assert new(plain).is_contiguous()
+
+
+def test_norm_instance_layout_is_selectable_and_loads_instance_checkpoints():
+    """model.norm: instance_layout builds the same parameters under the same names: weights of
+    an `instance` model load into it (and back) and give the same outputs, and a whole
+    channels_last network's output stays channels_last."""
+    torch.manual_seed(0)
+    cfg = {"filters": [4, 8, 16], "deep_supervision": False}
+    plain = build_model({**cfg, "norm": "instance"}).eval()
+    layout = build_model({**cfg, "norm": "instance_layout"}).eval()
+    assert "instance_layout" in NORMS
+    assert any(isinstance(m, LayoutInstanceNorm3d) for m in layout.modules())
+    state = plain.state_dict()
+    assert list(layout.state_dict()) == list(state)
+    layout.load_state_dict(state)
+    plain.load_state_dict(layout.state_dict())
+    x = seeded_input((1, 1, 12, 16, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(layout(x), plain(x), rtol=1e-4, atol=1e-5)
+        last = layout.to(memory_format=torch.channels_last_3d)
+        out = last(x.contiguous(memory_format=torch.channels_last_3d))
+    assert out.is_contiguous(memory_format=torch.channels_last_3d)

@@ -192,10 +192,17 @@ PHASES = [
             "step_time_vs_previous": 0.328,
             "speedup_vs_previous": 6.0937,
         },
-        # Efficiency and kernel profile (summary version 3), as ctseg.trials.trials records them.
-        version=3,
+        # Efficiency, padding and kernel profile (summary version 4), as ctseg.trials.trials
+        # records them: 72x136x136 computed at 80x144x144, 19.7% of the FLOPs padding.
+        version=4,
         tflops=5.625,
         mfu=0.0360577,
+        useful_mfu=0.0360577 * (72 * 136 * 136) / (80 * 144 * 144),
+        flops={
+            "patch": [72, 136, 136],
+            "computed_patch": [80, 144, 144],
+            "padding_share": 1 - (72 * 136 * 136) / (80 * 144 * 144),
+        },
         peak={
             "tflops": 156.0,
             "precision": "tf32",
@@ -395,9 +402,11 @@ def test_phase_table_shows_tflops_mfu_and_the_kernel_profile(report):
     _, page, _ = report
     phases = section(page, "phases")
     row = next(r for r in table_rows(phases) if r[:1] == ["1"] and len(r) > 12)
-    # TFLOP/s and MFU with the peak it is a fraction of, after the feed efficiency.
+    # TFLOP/s, the padding share and the useful MFU (padding left out: 3.6% x 0.803) with the
+    # peak it is a fraction of, after the feed efficiency.
     at = row.index("0.97 ± 0.020") + 1
-    assert row[at : at + 2] == ["5.62", "3.6% (156 tf32, A100)"]
+    assert row[at : at + 3] == ["5.62", "20% (72×136×136 at 80×144×144)", "2.9% (156 tf32, A100)"]
+    assert "useful MFU (peak TFLOP/s)" in phases
     # Summaries without the figures say so: phase 0 is version 2 (not recorded).
     row0 = next(r for r in table_rows(phases) if r[:1] == ["0"] and len(r) > 12)
     assert "not recorded" in row0

@@ -38,10 +38,11 @@ STEP_COLUMNS: tuple[str, ...] = (
 # Diagnostics a reader must not insist on: logs written before they were added lack them.
 STEP_OPTIONAL: tuple[str, ...] = ("grad_norm",)
 STEP_REQUIRED: tuple[str, ...] = tuple(c for c in STEP_COLUMNS if c not in STEP_OPTIONAL)
-# Achieved TFLOP/s (model FLOPs, forward and backward) and MFU (a fraction of the peak of the
-# precision in use) at the row's samples/s: ctseg.network.flops.Efficiency.columns. Last in the row,
-# and optional: logs written before them lack them.
-EFFICIENCY_COLUMNS: tuple[str, ...] = ("tflops", "mfu")
+# Achieved TFLOP/s (computed model FLOPs, forward and backward) and MFU (a fraction of the peak of
+# the precision in use, every device's) on the computed FLOPs and on the useful ones (padding left
+# out) at the row's samples/s: ctseg.network.flops.Efficiency.columns. Last in the row, and
+# optional: logs written before them lack them (and before useful_mfu, that one).
+EFFICIENCY_COLUMNS: tuple[str, ...] = ("tflops", "mfu", "useful_mfu")
 _TERMS_AFTER = STEP_COLUMNS.index("loss") + 1
 
 
@@ -65,14 +66,15 @@ def add_efficiency_columns(path: Path, columns: Callable[[float], Mapping[str, f
         reader = csv.DictReader(handle)
         header = list(reader.fieldnames or [])
         rows = list(reader)
-    if not header or set(EFFICIENCY_COLUMNS) <= set(header):
+    absent = [c for c in EFFICIENCY_COLUMNS if c not in header]
+    if not header or not absent:
         return
     for row in rows:
         speed = row.get("samples_per_s") or ""
         values = columns(float(speed)) if speed else {}
-        row.update({k: values.get(k, "") for k in EFFICIENCY_COLUMNS})
+        row.update({k: values.get(k, "") for k in absent})
     with atomic_path(Path(path)) as tmp, open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[*header, *EFFICIENCY_COLUMNS])
+        writer = csv.DictWriter(handle, fieldnames=[*header, *absent])
         writer.writeheader()
         writer.writerows(rows)
 
@@ -82,8 +84,9 @@ def add_efficiency_columns(path: Path, columns: Callable[[float], Mapping[str, f
 
 # 2: the trial records its verdict, next knob, step-time spread and the machine facts it used.
 # 3: and its counted FLOPs, the peak, achieved TFLOP/s and MFU, and a kernel profile.
+# 4: and the padding share (in flops), the useful MFU, and the convolution backend.
 # Files without "version" were written before; their verdicts are "not recorded".
-SUMMARY_VERSION = 3
+SUMMARY_VERSION = 4
 
 
 @dataclass
@@ -144,6 +147,11 @@ class TrialSummary:
     mfu: float | None = None
     ceiling_tflops: float | None = None
     ceiling_mfu: float | None = None
+    # Version 4: MFU on the useful FLOPs (padding left out; flops has padding_share), and the
+    # convolution backend with its versions (ctseg.network.backend.conv_backend).
+    useful_mfu: float | None = None
+    ceiling_useful_mfu: float | None = None
+    backend: dict[str, Any] | None = None
     # The kernel profile (ctseg.trials.kernel_profile.summarise), or {"error": ...}.
     profile: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)

@@ -27,6 +27,16 @@ of the convolutions). exp001_full at 72x136x136 counts 0.755 TFLOP forward (conv
 0.740, transposed convolutions 0.013, norms 0.002, the deep-supervision heads 0.0001) and 2.27
 TFLOP forward and backward; torch.utils.flop_counter, which counts only the convolutions and
 their actual backward (the first layer needs no input gradient), gives 2.25 TFLOP.
+
+Padding: every layer's cost is proportional to its voxel count and every level is padded in the
+same proportion, so the *useful* FLOPs (those of the patch itself) are the computed ones times
+patch voxels / computed voxels, and the rest is the padding share (`FlopCount.padding_share`:
+19.7% at 72x136x136). `padding_warning` names the unpadded patch of the same cost: the computed
+size itself.
+
+MFU (`Efficiency`, its one definition) is achieved FLOP/s over the peak of every device the
+samples/s ran on, on the computed FLOPs (``mfu``: what the hardware did) and on the useful ones
+(``useful_mfu``: what the training got, the figure the report shows).
 """
 
 from __future__ import annotations
@@ -41,8 +51,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ctseg.network.model import (
+    LayoutInstanceNorm3d,
+    build_model,
+    computed_patch,
+    config_size_multiple,
+)
+
 NORM_FLOPS_PER_ELEMENT = 8  # 6 without an affine transform: see the module doc
-NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm)
+NORM_TYPES = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    LayoutInstanceNorm3d,
+)
 ACTIVATION_TYPES = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU)
 BACKWARD_FACTOR = 2.0
 # Kinds in the breakdown, in the order they are shown.
@@ -52,11 +74,30 @@ KINDS = ("conv", "conv_transpose", "head", "norm", "activation")
 @dataclass(frozen=True)
 class FlopCount:
     """FLOPs of one sample at `patch` (forward, and forward + backward), with the forward's
-    breakdown by layer kind."""
+    breakdown by layer kind; `computed` is the padded size the network ran it at."""
 
     patch: tuple[int, ...]
     forward: float
     by_kind: dict[str, float] = field(default_factory=dict)
+    computed: tuple[int, ...] | None = None  # None: as `patch`
+
+    @property
+    def computed_patch(self) -> tuple[int, ...]:
+        return self.computed or self.patch
+
+    @property
+    def useful_fraction(self) -> float:
+        """Patch voxels over computed voxels: the share of the FLOPs that is not padding."""
+        return math.prod(self.patch) / math.prod(self.computed_patch)
+
+    @property
+    def padding_share(self) -> float:
+        return 1.0 - self.useful_fraction
+
+    @property
+    def useful_train(self) -> float:
+        """The training FLOPs a sample of `patch` would cost unpadded: `train` less padding."""
+        return self.train * self.useful_fraction
 
     @property
     def backward(self) -> float:
@@ -73,6 +114,9 @@ class FlopCount:
             "forward_per_sample": self.forward,
             "backward_per_sample": self.backward,
             "train_per_sample": self.train,
+            "computed_patch": list(self.computed_patch),
+            "padding_share": self.padding_share,
+            "useful_train_per_sample": self.useful_train,
             "forward_by_kind": dict(self.by_kind),
             "convention": "1 multiply-add = 2 FLOPs; backward = 2 x forward",
         }
@@ -138,13 +182,12 @@ def count_model(model: nn.Module, patch: Sequence[int], in_channels: int) -> Flo
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return FlopCount(tuple(int(p) for p in patch), sum(totals.values()), totals)
+    computed = computed_patch(patch, int(getattr(model, "size_multiple", 1)))
+    return FlopCount(tuple(int(p) for p in patch), sum(totals.values()), totals, computed)
 
 
 @functools.lru_cache(maxsize=16)
 def _count_cached(model_json: str, patch: tuple[int, ...]) -> FlopCount:
-    from ctseg.network.model import build_model
-
     cfg = json.loads(model_json)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -158,21 +201,44 @@ def count_flops(model_cfg: Mapping[str, Any], patch: Sequence[int]) -> FlopCount
     return _count_cached(key, tuple(int(p) for p in patch))
 
 
+def padding_warning(model_cfg: Mapping[str, Any], patch: Sequence[int]) -> str | None:
+    """One line when the network pads `patch`, naming the unpadded patch of the same cost (the
+    size it is computed at, so the same FLOPs a sample); None when nothing is padded."""
+    multiple = config_size_multiple(model_cfg)
+    computed = computed_patch(patch, multiple)
+    if computed == tuple(int(s) for s in patch):
+        return None
+    share = 1.0 - math.prod(patch) / math.prod(computed)
+    shown, planned = "x".join(map(str, patch)), "x".join(map(str, computed))
+    return (
+        f"patch {shown} is computed at {planned} (the network pads each axis to a multiple of "
+        f"{multiple}): {100 * share:.1f}% of its FLOPs are padding; {planned} costs the same "
+        "with none"
+    )
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """What a run's samples/s mean in FLOPs: its counted FLOPs per training sample and the peak
-    of the precision it runs in (`ctseg.network.peaks`). `columns` gives steps.csv's efficiency
-    columns."""
+    of the precision it runs in (`ctseg.network.peaks`), times the `devices` the samples/s ran
+    on (samples/s are all processes' together). `columns` gives steps.csv's efficiency columns;
+    this is the one place MFU is divided by the devices."""
 
     flops: FlopCount
     peak: Any  # ctseg.network.peaks.Peak
+    devices: int = 1
 
     @classmethod
     def for_run(
-        cls, exp: Mapping[str, Any], phase: Mapping[str, Any], device: torch.device | str
+        cls,
+        exp: Mapping[str, Any],
+        phase: Mapping[str, Any],
+        device: torch.device | str,
+        devices: int = 1,
     ) -> Efficiency:
         """For an experiment (its model, patch and train.tf32) under a phase (its precision)
-        on `device`. The peak's lookup is free on a known card; elsewhere it probes (0.3 s)."""
+        on `devices` devices like `device`. The peak's lookup is free on a known card;
+        elsewhere it probes (0.3 s)."""
         from ctseg.network.peaks import device_peak, precision_in_use
 
         device = torch.device(device)
@@ -180,13 +246,29 @@ class Efficiency:
             phase.get("precision"), bool(exp["train"].get("tf32")), device.type
         )
         flops = count_flops(exp["model"], exp["data"]["patch_size"])
-        return cls(flops, device_peak(device, precision))
+        return cls(flops, device_peak(device, precision), int(devices))
+
+    @property
+    def peak_tflops(self) -> float:
+        """The peak of all `devices` together."""
+        return self.peak.tflops * self.devices
 
     def tflops(self, samples_per_s: float) -> float:
-        """Achieved TFLOP/s (model FLOPs, forward and backward) at `samples_per_s`."""
+        """Achieved TFLOP/s (computed model FLOPs, forward and backward) at `samples_per_s`."""
         return self.flops.train * samples_per_s / 1e12
 
+    def mfu(self, samples_per_s: float) -> float:
+        """Computed FLOP/s over the peak: padding counted as work."""
+        return self.tflops(samples_per_s) / self.peak_tflops
+
+    def useful_mfu(self, samples_per_s: float) -> float:
+        """Useful FLOP/s (`FlopCount.useful_train`) over the peak: padding left out."""
+        return self.mfu(samples_per_s) * self.flops.useful_fraction
+
     def columns(self, samples_per_s: float) -> dict[str, float]:
-        """steps.csv's ``tflops`` and ``mfu`` (a fraction of the peak) at `samples_per_s`."""
-        achieved = self.tflops(samples_per_s)
-        return {"tflops": achieved, "mfu": achieved / self.peak.tflops}
+        """steps.csv's ``tflops``, ``mfu`` and ``useful_mfu`` at `samples_per_s`."""
+        return {
+            "tflops": self.tflops(samples_per_s),
+            "mfu": self.mfu(samples_per_s),
+            "useful_mfu": self.useful_mfu(samples_per_s),
+        }

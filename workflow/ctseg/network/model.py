@@ -17,9 +17,18 @@ before these options: same parameter names, same initial weights for the same se
 
 Any input shape is accepted: ``forward`` pads the input at the far end of each spatial axis to a
 multiple of 2**(depth-1) and crops every output back. exp001_full's 72x136x136 patches need this
-with 5 levels (72 is not a multiple of 16). Because padding is only at the far end, output voxel j
+with 5 levels (72 is not a multiple of 16): they are computed at 80x144x144 (`computed_patch`),
+so a fifth of their FLOPs go to padding (`ctseg.network.flops`), and 80x144x144 itself costs
+the same with nothing padded. Because padding is only at the far end, output voxel j
 of the 1/2**k head covers input voxels [j*2**k, (j+1)*2**k), and its shape is ceil(size / 2**k):
 exactly what `ctseg.network.losses` expects when it pools the targets for deep supervision.
+
+Norms (``norm``): ``instance`` is ``nn.InstanceNorm3d``; ``instance_layout`` is the same
+normalisation written as reductions over the spatial axes and element-wise ops
+(`LayoutInstanceNorm3d`), so a channels_last_3d tensor stays channels_last (torch's
+``instance_norm`` reshapes and copies to contiguous on the way in and out, pytorch issue 59168)
+and torch.compile can fuse it with the activation; same parameter names, so either loads the
+other's checkpoints. ``batch``, ``group`` and ``none`` as named.
 
 `model_summary` prints a configuration's parameters per level and its activation memory (what
 autograd saves for backward, counted on the meta device, so without computing anything).
@@ -40,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from ctseg.io import CtsegError
 
 BLOCKS = ("basic", "residual")
-NORMS = ("instance", "batch", "group", "none")
+NORMS = ("instance", "instance_layout", "batch", "group", "none")
 DOWNSAMPLES = ("conv", "maxpool")
 ACTIVATIONS = ("leakyrelu", "relu")
 # build_model accepts exactly these keys; an unknown key is a typo, not something to ignore.
@@ -59,6 +68,25 @@ CONFIG_KEYS = (
 )
 DECODER_CONVS = (1, 2)
 GROUP_NORM_GROUPS = 8
+DEFAULT_FILTERS = (32, 64, 128, 256, 512)
+INSTANCE_NORM_EPS = 1e-5  # nn.InstanceNorm3d's default
+
+
+def size_multiple(depth: int) -> int:
+    """Spatial sizes that are multiples of this need no padding in a network of `depth` levels."""
+    return 2 ** (depth - 1)
+
+
+def config_size_multiple(model_cfg: Mapping[str, object]) -> int:
+    """`size_multiple` of the network an experiment's ``model`` section builds."""
+    filters = model_cfg.get("filters", DEFAULT_FILTERS)
+    return size_multiple(len(filters))  # type: ignore[arg-type]
+
+
+def computed_patch(patch: Sequence[int], multiple: int) -> tuple[int, ...]:
+    """The size `forward` computes a `patch` at: each axis padded up to a multiple of `multiple`.
+    It is also the unpadded patch of the same cost, the one to plan instead of a padded one."""
+    return tuple(-(-int(s) // multiple) * multiple for s in patch)
 
 
 def _choice(name: str, value: str, allowed: Sequence[str]) -> str:
@@ -67,9 +95,41 @@ def _choice(name: str, value: str, allowed: Sequence[str]) -> str:
     return value
 
 
+class LayoutInstanceNorm3d(nn.Module):
+    """Instance normalisation with an affine transform, as ``nn.InstanceNorm3d(c, affine=True)``
+    computes it (biased variance, eps 1e-5, statistics in float32, output in the input's dtype),
+    written as a reduction over the spatial axes and element-wise ops. Every op keeps the
+    input's memory format, so a channels_last_3d input gives a channels_last_3d output with no
+    copy, and torch.compile fuses the lot (with the activation after it). Parameters ``weight``
+    and ``bias`` (shape (C,)), as nn.InstanceNorm3d's: checkpoints load either way."""
+
+    def __init__(self, num_features: int, eps: float = INSTANCE_NORM_EPS) -> None:
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.affine = True  # what ctseg.network.flops reads of a norm
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 5 or x.shape[1] != self.num_features:
+            raise CtsegError(
+                f"input of shape {tuple(x.shape)}: expected (B, {self.num_features}, Z, Y, X)"
+            )
+        xf = x.float()  # keeps the layout; a no-op for float32
+        var, mean = torch.var_mean(xf, dim=(2, 3, 4), keepdim=True, correction=0)
+        scale = torch.rsqrt(var + self.eps) * self.weight.float().view(1, -1, 1, 1, 1)
+        return ((xf - mean) * scale + self.bias.float().view(1, -1, 1, 1, 1)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, affine=True"
+
+
 def make_norm(kind: str, channels: int) -> nn.Module:
     if kind == "instance":
         return nn.InstanceNorm3d(channels, affine=True)
+    if kind == "instance_layout":
+        return LayoutInstanceNorm3d(channels)
     if kind == "batch":
         return nn.BatchNorm3d(channels)
     if kind == "group":
@@ -212,7 +272,7 @@ class UNet3D(nn.Module):
         self,
         in_channels: int = 1,
         out_channels: int = 1,
-        filters: Sequence[int] = (32, 64, 128, 256, 512),
+        filters: Sequence[int] = DEFAULT_FILTERS,
         block: str = "basic",
         norm: str = "instance",
         deep_supervision: bool = False,
@@ -286,7 +346,7 @@ class UNet3D(nn.Module):
     @property
     def size_multiple(self) -> int:
         """Spatial sizes that are multiples of this need no padding."""
-        return 2 ** (self.depth - 1)
+        return size_multiple(self.depth)
 
     def _run(self, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
         if self.checkpointing and self.training and torch.is_grad_enabled():

@@ -1,5 +1,7 @@
 """`ctseg model-summary`: a configuration's parameters per level, the activation memory autograd
-keeps per training step and the peak it suggests, and the counted FLOPs. Apart from `model` so
+keeps per training step and the peak it suggests, and the counted FLOPs with the patch's computed
+(padded) size and the share of them spent on padding, and a warning naming the unpadded patch of
+the same cost when there is padding. Apart from `model` so
 that `flops`, which builds models on the meta device, and this summary, which prints its counts,
 import in one direction."""
 
@@ -10,9 +12,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ctseg.io import CtsegError
-from ctseg.network.flops import count_flops
+from ctseg.network.flops import count_flops, padding_warning
 from ctseg.network.model import (
     build_model,
+    computed_patch,
     count_parameters,
     saved_activation_bytes,
     stage_parameters,
@@ -36,7 +39,7 @@ def model_summary(model_cfg: Mapping[str, object], patch: Sequence[int], batch: 
     model = build_model(model_cfg)
     total = count_parameters(model)
     patch = tuple(int(s) for s in patch)
-    padded = tuple(-(-s // model.size_multiple) * model.size_multiple for s in patch)
+    padded = computed_patch(patch, model.size_multiple)
     lines = [
         f"model: filters {list(model.filters)}, blocks per stage {list(model.blocks_per_stage)}, "
         f"patch {'x'.join(map(str, patch))} (computed at {'x'.join(map(str, padded))}), "
@@ -53,13 +56,17 @@ def model_summary(model_cfg: Mapping[str, object], patch: Sequence[int], batch: 
             f"{peak / 2**30:.1f} GiB ({PEAK_FACTOR} x (activations + "
             f"{BYTES_PER_PARAMETER} B a parameter))"
         )
-    lines.append(_flops_line(model_cfg, patch, batch))
+    lines += _flops_lines(model_cfg, patch, batch)
     return "\n".join(lines)
 
 
-def _flops_line(model_cfg: Mapping[str, object], patch: Sequence[int], batch: int) -> str:
+def _flops_lines(model_cfg: Mapping[str, object], patch: Sequence[int], batch: int) -> list[str]:
     counted = count_flops(model_cfg, patch)  # by forward hooks on the meta device
-    return (
+    lines = [
         f"FLOPs per sample: forward {counted.forward / 1e9:,.1f} G, forward + backward "
-        f"{counted.train / 1e9:,.1f} G (batch {batch}: {batch * counted.train / 1e9:,.1f} G a step)"
-    )
+        f"{counted.train / 1e9:,.1f} G (batch {batch}: {batch * counted.train / 1e9:,.1f} G a "
+        f"step); padding {100 * counted.padding_share:.1f}% of them, useful "
+        f"{counted.useful_train / 1e9:,.1f} G"
+    ]
+    warning = padding_warning(model_cfg, patch)
+    return lines + ([f"warning: {warning}"] if warning else [])

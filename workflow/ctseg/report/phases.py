@@ -99,17 +99,33 @@ def _feed(summary: TrialSummary) -> str:
 
 
 def _mfu(summary: TrialSummary) -> str:
-    """MFU as recorded, with the peak it is a fraction of and where that came from."""
+    """The useful MFU as recorded (padding left out), with the peak it is a fraction of and
+    where that came from; a summary from before the useful MFU shows the MFU it has, so
+    marked."""
     peak = summary.peak or {}
-    if num(summary.mfu) is None or not peak:
+    useful = num(summary.useful_mfu)
+    mfu = useful if useful is not None else num(summary.mfu)
+    if mfu is None or not peak:
         return "n/a" if summary.version and summary.version >= 3 else NOT_RECORDED
     devices = int(peak.get("devices", 1) or 1)
     source = "measured" if peak.get("source") == "measured" else peak.get("detail", "table")
     times = f"{devices}×" if devices > 1 else ""
+    kind = "" if useful is not None else "computed FLOPs; useful not recorded, "
     return (
-        f"{100 * summary.mfu:.1f}% ({times}{fmt(peak.get('tflops'))} "
+        f"{100 * mfu:.1f}% ({kind}{times}{fmt(peak.get('tflops'))} "
         f"{peak.get('precision')}, {source})"
     )
+
+
+def _padding(summary: TrialSummary) -> str:
+    """The patch, the size the network computed it at and the share of FLOPs on padding."""
+    flops = summary.flops or {}
+    share = num(flops.get("padding_share"))
+    if share is None:
+        return NOT_RECORDED if flops or summary.status == "ok" else "n/a"
+    patch = "×".join(str(s) for s in flops.get("patch", []))
+    computed = "×".join(str(s) for s in flops.get("computed_patch", []))
+    return pct(share) if patch == computed else f"{pct(share)} ({patch} at {computed})"
 
 
 def _mfu_absent_note(summaries: Sequence[TrialSummary]) -> str:
@@ -170,7 +186,7 @@ def _phase_rows(
         ["phase"]
         + [SETTING_LABELS.get(k, k) for k in shown]
         + ["status", "median step s", "samples/s", "data wait", "h2d", "feed eff. ± band"]
-        + ["TFLOP/s", "MFU (peak TFLOP/s)"]
+        + ["TFLOP/s", "padding (patch at computed)", "useful MFU (peak TFLOP/s)"]
         + ["GPU util %", "peak VRAM GB (limit)", "peak RSS GB (limit)"]
         + [f"× phase {base.phase}", "× previous", "maths: batch×accum."]
         + ["CPU cores", "device", "verdict"]
@@ -193,6 +209,7 @@ def _phase_rows(
                 pct(summary.h2d_fraction),
                 _feed(summary),
                 fmt(summary.tflops),
+                _padding(summary),
                 _mfu(summary),
                 fmt(summary.gpu_util_mean),
                 f"{fmt(summary.peak_vram_gb)} ({fmt(summary.vram_limit_gb)})",
@@ -362,9 +379,11 @@ def phase_section(paths: Sequence[Path], src: Sources) -> str:
         "(against the last phase before it whose trial was ok). <em>maths</em> is what a phase "
         "changes besides speed: batch × gradient accumulation and precision. CPU cores and "
         "device are those of the machine that ran the trial. TFLOP/s: the model's counted "
-        "FLOPs per sample (forward and backward) × samples/s; MFU: that over the peak of the "
-        "precision in use (a vendor table's dense figure, or a matmul probe's, "
-        "<em>measured</em>).</p>"
+        "FLOPs per sample (forward and backward, at the size the network computes the patch "
+        "at) × samples/s; padding: the share of those FLOPs spent on the padding the network "
+        "adds to the patch; useful MFU: the FLOP/s of the patch itself (padding left out) over "
+        "the peak of the precision in use (a vendor table's dense figure, or a matmul probe's, "
+        "<em>measured</em>); the summary's <code>mfu</code> counts the padding too.</p>"
     )
     out.append(_mfu_absent_note(summaries))
     out.append(_verdict_list(summaries))

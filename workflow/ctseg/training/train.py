@@ -5,8 +5,8 @@ one row (`ctseg.summaries.step_columns`): the feed's ``data_wait_s`` (blocked on
 the honest starvation figure) and ``h2d_s`` (`ctseg.training.feeds`), ``compute_s`` (the rest of the
 step, synchronised on CUDA), ``step_s``, ``samples_per_s``, the loss terms, ``grad_norm``
 (unscaled, before clipping), ``lr``, GPU use, peak VRAM, host RSS (loader workers included),
-and model TFLOP/s and MFU (`ctseg.network.flops`). Rank 0 appends them to ``steps.csv`` every
-``train.log_every`` steps and before every checkpoint, which never gets ahead of its log.
+and model TFLOP/s, MFU and useful MFU (`ctseg.network.flops`). Rank 0 appends them to
+``steps.csv`` every ``train.log_every`` steps and before every checkpoint, never ahead of its log.
 
 Checkpoints (`ctseg.training.run_state`, `ctseg.training.checkpoint`): at each epoch's end, and
 mid-epoch on a timer or a stop request (`ctseg.training.stopping`). Optional: an EMA of the weights
@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ctseg.layout import staged_clip_distance
+from ctseg.network.backend import announce_start, run_record
 from ctseg.network.flops import Efficiency
 from ctseg.network.losses import compute_losses, loss_settings
 from ctseg.network.model import build_model, parameter_digest
@@ -154,12 +155,14 @@ def setup(
     records' fingerprints)."""
     tcfg = exp["train"]
     # Before the seeds: off a known card, the peak's probe draws from torch's global RNG.
-    efficiency = Efficiency.for_run(exp, phase, dev)
+    efficiency = Efficiency.for_run(exp, phase, dev, ranks.world)
     recipe.seed_and_flags(tcfg, dev)
     accumulate = int(phase.get("accumulate", 1))  # micro-batches per step, all processes
     effective_batch = int(phase["batch_size"]) * accumulate  # batch_size is per process
     epoch_steps = int(tcfg["steps_per_epoch"])
     total_steps = max_steps if max_steps is not None else epoch_steps * int(tcfg["epochs"])
+    if ranks.main:  # a padded patch, a known-bad convolution backend: said at the start
+        announce_start(exp["model"], efficiency.flops.patch, dev, dtype)
     dtype = recipe.autocast_dtype(phase)
     layout = recipe.memory_format(phase)
     model = build_model(exp["model"])
@@ -287,8 +290,7 @@ def log_step(run: Run, numbers: dict[str, Any], bar: tqdm | None) -> None:
         "grad_norm": numbers["grad_norm"],
         "lr": numbers["lr"],
     }
-    values.update(run.efficiency.columns(values["samples_per_s"]))
-    values["mfu"] /= run.ranks.world  # samples/s are all ranks', the peak is one device's
+    values.update(run.efficiency.columns(values["samples_per_s"]))  # every rank's devices
     row = {column: values[column] for column in step_columns(list(terms), efficiency=True)}
     run.steps_log.append(row)
     run.epoch_rows.append(row)
@@ -391,6 +393,7 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
     peak_vram = across_ranks(run.ranks, run.dev, largest={"mb": vram_mb})["mb"]
     stop = run.stopping
     stopped = {"stopped": stop.stopped, "saved_step": stop.saved_step} if stop.stopped else {}
+        **run_record(run.efficiency, run.dev, run.autocast_dtype),  # FLOPs, padding, backend
     return {
         "steps": run.step,
         "peak_host_rss_mb": run.peak_rss_mb,

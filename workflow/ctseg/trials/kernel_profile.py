@@ -21,7 +21,9 @@ element-wise and activation (the rest), and idle:
   any operator (Python and the loop's bookkeeping).
 
 Fractions are of the profiled wall time. The summary names the largest class and the knob it
-suggests, given the phase's settings.
+suggests, given the phase's settings, and which library ran the 3D convolutions
+(``conv3d_backend``: cudnn, native, mixed, from the operator and kernel names;
+`ctseg.network.backend`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ctseg.network.backend import backend_of
 
 PROFILE_STEPS = 3
 PROFILE_WARMUP = 1  # the profiler's own warm-up step (its overhead is not representative)
@@ -149,6 +153,7 @@ def summarise(
     largest = max(CLASSES, key=lambda label: totals[label])
     return {
         "device_type": device_type,
+        "conv3d_backend": backend_of(e.name for e in events) if device_type == "cuda" else None,
         "steps": steps,
         "step_s": wall_us / 1e6 / steps,
         "basis": basis,

@@ -12,11 +12,15 @@ uncertainty band, each run's step-time spread, the memory checks and the speed a
 the previous phase; then its verdict and next knob (ctseg.trials.diagnosis) and the machine facts
 the verdict used (CPU count, device, scratch format). The report only shows them.
 
-Efficiency: the model's counted FLOPs per sample (ctseg.network.flops) and the peak of the precision
-in
-use (ctseg.network.peaks) turn samples/s into achieved TFLOP/s and MFU, in summary.json and as two
-more columns of both runs' steps.csv. The ceiling run goes on for a few profiled steps after its
-measured ones (ctseg.trials.kernel_profile; left out of its figures): the time per kernel class.
+Efficiency: the model's counted FLOPs per sample (ctseg.network.flops) and the peak of the
+precision in use (ctseg.network.peaks) turn samples/s into achieved TFLOP/s and MFU, on the
+computed FLOPs and on the useful ones (padding left out; the patch, its computed size and the
+padding share are in ``flops``, and a padded patch is a note naming the unpadded one of the same
+cost), in summary.json and as more columns of both runs' steps.csv. The ceiling run goes on for a
+few profiled steps after its measured ones (ctseg.trials.kernel_profile; left out of its
+figures): the time per kernel class. ``backend``: torch, CUDA and cuDNN versions and which
+library ran the 3D convolutions (ctseg.network.backend; the profile's answer where it has one),
+with the known-bad combination's warning as a note.
 
 A trial that runs out of memory or fails is recorded, not raised, so the workflow goes on to
 the next phase. Under torchrun every rank runs this same code (both runs are collective); rank
@@ -38,9 +42,11 @@ import torch
 
 from ctseg.io import CtsegError, strict_json
 from ctseg.machine import available_cpus
-from ctseg.network.flops import Efficiency
+from ctseg.network.backend import conv_backend
+from ctseg.network.flops import Efficiency, padding_warning
 from ctseg.summaries import STEP_COLUMNS, SUMMARY_VERSION, TrialSummary, add_efficiency_columns
 from ctseg.training.distributed import Ranks, pick_device
+from ctseg.training.recipe import autocast_dtype
 from ctseg.training.train import train
 from ctseg.trials.diagnosis import THRESHOLDS, diagnose, feed_efficiency_band, step_stats
 from ctseg.trials.kernel_profile import (
@@ -124,11 +130,7 @@ def run_trial(
         thresholds=dict(THRESHOLDS),
         version=SUMMARY_VERSION,
     )
-    if "scratch_format" in phase and phase["scratch_format"] != summary.scratch_format:
-        summary.notes.append(
-            f"the phase sets scratch_format {phase['scratch_format']!r}, but training reads the "
-            f"staged scratch in the experiment's format {summary.scratch_format!r}"
-        )
+    _setup_notes(summary, exp, phase)
     if ranks.main:
         out_dir.mkdir(parents=True, exist_ok=True)
     common = dict(
@@ -172,6 +174,7 @@ def run_trial(
         summary.status = "ok"
         return summary
     _measure(summary, real, out_dir, exp)
+    _backend(summary)
     if previous is not None and previous.exists():
         before = TrialSummary.read(previous)
         if before.status == "ok" and before.median_step_s and before.samples_per_s:
@@ -181,6 +184,28 @@ def run_trial(
     _record_verdict(summary)
     summary.write(out_dir / "summary.json")
     return summary
+
+
+def _setup_notes(summary: TrialSummary, exp: Mapping[str, Any], phase: Mapping[str, Any]) -> None:
+    """What the settings say before anything runs: a padded patch, a scratch format the phase
+    asks for but training does not read."""
+    padded = padding_warning(exp["model"], exp["data"]["patch_size"])
+    if padded:
+        summary.notes.append(padded)
+    if "scratch_format" in phase and phase["scratch_format"] != summary.scratch_format:
+        summary.notes.append(
+            f"the phase sets scratch_format {phase['scratch_format']!r}, but training reads the "
+            f"staged scratch in the experiment's format {summary.scratch_format!r}"
+        )
+
+
+def _backend(summary: TrialSummary) -> None:
+    """The convolution backend and its versions (the profile's answer where it has one); the
+    known-bad combination's warning as a note."""
+    seen = (summary.profile or {}).get("conv3d_backend")
+    summary.backend = conv_backend(str(summary.device), autocast_dtype(summary.settings), seen)
+    if summary.backend["warning"]:
+        summary.notes.append(summary.backend["warning"])
 
 
 def _measure(
@@ -240,25 +265,23 @@ def _efficiency(
     """Achieved TFLOP/s and MFU of both runs, into `summary` and both steps.csv files. A
     failure to count is a note, not a failed trial: the speed figures stand without it."""
     try:
-        eff = Efficiency.for_run(exp, summary.settings, str(real["device"]))
+        # samples/s are of all processes together, so the peak is every device's.
+        devices = int(real.get("world_size", 1) or 1)
+        eff = Efficiency.for_run(exp, summary.settings, str(real["device"]), devices)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         summary.notes.append(f"no FLOP count or peak: {type(exc).__name__}: {exc}")
         return
-    # samples/s are of all processes together, so the peak is every device's.
-    devices = int(real.get("world_size", 1) or 1)
     summary.flops = eff.flops.to_dict()
-    summary.peak = {**eff.peak.to_dict(), "devices": devices}
-    summary.tflops = eff.tflops(summary.samples_per_s)
-    summary.mfu = summary.tflops / (eff.peak.tflops * devices)
-    summary.ceiling_tflops = eff.tflops(summary.ceiling_samples_per_s)
-    summary.ceiling_mfu = summary.ceiling_tflops / (eff.peak.tflops * devices)
-
-    def columns(samples_per_s: float) -> dict[str, float]:
-        achieved = eff.tflops(samples_per_s)
-        return {"tflops": achieved, "mfu": achieved / (eff.peak.tflops * devices)}
-
+    summary.peak = {**eff.peak.to_dict(), "devices": eff.devices}
+    real_sps, ceiling_sps = summary.samples_per_s, summary.ceiling_samples_per_s
+    summary.tflops, summary.ceiling_tflops = eff.tflops(real_sps), eff.tflops(ceiling_sps)
+    summary.mfu, summary.ceiling_mfu = eff.mfu(real_sps), eff.mfu(ceiling_sps)
+    summary.useful_mfu, summary.ceiling_useful_mfu = (
+        eff.useful_mfu(real_sps),
+        eff.useful_mfu(ceiling_sps),
+    )
     for path in (out_dir / "steps.csv", out_dir / "ceiling" / "steps.csv"):
-        add_efficiency_columns(path, columns)
+        add_efficiency_columns(path, eff.columns)
 
 
 def _record_verdict(summary: TrialSummary) -> None:
