@@ -17,7 +17,7 @@ their outputs are checked to agree).
 
 It writes one JSON (``--json``) and prints a RESULT line for each GPU-only path:
 
-    RESULT gpu_check_phase phase=<n> status=<s> samples_per_s=<x> ... tflops=<x> mfu=<x> ...
+    RESULT gpu_check_phase phase=<n> status=<s> samples_per_s=<x> ... mfu=<x> useful_mfu=<x> ...
     RESULT gpu_check_path path=pinned_unpack status=<s> phases=<n,..> h2d_fraction_max=<x>
     RESULT gpu_check_phase7_vs_6 status=<s> ratio=<x> same_maths=<yes|no>
     RESULT gpu_check_infer status=<s> ctseg_vs_monai=<x> shape=320x320x320 window=80x160x160
@@ -184,7 +184,10 @@ def phase_figures(summary: dict[str, Any]) -> dict[str, Any]:
         "maths",
         "tflops",
         "mfu",
+        "useful_mfu",
         "ceiling_mfu",
+        "flops",
+        "backend",
         "peak",
         "verdict",
         "error",
@@ -450,6 +453,8 @@ def result_lines(record: dict[str, Any]) -> list[str]:
             f"data_wait_fraction={fmt(fig.get('data_wait_fraction'))} "
             f"vram_gb={fmt(fig.get('peak_vram_gb'), '.1f')} "
             f"tflops={fmt(fig.get('tflops'), '.4g')} mfu={fmt(fig.get('mfu'), '.4f')} "
+            f"useful_mfu={fmt(fig.get('useful_mfu'), '.4f')} "
+            f"conv3d_backend={(fig.get('backend') or {}).get('conv3d_backend')} "
             f"peak_tflops={fmt((fig.get('peak') or {}).get('tflops'), '.4g')} "
             f"profile_largest={(profile.get('largest') or 'none').replace(' ', '_')}"
         )

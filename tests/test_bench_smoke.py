@@ -1,9 +1,11 @@
 """The pieces of bench/gpu_check.py and bench/quality.py that can be checked in seconds: the
-step runner's error, the arguments it builds for `ctseg`, and the threshold baseline."""
+step runner's error, the arguments it builds for `ctseg`, and the threshold baseline; and
+bench/mfu.py's sweep, planned in full and run end to end at toy size (--cpu-smoke)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_check  # noqa: E402
+import mfu  # noqa: E402
 import pipeline  # noqa: E402
 import quality  # noqa: E402
 
@@ -191,3 +195,80 @@ def test_metrics_bench_prints_pruned_and_unpruned_searches_that_agree() -> None:
     assert fields["pruned_same_choice_40"] == "True"
     assert 0 <= int(fields["tune_pruned_40"]) <= 20
     assert float(fields["tune_s_per_volume_40"]) > 0 and float(fields["tune32_over_score_40"]) > 0
+    assert fields["shared_masks_same_choice_40"] == "True"
+    # One score is timed after its first call (which may load or compile kernels), apart.
+    assert float(fields["first_score_s_40"]) > 0 and float(fields["score_s_40"]) > 0
+    assert float(fields["warmup_s"]) > 0
+
+
+def test_mfu_sweep_crosses_patch_norm_layout_and_batch_with_phase_6_first():
+    specs = mfu.plan(mfu.parse_args([]))
+    assert len(specs) == 2 * 2 * 2 * 3 == len({s["name"] for s in specs})
+    assert {tuple(s["patch"]) for s in specs} == {(72, 136, 136), (80, 144, 144)}
+    assert {s["norm"] for s in specs} == {"instance", "instance_layout"}
+    assert {s["layout"] for s in specs} == {"channels_last", "contiguous"}
+    assert {s["batch"] for s in specs} == {4, 8, 16}
+    # The baseline (phase 6 as shipped) runs first, so a cut sweep always has it.
+    assert specs[0]["name"] == "padded/instance/channels_last/b4"
+    phase6 = yaml.safe_load((REPO / "config/phases.yaml").read_text())["phases"][6]
+    assert phase6["batch_size"] == 4 and phase6["channels_last"] and phase6["compile"]
+    assert mfu.experiment(False)["model"]["norm"] == "instance"  # exp001_full's model
+
+
+def test_mfu_cpu_smoke_runs_the_sweep_end_to_end(tmp_path: Path) -> None:
+    """bench/mfu.py --cpu-smoke at one batch: every (patch, norm, layout) group trains through
+    the package's own setup and step, is profiled, and lands in the figures file."""
+    out = tmp_path / "mfu.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench/mfu.py"), "--cpu-smoke", "--batches", "1"]
+        + ["--steps", "1", "--profile-steps", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT mfu best="), proc.stdout[-2000:]
+    fields = dict(item.split("=", 1) for item in last.split()[2:])
+    assert fields["variants_ok"] == "8/8" and float(fields["useful_voxels_per_s"]) > 0
+    record = json.loads(out.read_text())
+    assert record["result"] == last and len(record["variants"]) == 8
+    best = max(record["variants"], key=lambda r: r["useful_voxels_per_s"])
+    assert fields["best"] == best["name"]
+    for r in record["variants"]:
+        assert r["status"] == "ok", r
+        assert r["samples_per_s"] > 0 and r["tflops"] > 0 and r["peak"]["source"] == "measured"
+        assert len(r["top_kernel_classes"]) == 5 and r["profile_error"] is None
+        padded = r["patch"] == [12, 24, 24]
+        assert r["computed_patch"] == [16, 32, 32]
+        assert (r["padding_share"] > 0) == padded
+        useful = r["samples_per_s"] * math.prod(r["patch"])
+        assert r["useful_voxels_per_s"] == pytest.approx(useful)
+        assert r["useful_mfu"] == pytest.approx(r["mfu"] * (1 - r["padding_share"]))
+
+
+def test_mfu_sweep_skips_what_the_budget_or_the_memory_leaves_out():
+    spec = {"patch": [8, 8, 8], "norm": "instance", "layout": "channels_last", "batch": 8}
+    oom = [{**spec, "batch": 4, "status": "oom"}]
+    assert mfu.too_big(spec, oom, torch.device("cpu")) == "a smaller batch ran out of memory"
+    assert mfu.too_big(spec, [], torch.device("cpu")) is None
+    results = [
+        {
+            "name": "a",
+            "status": "ok",
+            "useful_voxels_per_s": 2e6,
+            "useful_mfu": 0.1,
+            "samples_per_s": 4.0,
+        },
+        {
+            "name": "b",
+            "status": "ok",
+            "useful_voxels_per_s": 3e6,
+            "useful_mfu": 0.15,
+            "samples_per_s": 5.0,
+        },
+        {"name": "c", "status": "skipped", "reason": "time budget 660 s"},
+    ]
+    line = mfu.result_line(results, 12.0)
+    assert line.startswith("RESULT mfu best=b useful_voxels_per_s=3e+06 ")
+    assert "baseline_useful_voxels_per_s=2e+06 speedup_vs_baseline=1.500 variants_ok=2/3" in line
