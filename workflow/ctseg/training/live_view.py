@@ -13,6 +13,10 @@ Rank 0 of a full training (not a phase trial) writes, in the run folder (the par
 - ``progress.png``: the same curves drawn at every epoch's end from steps.csv and epochs.csv,
   for a reader without TensorBoard (as nnU-Net's progress.png).
 
+The training loop hands over the rows it appends to steps.csv and epochs.csv (every
+``train.log_every`` steps and at each checkpoint), so the event files never run ahead of the
+logs.
+
 Resume (`open_live_view`): each process start writes a new event file (SummaryWriter names it
 by time, host and pid). The files of earlier attempts are cut back to the resumed step, as
 steps.csv is (`ctseg.training.checkpoint.trim_logs`): the records past it, which the resumed run
@@ -31,7 +35,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,26 +127,34 @@ class LiveView:
             time.sleep(0.05)
         self.writer = SummaryWriter(str(events), flush_secs=10)
 
-    def step(self, row: Mapping[str, Any]) -> None:
-        """One steps.csv row as scalars at its step."""
-        step = int(row["step"])
-        for column, tag in STEP_TAGS.items():
-            _scalar(self.writer, tag, row.get(column), step)
-        for term in loss_terms(row):
-            _scalar(self.writer, f"loss/{term}", row[term], step)
-
-    def end_epoch(self) -> None:
-        """The epoch's row (the last of epochs.csv, just written) as scalars; the plot redrawn."""
-        epochs = _rows(self.log_dir / "epochs.csv")
-        if epochs:
-            row = epochs[-1]
+    def log(self, steps: Sequence[Mapping[str, Any]], epochs: Sequence[Mapping[str, Any]]) -> None:
+        """The rows just appended to steps.csv and epochs.csv, as scalars at their steps, flushed
+        to the event file at once; after an epoch's row, progress.png is redrawn from the two
+        files."""
+        for row in steps:
+            for column, tag in STEP_TAGS.items():
+                _scalar(self.writer, tag, row.get(column), int(row["step"]))
+            for term in loss_terms(row):
+                _scalar(self.writer, f"loss/{term}", row[term], int(row["step"]))
+        for row in epochs:
             for column, tag in EPOCH_TAGS.items():
                 _scalar(self.writer, tag, row.get(column), int(row["step"]))
-        self.writer.flush()
-        draw_progress(self.log_dir / "steps.csv", self.log_dir / "epochs.csv", self.folder)
+        self.writer.flush()  # as far as the csv files: a stop or a kill loses nothing logged
+        if epochs:
+            draw_progress(self.log_dir / "steps.csv", self.log_dir / "epochs.csv", self.folder)
 
     def close(self) -> None:
         self.writer.close()
+
+
+class NoLiveView:
+    """The other ranks' and a phase trial's: nothing is written."""
+
+    def log(self, steps: Sequence[Mapping[str, Any]], epochs: Sequence[Mapping[str, Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _scalar(writer: Any, tag: str, value: Any, step: int) -> None:
@@ -156,11 +168,11 @@ def _scalar(writer: Any, tag: str, value: Any, step: int) -> None:
 
 def open_live_view(
     out_dir: Path, log_dir: Path, resumed: Mapping[str, Any], *, main: bool, trial: bool
-) -> LiveView | None:
+) -> LiveView | NoLiveView:
     """Rank 0's live view of a full training, its earlier files settled first (see the module);
-    None on the other ranks and for a phase trial."""
+    a `NoLiveView` on the other ranks and for a phase trial."""
     if not main or trial:
-        return None
+        return NoLiveView()
     folder = run_folder(out_dir)
     events = folder / EVENTS_DIR
     how = resumed.get("resume")

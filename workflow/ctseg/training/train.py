@@ -110,9 +110,7 @@ def train(
             if no_data:  # the compute ceiling: the same steps on one step's batches, resident
                 batches = iter(ResidentBatches(batches, run.micro_steps))
         open_logs(run)
-        run.live = open_live_view(
-            out_dir, run.log_dir, resumed, main=run.ranks.main, trial=run.trial
-        )
+        run.live = open_live_view(out_dir, run.log_dir, resumed, main=ranks.main, trial=run.trial)
         hide = not progress or not ranks.main
         bar = tqdm(total=run.total_steps, initial=run.step, disable=hide, unit="step", desc="train")
         run.model.train()
@@ -294,8 +292,6 @@ def log_step(run: Run, numbers: dict[str, Any], bar: tqdm | None) -> None:
     row = {column: values[column] for column in step_columns(list(terms), efficiency=True)}
     run.steps_log.append(row)
     run.epoch_rows.append(row)
-    if run.live is not None:  # TensorBoard (ctseg.training.live_view)
-        run.live.step(row)
     waited = sum(r["data_wait_s"] for r in run.epoch_rows)
     wait_pct = 100 * waited / sum(r["step_s"] for r in run.epoch_rows)
     if run.step % run.log_every == 0:
@@ -316,6 +312,7 @@ def flush_logs(run: Run) -> None:
     if run.ranks.main:
         append_rows(run.log_dir / "steps.csv", run.steps_log)
         append_rows(run.log_dir / "epochs.csv", run.epochs_log)
+        run.live.log(run.steps_log, run.epochs_log)  # TensorBoard, progress.png (live_view)
     run.steps_log, run.epochs_log = [], []
 
 
@@ -362,8 +359,6 @@ def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
         write_checkpoint(run)  # the logs, then the checkpoint
     else:
         flush_logs(run)
-    if run.live is not None:  # the epoch's scalars and progress.png, from the logs just written
-        run.live.end_epoch()
 
 
 # ----------------------------------------------------------------------------- finish
@@ -371,8 +366,6 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
     """The last logs and the weights (rank 0), then the run's summary (every rank). The final
     weights are the EMA's where there is one (``"weights": "ema"``): see `ctseg.training.ema`."""
     flush_logs(run)
-    if run.live is not None:
-        run.live.close()
     if run.ranks.main and run.stopping.stopped is None:
         publish_logs(run.log_dir, run.out_dir)
         if not run.trial:
