@@ -9,6 +9,7 @@ browser_check.check_page, run by the chromium tests of test_report and test_repo
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -99,3 +100,25 @@ def test_with_a_known_peak_there_is_no_such_note(tmp_path: Path) -> None:
     peak = {"tflops": 156.0, "precision": "tf32", "source": "table", "detail": "A100"}
     cpu_trial(0, mfu=0.03, peak=peak).write(path)
     assert "No MFU" not in phase_section([path], Sources(tmp_path))
+
+
+def test_a_baseline_row_sits_under_its_run(rendered, tmp_path: Path) -> None:  # noqa: F811
+    """The reference row renders baseline/ as `ctseg baseline` writes it (tests/test_baseline)."""
+    from test_report_compare import write_scores
+
+    run = tmp_path / "results" / "exp"
+    write_scores(
+        run / "evaluation", {"v1": (0.9, 0.4, 0.6), "v2": (0.7, 0.3, 0.5)}, {"scored_on": "test"}
+    )
+    write_scores(run / "baseline", {"v1": (0.3, 0.2, 0.1), "v2": (0.5, 0.2, 0.3)}, {})
+    summary = run / "baseline" / "summary.json"
+    recorded = json.loads(summary.read_text())
+    summary.write_text(json.dumps({**recorded, "threshold": 131.5, "tuned_on": ["v3"]}))
+    out = tmp_path / "page.html"
+    build_runs_report(out, [run], root=tmp_path)
+    rows = table_rows(block(out.read_text(), "comparison"))
+    assert rows[1][0] == "exp"
+    reference = rows[2]
+    assert reference[:4] == ["↳ baseline: image &gt; 132", "test", "2", "no"]
+    assert reference[4] == "0.2700 ± 0.09192"  # (0.205 + 0.335) / 2, and the sample spread
+    assert "what a trivial rule scores on the same volumes" in out.read_text()

@@ -886,6 +886,37 @@ def _evaluate_parser(add_parser: AddParser) -> None:
     p.set_defaults(func=cmd_evaluate)
 
 
+def cmd_baseline(args: argparse.Namespace) -> None:
+    from ctseg.evaluation.baseline import threshold_baseline
+    from ctseg.io import strict_json
+
+    summary = threshold_baseline(
+        [Path(p) for p in args.tune_images],
+        [Path(p) for p in args.tune_labels],
+        [Path(p) for p in args.images],
+        [Path(p) for p in args.labels],
+        Path(args.out),
+        threads=args.threads,
+    )
+    print(strict_json(summary, indent=1))
+
+
+def _baseline_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "baseline",
+        help="a reference score: the image above a threshold tuned on the tuning volumes",
+    )
+    p.add_argument(
+        "--tune-images", nargs="+", required=True, help="image stores (.zarr) to tune on"
+    )
+    p.add_argument("--tune-labels", nargs="+", required=True, help="their label TIFFs, in order")
+    p.add_argument("--images", nargs="+", required=True, help="image stores (.zarr) to score")
+    p.add_argument("--labels", nargs="+", required=True, help="their label TIFFs, in order")
+    p.add_argument("--out", required=True, help="directory for scores.csv and summary.json")
+    p.add_argument("--threads", type=int, default=1, help="cores one volume's score may use")
+    p.set_defaults(func=cmd_baseline)
+
+
 def _report_parser(add_parser: AddParser) -> None:
     p = add_parser("report", help="one self-contained HTML report of one or more runs")
     p.add_argument("--out", required=True, help="report.html to write")
@@ -998,6 +1029,7 @@ def build_parser() -> argparse.ArgumentParser:
         _postprocess_parser,
         _score_parser,
         _evaluate_parser,
+        _baseline_parser,
         _report_parser,
         _model_summary_parser,
         _ensemble_parser,

@@ -273,6 +273,11 @@ def report_inputs(run):
     ]
     if postprocess_settings_file(run):
         inputs += [f"{tuned_dir(run)}/tuned.json", f"{tuned_dir(run)}/candidates.csv"]
+    if tune_ids(run):  # the reference row: a threshold tuned on these volumes
+        inputs += [
+            f"{run_dir(run)}/baseline/scores.csv",
+            f"{run_dir(run)}/baseline/summary.json",
+        ]
     if run_kind(run) == "trained":
         inputs += [
             f"{run_dir(run)}/train/steps.csv",

@@ -80,6 +80,38 @@ rule evaluate_run:
         "--out {params.out:q} --workers {threads} {params.provenance} > {log:q} 2>&1"
 
 
+# A reference score beside each run's (ctseg.evaluation.baseline): the image above a threshold
+# tuned on the run's tuning volumes, scored on its scored volumes by the same metric.
+rule baseline:
+    input:
+        tune_images=lambda wildcards: [
+            IMAGE_STORE.format(id=i) for i in tune_ids(wildcards.exp)
+        ],
+        tune_labels=lambda wildcards: [label_file(i) for i in tune_ids(wildcards.exp)],
+        images=lambda wildcards: [
+            IMAGE_STORE.format(id=i) for i in eval_ids(wildcards.exp)
+        ],
+        labels=lambda wildcards: [label_file(i) for i in eval_ids(wildcards.exp)],
+    output:
+        scores=f"{ROOT}/{{exp}}/baseline/scores.csv",
+        summary=f"{ROOT}/{{exp}}/baseline/summary.json",
+    log:
+        f"{ROOT}/logs/baseline/{{exp}}.log",
+    benchmark:
+        bench("{exp}", "baseline")
+    wildcard_constraints:
+        exp=ANY_RUN,
+    conda:
+        "../../environment.yml"
+    threads: 2
+    params:
+        out=lambda wildcards, output: Path(output.summary).parent,
+    shell:
+        "ctseg baseline --tune-images {input.tune_images:q} --tune-labels {input.tune_labels:q} "
+        "--images {input.images:q} --labels {input.labels:q} --out {params.out:q} "
+        "--threads {threads} > {log:q} 2>&1"
+
+
 rule evaluate:
     input:
         [f"{run_dir(run)}/evaluation/summary.json" for run in DEFAULT_RUNS],

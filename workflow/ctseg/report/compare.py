@@ -58,6 +58,8 @@ class RunFacts:
     hours: RunHours = RunHours(None, None, 0, ())
     files: list[str] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)  # a combined run's, in its order
+    baseline: pd.DataFrame | None = None  # baseline/scores.csv (ctseg.evaluation.baseline)
+    baseline_summary: dict[str, Any] = field(default_factory=dict)
     weights_note: str = ""  # where the members' weights come from
 
     @property
@@ -116,7 +118,40 @@ def read_run(run: Run, src: Sources) -> RunFacts:
     facts.hours = run_hours(run.benchmarks_dir, src, train_gpus=gpus)
     facts.files += facts.hours.files
     _read_members(facts, src)
+    _read_baseline(facts, src)
     return facts
+
+
+def _read_baseline(facts: RunFacts, src: Sources) -> None:
+    """The run's reference score, where `ctseg baseline` wrote one (results/<run>/baseline/)."""
+    if facts.run.directory is None:
+        return
+    folder = facts.run.directory / "baseline"
+    scores, summary = folder / "scores.csv", folder / "summary.json"
+    if scores.exists() and summary.exists():
+        facts.baseline = _read_scores(scores)
+        facts.baseline_summary = read_json(summary)
+        facts.files += [src.use(scores), src.use(summary)]
+
+
+def baseline_row(facts: RunFacts) -> list[str]:
+    """The reference row under a run's: the same columns, the baseline's scores."""
+    summary, scores = facts.baseline_summary, facts.baseline
+    assert scores is not None
+    tuned = set(map(str, summary.get("tuned_on") or []))
+    fitted = "yes (threshold)" if tuned & set(scores["id"].astype(str)) else "no"
+    name = f"↳ baseline: image > {fmt(summary.get('threshold'))}"
+    return [
+        name,
+        facts.provenance.scored_split,
+        str(len(scores)),
+        fitted,
+        *(_spread(scores, column) for column in SCORE_TERMS),
+        *["reference"] * 4,
+        "n/a",
+        "n/a",
+        "n/a",
+    ]
 
 
 def _listed(value: Any) -> list[str]:
@@ -241,6 +276,15 @@ DICE_NOTE = (
     "a voxel Dice of the same mask. Compare runs by the score columns.</p>"
 )
 
+BASELINE_NOTE = (
+    "<p class='note'><em>↳ baseline</em> rows: what a trivial rule scores on the same volumes, "
+    "so that a reader sees what the model adds (<code>baseline/</code>, written by "
+    "<code>ctseg baseline</code>): a voxel is surface where the image is brighter than a "
+    "threshold, chosen among a few quantiles of the tuning volumes' intensities by the mean "
+    "score there, and scored with the same exact metric. <em>fitted on them</em> says whether "
+    "that threshold was tuned on the scored volumes themselves.</p>"
+)
+
 LINE_STYLES = ("-", "--", ":", "-.")
 
 
@@ -298,7 +342,14 @@ def comparison_section(facts: Sequence[RunFacts]) -> str:
     out = ['<h2 id="comparison">Runs compared</h2>']
     if not facts:
         return "\n".join([*out, missing("Runs (--run results/<run>)")])
-    out.append(table(HEADER, [comparison_row(f) for f in facts]))
+    rows, classes = [], []
+    for f in facts:
+        rows.append(comparison_row(f))
+        classes.append("")
+        if f.baseline is not None:
+            rows.append(baseline_row(f))
+            classes.append("baseline")
+    out.append(table(HEADER, rows, row_classes=classes))
     gpu_rules = ", ".join(GPU_RULES)
     out.append(
         "<p class='note'>Score columns: mean ± sample standard deviation (n − 1) over the "
@@ -318,6 +369,8 @@ def comparison_section(facts: Sequence[RunFacts]) -> str:
         "in both rows.</p>"
     )
     out.append(DICE_NOTE)
+    if any(f.baseline is not None for f in facts):
+        out.append(BASELINE_NOTE)
     fig = _loss_figure(facts)
     if fig is None:
         out.append(missing("Loss curves (train/steps.csv of any run)"))

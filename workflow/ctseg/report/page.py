@@ -19,6 +19,7 @@ th, td { border: 1px solid #ccc; padding: 2px 3px; text-align: right; }
 th { background: #f0f0f0; vertical-align: bottom; min-width: 2em; }
 .t { text-align: left; } td.t { overflow-wrap: anywhere; min-width: 3em; }
 div.scroll { overflow-x: auto; }
+tr.baseline td { color: #555; font-style: italic; }
 tr.st-oom td, tr.st-failed td { background: #fbeaea; } tr.st-over_memory td { background: #fdf2e6; }
 img { max-width: 100%; display: block; margin: 0.6em 0; }
 code { background: #f4f4f4; padding: 0 3px; } .source { color: #555; font-size: 12.5px; }
