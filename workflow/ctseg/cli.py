@@ -293,7 +293,13 @@ def _fixed_postprocess(args: argparse.Namespace) -> PostprocessSettings:
     """The fixed post-processing options given, the others at `PostprocessSettings`' defaults."""
     from ctseg.postprocess.masks import PostprocessSettings
 
-    return PostprocessSettings(**_fixed_given(args))  # type: ignore[arg-type]
+    given = _fixed_given(args)
+    try:
+        return PostprocessSettings(**given)  # type: ignore[arg-type]
+    except CtsegError as exc:
+        # Named as the user typed them: the options, not the settings' field names.
+        options = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in given.items())
+        raise CtsegError(f"{options}: {exc}") from exc
 
 
 def cmd_infer(args: argparse.Namespace) -> None:
