@@ -1,10 +1,16 @@
-"""The SLURM profile, driven through the real snakemake-executor-plugin-slurm.
+"""The SLURM profile, driven through the real snakemake-executor-plugin-slurm and a fake sbatch.
 
-Nothing inside Snakemake is mocked: `snakemake --workflow-profile workflow/profiles/slurm` runs
-as a user would run it on a login node, with fake SLURM commands (tests/fake_slurm/) first on
-PATH. The fake `sbatch` records its arguments and never runs the job; the fake `sacct` then
-reports every job as FAILED, so the run ends at the plugin's first status check, or, for
-`train`, after the resubmissions the profile allows it.
+Nothing inside Snakemake is mocked: `snakemake --workflow-profile <profile>` runs as a user would
+run it on a login node, with fake SLURM commands (tests/fake_slurm/) first on PATH. The fake
+`sbatch` records its arguments and never runs the job; the fake `squeue` then reports every job
+as FAILED, so the run ends at the plugin's first status check, or, for `train`, after the
+resubmissions the profile allows it.
+
+tests/test_slurm_cluster.py runs the profile on a real one-node cluster. The fake stays for what
+that cluster cannot show: the requests of a larger phase (5 CPUs, 10 GB, a GPU model) that a
+2-CPU node without GPU types could not grant, the plugin's account check against the accounts
+sacctmgr lists (a real cluster needs accounting, slurmdbd, for that), and, without root, that
+an unedited placeholder is refused before sbatch is ever called.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from pathlib import Path
 import pandas as pd
 import snakemake_executor_plugin_slurm  # noqa: F401  (a dependency: fail loudly if missing)
 import yaml
-from conftest import BIN, REPO, TINY_CONFIG, copy_workflow, run_snakemake
+from conftest import BIN, TINY_CONFIG, copy_workflow, run_snakemake
+from slurm_cluster import SHIPPED_PROFILE, edited_profile
 
 FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
 PROFILE = "workflow/profiles/slurm"
+ACCOUNT = "proj01"  # the EDIT values a user fills in; the fake sinfo lists cpu and gpu
 EXPERIMENT = "exp001"
 TRAIN_PHASE = 3  # 4 loader workers: threads and memory differ from the trial's phase
 TRAIN_RETRIES = 1  # the profile's preemptible-retries (10), lowered for speed: each costs a minute
@@ -73,7 +81,10 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
     workdir = copy_workflow(
         tmp_path / "wf", {**TINY_CONFIG, "experiment": EXPERIMENT, "phase": TRAIN_PHASE}
     )
-    profile = yaml.safe_load((REPO / PROFILE / "config.yaml").read_text())
+    edited = edited_profile(
+        workdir / "profiles" / "edited", account=ACCOUNT, cpu_partition="cpu", gpu_partition="gpu"
+    )
+    profile = yaml.safe_load((edited / "config.yaml").read_text())
     # Else the jobs would run here, for real.
     assert profile["executor"] == "slurm"
     # Training, and nothing else, is resubmitted until it finishes, a stated number of times.
@@ -101,7 +112,7 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
         [
             str(BIN / "snakemake"),
             "--workflow-profile",
-            PROFILE,
+            str(edited),
             # Test speed only: the first status query 2 s after submission (40 s by default),
             # no resubmission of the other jobs the fake reports as FAILED, and fewer of train.
             "--slurm-init-seconds-before-status-checks",
@@ -170,10 +181,10 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
         # The job script runs this very job, through the jobstep executor on the node.
         assert f"--target-jobs '{rule}:" in script, script
         assert "--executor slurm-jobstep" in script, script
-    # Only training asks for the early signal: SIGTERM ahead of its time limit, as the profile
+    # Only training asks for the early signal: SIGURG ahead of its time limit, as the profile
     # says (the job then checkpoints and stops; see docs/cluster.md).
     signal_option = per_rule["train_model"]["slurm_extra"].split("=", 1)
-    assert signal_option[0] == "--signal" and signal_option[1].startswith("TERM@")
+    assert signal_option[0] == "--signal" and signal_option[1].startswith("URG@")
     assert submitted[train_key][0]["--signal"] == signal_option[1]
     assert "--signal" not in submitted[trial_key][0] and "--signal" not in submitted[convert_key][0]
 
@@ -186,3 +197,32 @@ def test_slurm_profile_requests_what_the_config_says(tmp_path: Path):
     assert options["-p"] == defaults["slurm_partition"], options
     assert options["-A"] == account, options
     assert f"--target-jobs 'convert_image:id={test_id}'" in script, script
+
+
+def test_an_unedited_placeholder_is_refused_before_anything_is_submitted(tmp_path: Path):
+    (tmp_path / "wf").mkdir()
+    workdir = copy_workflow(tmp_path / "wf", TINY_CONFIG)
+    assert 'slurm_account: "CHANGE_ME"' in SHIPPED_PROFILE.read_text()
+    log = tmp_path / "slurm.jsonl"
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "--workflow-profile", PROFILE],
+        cwd=workdir,
+        env=slurm_env(log, "CHANGE_ME"),  # even where the account check would pass
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "CHANGE_ME" in line]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith(f"ctseg: {PROFILE}/config.yaml: the placeholder 'CHANGE_ME'"), errors
+    for where in (
+        "default-resources: slurm_account",
+        "default-resources: slurm_partition",
+        "set-resources: train_model: slurm_partition",
+        "set-resources: train_trial: slurm_partition",
+    ):
+        assert where in errors[0], errors
+    assert "Traceback" not in proc.stderr, proc.stderr
+    # Refused while the workflow was read: no SLURM command ran, nothing was submitted.
+    assert not log.exists() or "sbatch" not in log.read_text()

@@ -1,7 +1,8 @@
 """Stopping a training early on request, at a step boundary, so that it can resume.
 
-SIGTERM (Snakemake stopping a job, a scheduler's preemption or time limit) and SIGUSR1 (what
-SLURM's ``--signal=USR1@<seconds>`` sends ahead of a time limit) only set a flag here
+SIGTERM (Snakemake stopping a job, a scheduler's preemption or time limit), SIGUSR1 (what a job
+script's ``#SBATCH --signal=USR1@<seconds>`` sends ahead of a time limit) and SIGURG (the same
+early signal under the SLURM profile, ``--signal=URG@<seconds>``) only set a flag here
 (`stop_on_signals`). The training loop reads it after each optimizer step, writes a
 checkpoint and stops; `ctseg train` then exits with `RESUMABLE_EXIT`, which says "stopped
 on request with a checkpoint: run me again". Other commands keep turning SIGTERM into an
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 # EX_TEMPFAIL of sysexits.h: "a temporary failure; the user is invited to retry". Snakemake
 # counts any non-zero status as a failure, so a profile with retries resubmits the job.
 RESUMABLE_EXIT = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGURG is ignored by default, so among the processes of a SLURM job step only this one acts on
+# it: the Snakemake that runs the rule (and a bash or torchrun around `ctseg train`) goes on, and
+# a training that ends before it stops is a job that succeeded (docs/cluster.md).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGURG)
 
 
 @dataclass
@@ -44,9 +48,9 @@ class StopRequest:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopRequest]:
-    """A `StopRequest` set by SIGTERM or SIGUSR1 inside the block; the previous handlers are
-    put back after it. Off the main thread (where Python cannot install handlers) the
-    request is never set."""
+    """A `StopRequest` set by SIGTERM, SIGUSR1 or SIGURG inside the block; the previous
+    handlers are put back after it. Off the main thread (where Python cannot install handlers)
+    the request is never set."""
     stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop

@@ -2,12 +2,11 @@
 
 Two reasons to checkpoint mid-epoch, both decided between optimizer steps:
 
-- a stop request (`ctseg.training.preempt`: SIGTERM or SIGUSR1 set it): the loop finishes its
-current
-  step, checkpoints it and returns, its summary's ``stopped`` naming the signal. Under
-  torchrun the signal may reach the ranks a step apart, so each step's all-reduce carries
-  every rank's flag (`Stopping.flag`, `Stopping.agree`) and all of them stop after the same
-  step;
+- a stop request (`ctseg.training.preempt`: SIGTERM, SIGUSR1 or SIGURG set it): the loop
+  finishes its current step, checkpoints it and returns, its summary's ``stopped`` naming the
+  signal. Under torchrun the signal may reach the ranks a step apart, so each step's
+  all-reduce carries every rank's flag (`Stopping.flag`, `Stopping.agree`) and all of them
+  stop after the same step;
 - a timer (``train.checkpoint_minutes``): rank 0's clock decides, since only rank 0 writes.
 
 `Stopping` also remembers which step is on disk, so a stop right after an epoch's checkpoint
