@@ -215,7 +215,8 @@ def test_an_unedited_placeholder_is_refused_before_anything_is_submitted(tmp_pat
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "CHANGE_ME" in line]
     assert len(errors) == 1, proc.stderr
-    assert errors[0].startswith(f"ctseg: {PROFILE}/config.yaml: the placeholder 'CHANGE_ME'"), errors
+    expected = f"ctseg: {PROFILE}/config.yaml: the placeholder 'CHANGE_ME' is still in "
+    assert errors[0].startswith(expected), errors
     for where in (
         "default-resources: slurm_account",
         "default-resources: slurm_partition",
