@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Rules call the `ctseg` command, so the environment's bin/ must be on PATH for snakemake.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: demo test test-fast lint bench clean browser
+.PHONY: demo test test-fast lint bench clean browser slurm
 
 # torch first, on its own: pip then takes the machine's CPU wheel (2.13.0+cpu), which the
 # project's ==2.13.0 pin accepts; resolved together with the rest it picks the PyPI build and
@@ -35,7 +35,21 @@ browser:
 				chromium fonts-dejavu-core >/dev/null; \
 		fi; }
 
-test: $(STAMP) browser
+# tests/test_slurm_cluster.py starts a one-node SLURM cluster (Debian's slurm-wlm and munge, run
+# as plain processes). CI and root shells install them; without root that test is skipped,
+# saying how to run it.
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "slurm-wlm/munge missing and not root: the real-SLURM test will be skipped"; \
+		else \
+			echo "installing slurm-wlm and munge for the real-SLURM test (apt-get)"; \
+			apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+				slurm-wlm munge >/dev/null; \
+		fi; }
+
+test: $(STAMP) browser slurm
 	$(BIN)/python -m pytest -q
 
 # The fast tier for development: unit tests without real snakemake runs, DDP or the phase

@@ -23,6 +23,7 @@ SLOW_MODULES = {
     "test_phases_as_shipped",
     "test_ddp",
     "test_slurm",
+    "test_slurm_cluster",
     "test_bench_smoke",
     "test_workflow_runs",
 }
