@@ -393,10 +393,12 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
         evaluation = pipeline.evaluate(
             runner, masks, pipeline.test_labels(data), run_dir / "evaluation"
         )
+        # The run's files are laid out as the workflow's results/<run>/ (phases/, train/,
+        # predictions/, evaluation/), so the report reads them as it reads a workflow run.
         overlays = [
             arg
-            for i, mask in list(zip(data.test_ids, masks, strict=True))[:3]
-            for arg in ("--overlay", i, str(data.image(i)), str(data.label_zarr(i)), str(mask))
+            for i in data.test_ids[:3]
+            for arg in ("--overlay", i, str(data.image(i)), str(data.label_zarr(i)))
         ]
         runner.run(
             "report",
@@ -404,14 +406,8 @@ def run_check(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -
                 "report",
                 "--out",
                 str(data.results / "report.html"),
-                "--experiment",
-                exp["name"],
-                "--phases",
-                *map(str, summaries),
-                "--train-dir",
-                str(run_dir / "train"),
-                "--evaluation-dir",
-                str(run_dir / "evaluation"),
+                "--run",
+                str(run_dir),
                 *overlays,
             ],
         )

@@ -252,13 +252,16 @@ def test_steps_csv_logs_every_measure_for_every_step(basic_run: Path) -> None:
 
 def test_steps_csv_has_the_model_flops_and_mfu_of_each_step(basic_run: Path) -> None:
     steps = pd.read_csv(basic_run / "out" / "steps.csv")
-    assert list(steps.columns[-2:]) == ["tflops", "mfu"]  # last: optional to every reader
+    # last: optional to every reader
+    assert list(steps.columns[-3:]) == ["tflops", "mfu", "useful_mfu"]
     efficiency = Efficiency.for_run(EXPERIMENT, PHASE, "cpu")  # the process's cached probe
     flops = count_flops(EXPERIMENT["model"], EXPERIMENT["data"]["patch_size"]).train
     assert efficiency.flops.train == flops > 0
     np.testing.assert_allclose(steps["tflops"], flops * steps["samples_per_s"] / 1e12, rtol=1e-9)
     np.testing.assert_allclose(steps["mfu"], steps["tflops"] / efficiency.peak.tflops, rtol=1e-9)
     assert steps["mfu"].between(0, 1, inclusive="neither").all()
+    # The patch is not padded (a multiple of 2**(depth-1)): every FLOP is useful.
+    np.testing.assert_allclose(steps["useful_mfu"], steps["mfu"], rtol=1e-9)
 
 
 def test_validation_runs_every_epoch(basic_run: Path) -> None:
