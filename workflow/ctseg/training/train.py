@@ -159,10 +159,10 @@ def setup(
     effective_batch = int(phase["batch_size"]) * accumulate  # batch_size is per process
     epoch_steps = int(tcfg["steps_per_epoch"])
     total_steps = max_steps if max_steps is not None else epoch_steps * int(tcfg["epochs"])
-    if ranks.main:  # a padded patch, a known-bad convolution backend: said at the start
-        announce_start(exp["model"], efficiency.flops.patch, dev, dtype)
     dtype = recipe.autocast_dtype(phase)
     layout = recipe.memory_format(phase)
+    if ranks.main:  # a padded patch, a known-bad convolution backend: said at the start
+        announce_start(exp["model"], efficiency.flops.patch, dev, dtype)
     model = build_model(exp["model"])
     if source is not None:
         load_source(model, source)
@@ -386,13 +386,13 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
     peak_vram = across_ranks(run.ranks, run.dev, largest={"mb": vram_mb})["mb"]
     stop = run.stopping
     stopped = {"stopped": stop.stopped, "saved_step": stop.saved_step} if stop.stopped else {}
-        **run_record(run.efficiency, run.dev, run.autocast_dtype),  # FLOPs, padding, backend
     return {
         "steps": run.step,
         "peak_host_rss_mb": run.peak_rss_mb,
         "peak_vram_mb": peak_vram if cuda else None,
         "device": str(run.dev),
         "world_size": run.ranks.world,
+        **run_record(run.efficiency, run.dev, run.autocast_dtype),  # FLOPs, padding, backend
         "param_sha256": digests,
         "run_identity": identity_digest(run.identity),
         **resumed,
