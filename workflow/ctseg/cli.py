@@ -248,7 +248,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     train_ids, val_ids = _split_ids(args.split)
     with process_group(device) as ranks:
         scratch = _scratch(args, ranks)  # staging still stops at once on SIGTERM
-        # From here SIGTERM and SIGUSR1 ask the loop to checkpoint after its current step.
+        # From here SIGTERM, SIGUSR1 and SIGURG ask the loop to checkpoint after its current step.
         with stop_on_signals() as stop:
             summary = train(
                 args.experiment,
