@@ -5,9 +5,12 @@ The data are the demo generator's volumes: its label, and as the prediction a th
 smoothed copy of its noisy image (fragments, speckle and holes, like a weak model's output);
 the search tunes on that smoothed image scaled to [0, 1] as probabilities.
 
-Per size:
-1. `score_volume` (every core given, `--threads`) and its SurfaceDice alone, after a warm-up
-   that loads numba's kernels;
+Before any size, a warm-up score at 24^3 loads numba's kernels (from its cache, or compiles them
+in a fresh clone: `warmup_s`). Per size:
+1. `score_volume` (every core given, `--threads`): its first call at that size on its own
+   (`first_score_s`: it also pays the loading or compiling of any kernel the warm-up did not
+   reach), then `score_s`, the median of three calls after it, the "one score" that every ratio
+   below divides by; and its SurfaceDice alone;
 2. right after it (a shared machine's load drifts within minutes), the previous
    implementation, `score_volume(implementation="reference")`: SurfaceDice through
    surface-distance (scipy's EDT) and the Betti matching of every dimension of every tile, one
@@ -18,11 +21,16 @@ Per size:
    space without the winners' stages added since) on the one volume, and its ratio to one
    score; `tune32_...`: the same for today's default search (32 candidates,
    `ctseg.postprocess.tuning.SearchSpace()`); `tune_pruned_...`: how many candidates each search
-   decided by their bound, without an exact score (`ctseg.postprocess.tuning`, "pruned"). With
-   `--unpruned`, the 20-candidate search again with nothing pruned (every candidate scored exactly:
-   the search before pruning), its time and whether it chose the same.
+   decided by their bound, without an exact score (`ctseg.postprocess.tuning`, "pruned"). Each
+   search's seconds over `score_s` is its cost in scores (`..._over_score`). With `--unpruned`,
+   the 20-candidate search again with nothing pruned (every candidate scored exactly: the search
+   before pruning), its time and whether it chose the same. With `--whole-masks`, the default
+   search again building every candidate's mask whole (`binary_mask`, nothing shared between
+   candidates: the search before `ctseg.postprocess.masks.MaskCache`), its time and whether it
+   chose the same.
 
 Run: python bench/metrics.py [--sizes 128 320] [--threads N] [--no-tune] [--unpruned]
+[--whole-masks]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import math
 import os
 import platform
 import resource
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +58,7 @@ from ctseg.evaluation.metrics import (
 )
 from ctseg.machine import available_cpus
 from ctseg.postprocess import tuning
+from ctseg.postprocess.masks import MaskCache, binary_mask
 from ctseg.postprocess.tuning import SearchSpace, Volume, search
 from ctseg.preprocess.demo_data import synthesize_volume
 from ctseg.store import create_volume
@@ -57,6 +67,7 @@ TERMS = ("score", "surface_dice", "voi_score", "topo_score", "dice", "cldice")
 COUNTS = tuple(f"topo_{c}{k}" for k in range(3) for c in "mpg")
 # The default search of issue 18 (20 candidates): today's without the winners' stages.
 PREVIOUS_SEARCH = tuning.WINNERS_STAGES_OFF
+WARM_SCORES = 3  # score_s: the median of this many calls after the first
 
 
 def make_pair(size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -86,11 +97,15 @@ def bench_search(row: dict, key: str, volume: Volume, space: SearchSpace, thread
     row[f"{key}_rss_gb"] = peak_rss_gb()  # the process's high-water mark so far
 
 
-def bench_size(size: int, threads: int, tune: bool, unpruned: bool, workdir: Path) -> dict:
+def bench_size(
+    size: int, threads: int, tune: bool, unpruned: bool, whole_masks: bool, workdir: Path
+) -> dict:
     pred, label, probs = make_pair(size, seed=size)
     p, g = prepare_masks(pred, label)
     row: dict = {}
-    fast, row["score_s"] = timed(score_volume, pred, label, threads=threads)
+    fast, row["first_score_s"] = timed(score_volume, pred, label, threads=threads)
+    warm = [timed(score_volume, pred, label, threads=threads)[1] for _ in range(WARM_SCORES)]
+    row["score_s"] = statistics.median(warm)
     row["rss_fast_gb"] = peak_rss_gb()
     _, row["sd_s"] = timed(surface_dice, p, g, threads=threads)
     _, row["sd_reference_s"] = timed(surface_dice_reference, p, g)
@@ -102,6 +117,13 @@ def bench_size(size: int, threads: int, tune: bool, unpruned: bool, workdir: Pat
         volume = Volume(f"v{size}", store, workdir / f"v{size}.tif")
         bench_search(row, "tune", volume, SearchSpace(**PREVIOUS_SEARCH), threads)
         bench_search(row, "tune32", volume, SearchSpace(), threads)
+        if whole_masks:
+            shared = MaskCache.mask
+            MaskCache.mask = lambda self, settings: binary_mask(self.probs, settings)[0]
+            try:
+                bench_search(row, "whole_masks", volume, SearchSpace(), threads)
+            finally:
+                MaskCache.mask = shared
         if unpruned:
             margin = tuning.PRUNE_MARGIN
             tuning.PRUNE_MARGIN = math.inf  # no bound is ever below the best: nothing pruned
@@ -129,6 +151,11 @@ def main() -> None:
     parser.add_argument(
         "--unpruned", action="store_true", help="also the 20-candidate search without pruning"
     )
+    parser.add_argument(
+        "--whole-masks",
+        action="store_true",
+        help="also the default search building every mask whole (no MaskCache)",
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -136,16 +163,19 @@ def main() -> None:
     )
     print("load average at start: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()), flush=True)
 
-    warm_pred, warm_label, _ = make_pair(24, seed=0)  # numba's kernels, loaded from its cache
-    score_volume(warm_pred, warm_label, threads=args.threads)
+    warm_pred, warm_label, _ = make_pair(24, seed=0)  # numba's kernels: cache or compile
+    _, warmup_s = timed(score_volume, warm_pred, warm_label, threads=args.threads)
+    print(f"warm-up score at 24^3 (loading or compiling numba's kernels): {warmup_s:.2f} s")
 
-    result: dict = {"threads": args.threads}
+    result: dict = {"threads": args.threads, "warmup_s": round(warmup_s, 2)}
     with tempfile.TemporaryDirectory(prefix="bench_metrics_") as tmp:
         for size in args.sizes:
-            row = bench_size(size, args.threads, not args.no_tune, args.unpruned, Path(tmp))
+            tune = not args.no_tune
+            row = bench_size(size, args.threads, tune, args.unpruned, args.whole_masks, Path(tmp))
             worst = max(row["agreement"].values())
             print(
-                f"{size}^3: score {row['score_s']:.2f} s (previous {row['reference_s']:.1f} s, "
+                f"{size}^3: score {row['score_s']:.2f} s (median of {WARM_SCORES} after a first "
+                f"of {row['first_score_s']:.2f} s; previous {row['reference_s']:.1f} s, "
                 f"x{row['reference_s'] / row['score_s']:.1f}); SurfaceDice {row['sd_s']:.2f} s "
                 f"(surface-distance {row['sd_reference_s']:.1f} s, "
                 f"x{row['sd_reference_s'] / row['sd_s']:.1f}); peak RSS {row['rss_fast_gb']:.2f} "
@@ -155,6 +185,7 @@ def main() -> None:
                 f"counts {json.dumps(row['counts'])}",
                 flush=True,
             )
+            result[f"first_score_s_{size}"] = round(row["first_score_s"], 2)
             result[f"score_s_{size}"] = round(row["score_s"], 2)
             result[f"reference_score_s_{size}"] = round(row["reference_s"], 1)
             result[f"score_speedup_{size}"] = round(row["reference_s"] / row["score_s"], 1)
@@ -166,6 +197,7 @@ def main() -> None:
                 ("tune", "20-candidate search"),
                 ("tune32", "default search"),
                 ("unpruned", "20-candidate search, nothing pruned"),
+                ("whole_masks", "default search, every mask built whole"),
             ):
                 if f"{key}_s" not in row:
                     continue
@@ -177,11 +209,24 @@ def main() -> None:
                     f"{row[f'{key}_rss_gb']:.2f} GB",
                     flush=True,
                 )
-                name = {"tune": "tune", "tune32": "tune32", "unpruned": "tune_unpruned"}[key]
+                name = {
+                    "tune": "tune",
+                    "tune32": "tune32",
+                    "unpruned": "tune_unpruned",
+                    "whole_masks": "tune32_whole_masks",
+                }[key]
                 result[f"{name}_s_per_volume_{size}"] = round(row[f"{key}_s"], 1)
                 result[f"{name}_over_score_{size}"] = round(row[f"{key}_s"] / row["score_s"], 1)
-                if key != "unpruned":
+                if key in ("tune", "tune32"):
                     result[f"{name}_pruned_{size}"] = row[f"{key}_pruned"]
+            if "whole_masks_s" in row:
+                same = (row["whole_masks_choice"], row["whole_masks_mean"]) == (
+                    row["tune32_choice"],
+                    row["tune32_mean"],
+                )
+                result[f"shared_masks_same_choice_{size}"] = same
+                if not same:
+                    raise SystemExit(f"{size}^3: sharing the masks changed the search's choice")
             if "unpruned_s" in row:
                 same = (row["unpruned_choice"], row["unpruned_mean"]) == (
                     row["tune_choice"],

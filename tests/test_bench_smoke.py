@@ -177,11 +177,12 @@ def test_trial_steps_by_phase():
 
 
 def test_metrics_bench_prints_pruned_and_unpruned_searches_that_agree() -> None:
-    """bench/metrics.py at 40^3: the score against the previous implementation, and the
-    20-candidate search pruned and unpruned, which must choose the same."""
+    """bench/metrics.py at 40^3: the score against the previous implementation, the
+    20-candidate search pruned and unpruned, which must choose the same, and the default search
+    with its masks shared and built whole, which must too."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench/metrics.py"), "--sizes", "40", "--threads", "1"]
-        + ["--unpruned"],
+        + ["--unpruned", "--whole-masks"],
         capture_output=True,
         text=True,
         timeout=600,
