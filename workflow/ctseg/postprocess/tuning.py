@@ -65,12 +65,14 @@ diagnostics Dice and clDice are not computed. Masks are built through
 `ctseg.postprocess.masks.MaskCache`: a stage's candidates are the best so far with one later
 step changed, so each step's result (the hysteresis, the component removal, the plugging, ...)
 is built once per volume and shared, bit for bit, by every candidate built on it (a closing
-candidate costs one closing, not the whole mask again). The caches last while a process scores
-one volume: with more volumes than processes, a volume's next job starts them afresh. ``workers`` is the number of cores: a process per volume up to
-that many (spawned, like `ctseg evaluate`), the cores left over as threads inside each
+candidate costs one closing, not the whole mask again). A process keeps these caches for the
+last volume it scored only: one that scores another volume in between (several volumes in one
+process, or a pool that hands a volume's next job to another process) starts them afresh.
+``workers`` is the number of cores: a process per volume up to that many (spawned, like
+`ctseg evaluate`), the cores left over as threads inside each
 (`ctseg.evaluation.metrics.plan_workers`; a process needs about `metrics.WORKER_MEMORY_GB` at
-320^3). The score is the same function either way, so a parallel search gives the same result as a
-serial one.
+320^3). The score is the same function either way, so a parallel search gives the same result as
+a serial one.
 
 A val split with no labelled foreground, or less than ``MIN_FOREGROUND_VOXELS`` surface voxels
 in all, is not searched: the score of near-empty labels is decided by the empty cases of its
