@@ -1,7 +1,7 @@
 """The SLURM profile's own checks, without a cluster: the placeholder refusal, the settings the
-plugin must know by these names, the early signal that only `ctseg train` acts on, and the log
-kept for every attempt of a resubmitted job. tests/test_slurm_cluster.py runs all of it on a
-real cluster."""
+plugin must know by these names, the early signal that only `ctseg train` acts on, the log
+kept for every attempt of a resubmitted job, and a training's exit with a loader worker still
+alive. tests/test_slurm_cluster.py runs all of it on a real cluster (where that exit hung)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -89,3 +90,27 @@ def test_every_attempt_keeps_its_log(tmp_path) -> None:
     kept = sorted((log.parent / "run one.log.attempts").iterdir())
     assert [p.read_text() for p in kept] == ["attempt 1\n", "attempt 2\n"]
     assert [p.name.split("-")[1] for p in kept] == ["101", "102"]
+
+
+EXIT_WITH_A_WORKER = """
+import multiprocessing, time
+from ctseg.training.preempt import shielded, stop_on_signals
+
+def worker():
+    time.sleep(600)
+
+if __name__ == "__main__":
+    with stop_on_signals() as stop, shielded(stop):
+        multiprocessing.get_context("fork").Process(target=worker, daemon=True).start()
+    print("done", flush=True)
+"""
+
+
+def test_a_shielded_worker_alive_at_exit_does_not_hold_the_exit() -> None:
+    """A loader worker blocks SIGTERM (`shielded`), the signal multiprocessing ends daemonic
+    children with at exit before it waits for them: still alive then, it held `ctseg train`'s
+    exit for ever, a finished training left RUNNING. It is killed instead."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_WORKER], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr

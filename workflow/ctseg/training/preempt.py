@@ -11,7 +11,11 @@ immediate exit that removes their temporaries (`ctseg.cli.main`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import multiprocessing
+import multiprocessing.util  # registers multiprocessing's exit handler now, before ours
 import signal
 import threading
 from collections.abc import Iterator
@@ -72,12 +76,34 @@ def shielded(stop: StopRequest | None) -> Iterator[None]:
     instead of checkpointing. A child inherits the mask of the thread that starts it, so
     these never see the signals. (This process still gets them, through another thread if
     this one blocks them; the loop reads the request only between steps anyway.)
+
+    Nor do they see the SIGTERM with which multiprocessing ends its daemonic children at exit,
+    before it waits for them: a worker still alive then (its loader not yet collected, or an
+    error on the way out) would hold the exit for ever. `_kill_daemonic_children` runs first
+    and kills them.
     """
     if stop is None or threading.current_thread() is not threading.main_thread():
         yield
         return
+    _kill_at_exit()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _kill_daemonic_children() -> None:
+    """SIGKILL the daemonic children still alive: what multiprocessing's own exit handler
+    means to do with its SIGTERM, which a child started in `shielded` blocks."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join()
+
+
+@functools.cache
+def _kill_at_exit() -> None:
+    # atexit runs its handlers last registered first, and multiprocessing.util registered its
+    # own when it was imported (above): this one runs before it.
+    atexit.register(_kill_daemonic_children)
