@@ -392,7 +392,9 @@ def dry_run_jobs(output: str) -> dict[str, dict[str, str]]:
         elif current is not None and text.startswith(("threads:", "resources:")):
             current[text.split(":")[0]] = text
         elif current is not None and text.startswith("Shell command:"):
-            current["shell"] = text
+            # The command after the rule's attempt-log keeping (rule_args.KEEP_ATTEMPT_LOG).
+            command = text.removeprefix("Shell command:").strip().rsplit(" && ", 1)[-1]
+            current["shell"] = f"Shell command: {command}"
             name = current["rule"]
             if name == "train_trial":
                 name += text.split("--phase ")[1].split()[0]

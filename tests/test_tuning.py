@@ -244,9 +244,11 @@ def test_fixed_postprocess_bypasses_the_search(tmp_path: Path, later):
     if later:
         options = "--threshold 0.35 --hysteresis-high 0.8 --min-component-voxels 8 --fill-holes "
         options += "--hysteresis-mode z --plug-holes-max-area 64 --closing-radius 1"
-        args = shell_args(out, "postprocess")
-        assert (args.hysteresis_mode, args.plug_holes_max_area) == ("z", 64)
-        assert (args.patch_holes_max_area, args.closing_radius) == (0, 1)
+        # The settings `ctseg postprocess` makes of the command line (an option not given
+        # takes PostprocessSettings' default).
+        settings = cli._fixed_postprocess(shell_args(out, "postprocess"))
+        assert (settings.hysteresis_mode, settings.plug_holes_max_area) == ("z", 64)
+        assert (settings.patch_holes_max_area, settings.closing_radius) == (0, 1)
     else:
         # The later steps off: the command line the rule always had.
         options = "--threshold 0.35 --min-component-voxels 8 --fill-holes >"

@@ -24,7 +24,9 @@ def shell_commands(text: str, command: str) -> list[list[str]]:
     """The printed shell commands (`-p`) that start with `ctseg <command>`."""
     found = []
     for line in text.splitlines():
-        line = line.strip().removeprefix("Shell command:").strip().removeprefix("exec ")
+        line = line.strip().removeprefix("Shell command:").strip()
+        # The command after the rule's attempt-log keeping (rule_args.KEEP_ATTEMPT_LOG).
+        line = line.rsplit(" && ", 1)[-1].removeprefix("exec ")
         if line.startswith(f"ctseg {command} ") or f" -m ctseg.cli {command} " in line:
             found.append(shlex.split(line.split(" > ")[0]))
     return found
@@ -134,7 +136,8 @@ def write_experiment(work: Path, data: dict) -> None:
 
 def run_rows(html: str) -> dict[str, str]:
     """The comparison table's row of each run, as text."""
-    table = html[html.index("comparison") :]
+    start = html.index("comparison")
+    table = html[start : html.index("</table>", start)]
     return {
         m.group(1): m.group(0)
         for m in re.finditer(r"<tr[^>]*>\s*<t[dh][^>]*>([^<]+)</t[dh]>.*?</tr>", table, re.S)
