@@ -469,3 +469,17 @@ def _best_threshold_score(volume: DemoVolume) -> float:
 def test_a_percentile_threshold_scores_worse_on_realistic(pairs: list) -> None:
     simple, realistic = pairs[0]
     assert _best_threshold_score(realistic) < _best_threshold_score(simple) - 0.05
+
+
+def test_the_workflow_knows_the_demo_files_before_they_exist(tmp_path):
+    """`demo_dataset`: the ids, splits and files the Snakefile plans equal what generate_demo
+    writes."""
+    from ctseg.preprocess.demo_data import demo_dataset
+
+    demo = {"n_train": 2, "n_test": 1, "scroll_ids": [7, 8]}
+    planned = demo_dataset(str(tmp_path), demo)
+    generate_demo(tmp_path, shape=(16, 16, 16), seed=0, **demo)
+    for record_id, row in planned.items():
+        assert Path(row["image"]).is_file() and Path(row["label"]).is_file()
+        assert row["image"].endswith(f"{row['split']}_images/{record_id}.tif")
+    assert sorted(r["split"] for r in planned.values()) == ["test", "train", "train"]

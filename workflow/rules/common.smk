@@ -9,7 +9,7 @@ from pathlib import Path
 from ctseg import layout, rule_args
 from ctseg.config import load_phases, settings_used
 from ctseg.io import CtsegError
-from ctseg.preprocess.demo_data import demo_records
+from ctseg.preprocess.demo_data import demo_dataset
 from ctseg.preprocess.stage import expand_scratch
 from ctseg.records import read_records
 from ctseg.run_settings import SETTINGS_JSON, read_run_settings
@@ -48,21 +48,7 @@ def planning(function):
     return call
 
 
-def load_demo_records():
-    """The demo's records follow from its config alone, so its outputs are known before it runs."""
-    rows = demo_records(
-        config["demo"]["n_train"],
-        config["demo"]["n_test"],
-        config["demo"]["scroll_ids"],
-    )
-    for row in rows:
-        split = row["split"]
-        row["image"] = f"resources/demo/{split}_images/{row['id']}.tif"
-        row["label"] = f"resources/demo/{split}_labels/{row['id']}.tif"
-    return {row["id"]: row for row in rows}
-
-
-DEMO_RECORDS = load_demo_records()
+DEMO_RECORDS = demo_dataset("resources/demo", config["demo"])
 
 
 @planning

@@ -74,6 +74,16 @@ def demo_records(n_train: int, n_test: int, scroll_ids: Sequence[int]) -> list[d
     return records
 
 
+def demo_dataset(out: str, demo: dict) -> dict[str, dict]:
+    """The demo's records as the workflow plans them, by id: `demo_records` of config `demo`,
+    with the image and label files `generate_demo` writes under `out`."""
+    rows = demo_records(demo["n_train"], demo["n_test"], demo["scroll_ids"])
+    for row in rows:
+        row["image"] = f"{out}/{row['split']}_images/{row['id']}.tif"
+        row["label"] = f"{out}/{row['split']}_labels/{row['id']}.tif"
+    return {row["id"]: row for row in rows}
+
+
 def _smooth_field(rng: np.random.Generator, shape: Sequence[int], n_ctrl: int) -> np.ndarray:
     """Random smooth field in [-1, 1]: Gaussian bumps on an n_ctrl grid with random weights.
 
