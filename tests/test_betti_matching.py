@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from ctseg.evaluation.betti_matching import matched_counts
+from ctseg.evaluation.betti_matching import _dim0_matched, dim0_bound, matched_counts
 from ctseg.evaluation.metrics import tile_feature_counts, topo_counts
 
 
@@ -188,6 +188,48 @@ def test_skipped_dimensions_leave_the_others_unchanged():
         exact, _ = topo_counts(pred, gt, every_dim=True)
         fast, _ = topo_counts(pred, gt, threads=2)
         np.testing.assert_array_equal(fast, exact)
+
+
+def _dim0_pairs():
+    """Random pairs of every density, smooth pairs with a shifted or flipped copy, and the
+    reference's own cases: union components of every kind (full, prediction-only, label-only)."""
+    rng = np.random.default_rng(99)
+    for i in range(400):
+        shape = tuple(int(s) for s in rng.integers(2, 10, size=3))
+        a = rng.random(shape) < rng.uniform(0.05, 0.7)
+        if i % 3 == 0:
+            yield a, a ^ (rng.random(shape) < 0.1)
+        elif i % 3 == 1:
+            yield a, rng.random(shape) < rng.uniform(0.05, 0.7)
+        else:
+            smooth = ndimage.gaussian_filter(rng.standard_normal(shape), 1.0) > 0.4
+            yield smooth, np.roll(smooth, 1, axis=i % 3)
+    for seed in REFERENCE:
+        yield _reference_case(seed)
+
+
+def test_dim0_bound_is_an_upper_bound_and_exact_where_it_says():
+    """m_0 = F + C - 1 (`dim0_bound`): the union's components bound m_0 from above, tighter
+    than min(p_0, g_0), and give it exactly when no component holds only one side's voxels."""
+    exact_cases = tighter = 0
+    for pred, gt in _dim0_pairs():
+        bound, exact = dim0_bound(pred, gt)
+        both = pred.any() and gt.any()
+        m0 = _dim0_matched(pred.astype(np.uint8), gt.astype(np.uint8)) if both else 0
+        assert bound >= m0, (pred.shape, bound, m0)
+        if exact:
+            assert bound == m0
+            exact_cases += 1
+        p0, g0 = tile_feature_counts(pred)[0], tile_feature_counts(gt)[0]
+        assert bound <= min(p0, g0)
+        tighter += bound < min(p0, g0)
+    # Both branches are exercised: most pairs are decided without the union-find, and the
+    # bound is strictly below min(p_0, g_0) on many.
+    assert exact_cases > 100 and tighter > 50
+    # The shortcut leaves matched_counts' answers as the replayed union-find gives them.
+    for seed in REFERENCE:
+        pred, gt = _reference_case(seed)
+        assert matched_counts(pred, gt) == matched_counts(pred, gt, plain=True) == REFERENCE[seed]
 
 
 # --- shortcuts against the unoptimised path ----------------------------------------------------

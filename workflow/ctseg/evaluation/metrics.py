@@ -57,13 +57,17 @@ from numba import njit
 from skimage.metrics import variation_of_information
 
 from ctseg.evaluation import surface_dice as _surface
-from ctseg.evaluation.betti_matching import matched_counts
+from ctseg.evaluation.betti_matching import dim0_bound, matched_counts
 from ctseg.evaluation.thinning import slices_skeleton
 from ctseg.io import CtsegError, strict_json
 from ctseg.machine import available_cpus
 
 TopoMethod = Literal["betti_matching", "betti_counts"]
 TOPO_METHODS = ("betti_matching", "betti_counts")
+# The post-processing search's bound of the exact score (`topo_counts`, not a method users
+# choose): betti_counts' min(p_k, g_k), with m_0 also bounded by the union's components
+# (`ctseg.evaluation.betti_matching.dim0_bound`).
+UNION_BOUND = "union_bound"
 
 IGNORE_LABEL = 2
 WEIGHT_TOPO, WEIGHT_SURFACE_DICE, WEIGHT_VOI = 0.30, 0.35, 0.35
@@ -278,6 +282,8 @@ def _count_tile(
         m = matched_counts(pred_tile, gt_tile, dims, every_dim) if any(dims) else (0, 0, 0)
     else:  # betti_counts: the upper bound min(p_k, g_k)
         m = tuple(min(pk, gk) for pk, gk in zip(p, g, strict=True))
+        if method == UNION_BOUND and m[0] > 0:
+            m = (min(m[0], dim0_bound(pred_tile, gt_tile)[0]), *m[1:])
     return np.array([[mk, pk, gk] for mk, pk, gk in zip(m, p, g, strict=True)], dtype=np.int64)
 
 
@@ -354,7 +360,7 @@ def topo_counts(
     `tile_cache`: a dict kept by a caller that scores many predictions against one label
     (tuning): a tile whose prediction is bit for bit one already counted is not counted again
     (post-processing candidates often differ in a few tiles only)."""
-    if method not in TOPO_METHODS:
+    if method not in (*TOPO_METHODS, UNION_BOUND):
         raise ValueError(f"unknown topo_method {method!r}; expected one of {TOPO_METHODS}")
     if label_tiles is None or label_tiles.shape != tuple(gt.shape):
         label_tiles = LabelTiles.of(gt, threads)

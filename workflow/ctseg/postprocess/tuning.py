@@ -51,7 +51,9 @@ Candidates that cannot win are pruned, not scored: the exact TopoScore (Betti ma
 of a score's cost, and most of all on the noisy masks of low thresholds. Every candidate first
 gets an upper bound of its score: its exact SurfaceDice and VOI, and TopoScore with each
 dimension's matched count m_k replaced by min(p_k, g_k) (the feature counts alone, no matching;
-the score rises with every m_k). The candidate of highest bound is scored exactly first, then
+the score rises with every m_k), and m_0 also by the bound that the union's components give
+(`ctseg.evaluation.betti_matching.dim0_bound`, within a few of m_0 where min(p_0, g_0) is tens
+above it). The candidate of highest bound is scored exactly first, then
 every other whose bound is not below the best mean known by then; a pruned candidate's exact
 mean is at most its bound, so it could not have been chosen, and the search chooses exactly
 what scoring every candidate would. candidates.csv keeps pruned candidates with their bound
@@ -110,6 +112,7 @@ from tqdm import tqdm
 
 from ctseg.evaluation.metrics import (
     TOPO_METHODS,
+    UNION_BOUND,
     LabelSide,
     TopoMethod,
     competition_terms,
@@ -149,7 +152,6 @@ MIN_FOREGROUND_VOXELS = 1000
 # bound is computed by the same arithmetic as the score, so it is never below it, and the margin
 # keeps the proof free of any assumption about rounding.
 PRUNE_MARGIN = 1e-9
-BOUND_METHOD = "betti_counts"
 # The search's best replaces the defaults only when its mean score is higher by more than this:
 # a thousandth of the score's [0, 1] range, a twentieth of the least gain the competition's top
 # solutions found in post-processing (0.02). Less is the noise of a val split of a few volumes,
@@ -402,7 +404,8 @@ def _score_volume_job(
     job: tuple[str, str, list[dict[str, Any]], str, int, bool],
 ) -> list[dict[str, float]]:
     """One volume's terms for a list of candidates: with `exact`, the exact score; else the
-    score with TopoScore's upper bound (`BOUND_METHOD`: no Betti matching). Module-level so a
+    score with TopoScore's upper bound (no Betti matching: `UNION_BOUND`, or under
+    "betti_counts", the search's own method, that method's score). Module-level so a
     process pool can pickle it. Candidates whose masks (after the ignore step) are equal share
     their SurfaceDice and VOI, and tiles equal bit for bit share their counts."""
     probs_path, label_path, settings_list, topo_method, threads, exact = job
@@ -413,7 +416,7 @@ def _score_volume_job(
             f"shape mismatch: probabilities {probs_path} have shape {masks.probs.shape}, "
             f"label {label_path} has shape {state.side.gt.shape}"
         )
-    method = topo_method if exact else BOUND_METHOD
+    method = topo_method if exact or topo_method == "betti_counts" else UNION_BOUND
     results = []
     for settings in settings_list:
         digest, pred_bin = state.mask_of(masks, settings)
@@ -490,7 +493,7 @@ class _Scorer:
         search chooses what it would have chosen by scoring every candidate. The default
         settings are always scored (tuned.json reports the gain over them)."""
         self.score(fresh, exact=False)
-        if self.topo_method == BOUND_METHOD:  # the bound is the score itself
+        if self.topo_method == "betti_counts":  # the bound is the score itself
             for c in fresh:
                 c.scores = dict(c.bounds)
             self.bar.update(len(fresh) * len(self.volumes))
