@@ -485,6 +485,26 @@ def test_partial_overlay_and_evaluation_say_what_is_missing(tmp_path):
     assert page.count("<img") == 1
 
 
+def test_an_overlay_store_that_lost_a_chunk_is_an_error_not_zeros(tmp_path):
+    """A partial copy of an image store (a chunk file gone) is refused with a line naming the
+    store and the chunk; zarr alone would draw the lost chunk as zeros."""
+    name, image, label, pred = make_volume(tmp_path / "results", "v1", seed=0)
+    (image / "c" / "0" / "1" / "1").unlink()  # the middle slice (z 6 of 12) crosses it
+    out = tmp_path / "report.html"
+    with pytest.raises(CtsegError, match=r"v1\.zarr: chunk c/0/1/1 is missing"):
+        build_report(
+            out,
+            experiment=EXP,
+            phase_summaries=[],
+            train_dir=None,
+            evaluation_dir=None,
+            overlays=[(name, image, label, pred)],
+            benchmarks_dir=None,
+            root=tmp_path,
+        )
+    assert not out.exists()
+
+
 def test_corrupt_input_is_an_error_naming_the_file(tmp_path):
     bad = tmp_path / "phase0" / "summary.json"
     bad.parent.mkdir()

@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 import tifffile
-import zarr
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from ctseg.formatting import num
 from ctseg.io import CtsegError
 from ctseg.report.markup import Sources, esc, missing, png, source_line
+from ctseg.store import open_volume
 
 # (id, image zarr, label zarr or None, prediction tif or None)
 Overlay = tuple[str, Path, Path | None, Path | None]
@@ -25,7 +25,11 @@ Overlay = tuple[str, Path, Path | None, Path | None]
 
 def _middle_slice_zarr(path: Path) -> tuple[np.ndarray, int, int, Mapping[str, Any]]:
     try:
-        array = zarr.open_array(str(path), mode="r")
+        # open_volume refuses a store that lost chunks (a partial copy): zarr would draw
+        # them as zeros.
+        array = open_volume(path)
+    except CtsegError:
+        raise
     except Exception as exc:  # zarr raises several types for a missing or broken store
         raise CtsegError(f"{path}: cannot open Zarr array for the report ({exc})") from exc
     depth = int(array.shape[0])
