@@ -141,6 +141,7 @@ def save_weights(path: Path, config: dict, window: tuple[int, int, int]) -> Path
     import torch
 
     from ctseg.network.model import build_model
+    from ctseg.training.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     model = build_model(config)
@@ -151,7 +152,7 @@ def save_weights(path: Path, config: dict, window: tuple[int, int, int]) -> Path
         "fingerprint": "bench",
         "step": 0,
     }
-    torch.save(payload, path)
+    save_checkpoint(path, payload)  # as train.py writes last.pt: with its checksum
     return path
 
 
@@ -163,6 +164,7 @@ def decisive_weights(path: Path, config: dict, window, store: Path) -> Path:
     from ctseg.inference.volume import normalise
     from ctseg.network.model import build_model
     from ctseg.store import open_volume
+    from ctseg.training.checkpoint import save_checkpoint
     from ctseg.training.distributed import pick_device
 
     torch.manual_seed(0)
@@ -182,7 +184,7 @@ def decisive_weights(path: Path, config: dict, window, store: Path) -> Path:
         "fingerprint": "bench",
         "step": 0,
     }
-    torch.save(payload, path)
+    save_checkpoint(path, payload)  # as train.py writes last.pt: with its checksum
     return path
 
 

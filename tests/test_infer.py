@@ -162,7 +162,10 @@ def test_streaming_equals_whole_volume_reference(tmp_path, shape, chunks, window
         model,
         store,
         tmp_path / "prob.zarr",
-        InferenceSettings(window=window, overlap=0.5, batch_size=3, memory_budget_mb=budget_mb),
+        # device_budget_mb=0: streamed, whatever the volume's size
+        InferenceSettings(
+            window=window, overlap=0.5, batch_size=3, memory_budget_mb=budget_mb, device_budget_mb=0
+        ),
     )
     prob = open_volume(tmp_path / "prob.zarr")
     assert prob.dtype == np.float16 and prob.shape == shape
@@ -185,7 +188,8 @@ def test_memory_is_bounded_by_the_slab_not_the_volume(tmp_path):
         try:
             info = infer_volume(
                 model, store, tmp_path / f"p{budget_mb}.zarr",
-                InferenceSettings(window=(16, 16, 16), batch_size=8, memory_budget_mb=budget_mb),
+                InferenceSettings(window=(16, 16, 16), batch_size=8, memory_budget_mb=budget_mb,
+                                  device_budget_mb=0),
             )  # fmt: skip
             return tracemalloc.get_traced_memory()[1], info
         finally:
@@ -363,14 +367,30 @@ def test_weight_errors_name_the_file(tmp_path):
     with pytest.raises(CtsegError, match="missing.pt: weights file not found"):
         load_model(tmp_path / "missing.pt", "cpu")
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CtsegError, match="corrupt.pt: cannot load weights"):
+    with pytest.raises(CtsegError, match="corrupt.pt: damaged weights file: it has no checksum"):
         load_model(tmp_path / "corrupt.pt", "cpu")
-    torch.save({"model": {}}, tmp_path / "partial.pt")
+    save_checkpoint(tmp_path / "partial.pt", {"model": {}})
     with pytest.raises(CtsegError, match="partial.pt: expected a dict with keys"):
         load_model(tmp_path / "partial.pt", "cpu")
     weights = save_weights(tmp_path / "wrong.pt", build_model({"filters": [4, 16]}))
     with pytest.raises(CtsegError, match="wrong.pt: weights do not match"):
         load_model(weights, "cpu")
+
+
+def test_a_weights_file_cut_short_or_damaged_is_refused(tmp_path):
+    """A partial copy of last.pt (its end cut off) or one with a flipped byte is refused with
+    one line naming the file and the fix, before torch reads it."""
+    weights = save_weights(tmp_path / "last.pt", build_model(dict(TINY)))
+    data = weights.read_bytes()
+    load_model(weights, "cpu")  # intact: loads
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CtsegError, match=r"cut.pt: damaged weights file: it has no checksum"):
+        load_model(tmp_path / "cut.pt", "cpu")
+    flipped = bytearray(data)
+    flipped[len(data) // 3] ^= 0xFF
+    (tmp_path / "flipped.pt").write_bytes(bytes(flipped))
+    with pytest.raises(CtsegError, match=r"flipped.pt: damaged weights file: its bytes do not"):
+        load_model(tmp_path / "flipped.pt", "cpu")
 
 
 def test_image_errors_name_the_store_and_leave_no_output(tmp_path):

@@ -19,6 +19,7 @@ from ctseg.io import CtsegError, check_id
 from ctseg.network.model import build_model
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.write import write_mask
+from ctseg.training.checkpoint import verify_checksum
 from ctseg.training.distributed import pick_device
 
 WEIGHT_KEYS = ("model", "model_config", "patch_size")
@@ -29,11 +30,24 @@ def load_model(
 ) -> tuple[torch.nn.Module, Shape3]:
     """The model (eval mode, on `device`) and training patch size from train.py's final weights.
 
-    Loaded with ``weights_only=True``: a weights file cannot run code.
+    Loaded with ``weights_only=True``: a weights file cannot run code. train.py writes it with
+    a sha256 trailer (`ctseg.training.checkpoint.save_checkpoint`), checked first: a copy cut
+    short or damaged on the way would otherwise load, or fail with torch's own message.
     """
     weights = Path(weights)
     if not weights.is_file():
         raise CtsegError(f"{weights}: weights file not found")
+    verified = verify_checksum(weights)
+    if not verified:
+        problem = (
+            "its bytes do not match the checksum written with it"
+            if verified is False
+            else "it has no checksum trailer (cut short, or not written by ctseg train)"
+        )
+        raise CtsegError(
+            f"{weights}: damaged weights file: {problem}; copy it again from where the run "
+            "trained, or retrain the run"
+        )
     try:
         state = torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as exc:
