@@ -46,6 +46,28 @@ def test_a_minimal_experiment_gets_the_schema_defaults(tmp_path: Path) -> None:
     assert exp.trial["phases"] == [0]
 
 
+def test_the_config_states_the_inference_defaults() -> None:
+    """`ctseg predict` and `ctseg infer` take their defaults from InferenceSettings and the
+    workflow from config.yaml: the two, and the schema's defaults, say the same."""
+    from ctseg.inference.settings import InferenceSettings
+
+    default = InferenceSettings().as_dict()
+    shipped = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["infer"]
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    schema_infer = schema["properties"]["infer"]["properties"]
+    keys = [k for k in default if k in shipped]
+    assert set(keys) >= {
+        "overlap",
+        "batch_size",
+        "tta_flips",
+        "memory_budget_mb",
+        "device_budget_mb",
+    }
+    for key in keys:
+        assert shipped[key] == default[key], key
+        assert schema_infer[key].get("default") == default[key], key
+
+
 def test_settings_are_frozen() -> None:
     exp = load_experiment(EXPERIMENTS / "exp001.yaml")
     with pytest.raises(TypeError, match="read-only"):

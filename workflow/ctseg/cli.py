@@ -641,7 +641,7 @@ def _inference_options(p: argparse.ArgumentParser) -> None:
         "--device-budget-mb",
         type=float,
         default=default.device_budget_mb,
-        help="hold the whole volume on the device when it fits (default: --memory-budget-mb; "
+        help="hold the whole volume on the device when it fits, MB (default: %(default)s; "
         "0: always stream)",
     )
     p.add_argument(

@@ -47,8 +47,9 @@ class InferenceSettings:
     amp: bool | None = None
     # Host memory for the z-slabs of a streamed volume.
     memory_budget_mb: float = 512
-    # Hold a volume whose working set fits whole on the device; None: memory_budget_mb; 0: never.
-    device_budget_mb: float | None = None
+    # Hold a volume whose working set fits whole on the device (0: never): about 0.4 GB for a
+    # 320^3 uint8 volume (config/README.md), so the competition's volumes are held whole.
+    device_budget_mb: float = 2048
     # "cpu", "cuda", "cuda:1"; None: a GPU where there is one (`torch_device`).
     device: str | None = None
 
@@ -66,7 +67,7 @@ class InferenceSettings:
             raise CtsegError(
                 f"memory_budget_mb={self.memory_budget_mb!r}: expected a positive number"
             )
-        if self.device_budget_mb is not None and not self.device_budget_mb >= 0:
+        if not self.device_budget_mb >= 0:
             raise CtsegError(f"device_budget_mb={self.device_budget_mb!r}: expected a number >= 0")
 
     def with_window(self, patch: Sequence[int]) -> InferenceSettings:
@@ -88,8 +89,7 @@ class InferenceSettings:
         return device.type == "cuda" if self.amp is None else bool(self.amp)
 
     def device_budget_bytes(self) -> float:
-        mb = self.memory_budget_mb if self.device_budget_mb is None else self.device_budget_mb
-        return mb * 2**20
+        return self.device_budget_mb * 2**20
 
     def as_dict(self) -> dict[str, Any]:
         return {
