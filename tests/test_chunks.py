@@ -11,7 +11,14 @@ import pytest
 import tifffile
 import zarr
 
-from ctseg.chunks import RECORD, chunk_key, missing_chunks, record_for, record_stores
+from ctseg.chunks import (
+    RECORD,
+    chunk_key,
+    missing_chunks,
+    record_for,
+    record_stores,
+    sizes_digest,
+)
 from ctseg.io import CtsegError, atomic_path
 from ctseg.preprocess.convert import convert_volume
 from ctseg.preprocess.targets import compute_targets
@@ -34,7 +41,16 @@ def written(path: Path, values: np.ndarray, **kwargs) -> Path:
 def test_a_finished_store_records_its_chunks_and_a_lost_one_is_named(tmp_path):
     values = np.random.default_rng(0).integers(1, 255, SHAPE, dtype=np.uint8)
     store = written(tmp_path / "a.zarr", values)
-    assert metadata(store)["attributes"][RECORD] == {"grid": [3, 3, 4], "written": 36, "absent": []}
+    record = metadata(store)["attributes"][RECORD]
+    sizes = {f"c/{z}/{y}/{x}": (store / "c" / str(z) / str(y) / str(x)).stat().st_size
+             for z in range(3) for y in range(3) for x in range(4)}  # fmt: skip
+    assert record == {
+        "grid": [3, 3, 4],
+        "written": 36,
+        "absent": [],
+        "bytes": sum(sizes.values()),
+        "sizes": sizes_digest(sizes),
+    }
     np.testing.assert_array_equal(open_volume(store)[...], values)
 
     (store / "c" / "2" / "1" / "3").unlink()
@@ -49,12 +65,52 @@ def test_a_finished_store_records_its_chunks_and_a_lost_one_is_named(tmp_path):
     )
 
 
+@pytest.mark.parametrize("keep", [40, 0])
+def test_a_chunk_file_cut_short_is_named_not_read_as_garbage(tmp_path, keep):
+    """A partial copy can leave a chunk file cut short (or empty): blosc decodes a truncated
+    buffer into garbage without an error, so its size against the record is what finds it."""
+    values = np.random.default_rng(1).integers(1, 255, SHAPE, dtype=np.uint8)
+    store = written(tmp_path / "a.zarr", values)
+    chunk = store / "c" / "1" / "1" / "1"
+    data = chunk.read_bytes()
+    written_bytes = metadata(store)["attributes"][RECORD]["bytes"]
+    chunk.write_bytes(data[:keep])
+    with pytest.raises(CtsegError) as info:
+        open_volume(store)
+    assert str(info.value) == (
+        f"{store}: its chunk files hold {written_bytes - len(data) + keep} bytes where "
+        f"{written_bytes} were written: a chunk file was cut short or replaced (a partial copy "
+        "or sync?), and zarr would read it as garbage; copy the store again, or rerun the step "
+        "that writes it"
+    )
+    chunk.write_bytes(data)  # the whole file back: it reads again
+    np.testing.assert_array_equal(open_volume(store)[...], values)
+
+
+def test_a_record_without_sizes_is_still_read(tmp_path):
+    """A store recorded before sizes were (no ``bytes``/``sizes``) is checked for lost chunks
+    only, as before."""
+    values = np.random.default_rng(2).integers(1, 255, SHAPE, dtype=np.uint8)
+    store = written(tmp_path / "a.zarr", values)
+    meta = metadata(store)
+    del meta["attributes"][RECORD]["bytes"], meta["attributes"][RECORD]["sizes"]
+    (store / "zarr.json").write_text(json.dumps(meta))
+    np.testing.assert_array_equal(open_volume(store)[...], values)
+    (store / "c" / "0" / "0" / "0").unlink()
+    with pytest.raises(CtsegError, match="chunk c/0/0/0 is missing"):
+        open_volume(store)
+
+
 def test_chunks_left_out_on_purpose_still_read_as_the_fill_value(tmp_path):
     values = np.random.default_rng(1).integers(1, 255, SHAPE, dtype=np.uint8)
     values[:16] = 0  # two chunk rows of zeros: zarr writes no file for them
     store = written(tmp_path / "sparse.zarr", values, write_empty_chunks=False)
     record = metadata(store)["attributes"][RECORD]
-    assert record == {"grid": [3, 3, 4], "written": 12, "absent": [[0, 24]]}
+    assert {k: record[k] for k in ("grid", "written", "absent")} == {
+        "grid": [3, 3, 4],
+        "written": 12,
+        "absent": [[0, 24]],
+    }
     np.testing.assert_array_equal(open_volume(store)[...], values)
 
     (store / "c" / "2" / "0" / "0").unlink()
@@ -101,7 +157,13 @@ def test_a_byte_for_byte_copy_keeps_the_zarr_json_it_was_given(tmp_path):
 
 def test_keys_and_records_follow_the_metadata():
     meta = {"shape": [5, 0], "chunk_grid": {"configuration": {"chunk_shape": [2, 2]}}}
-    assert record_for(meta, set()) == {"grid": [3, 0], "written": 0, "absent": []}
+    assert record_for(meta, {}) == {
+        "grid": [3, 0],
+        "written": 0,
+        "absent": [],
+        "bytes": 0,
+        "sizes": sizes_digest({}),
+    }
     v2 = {
         "shape": [4, 4],
         "chunk_grid": {"configuration": {"chunk_shape": [2, 2]}},

@@ -622,6 +622,32 @@ def test_an_s3_source_missing_a_chunk_is_refused_naming_it(
     assert str(info.value).startswith(missing)
 
 
+def test_an_s3_source_with_a_chunk_cut_short_is_refused(
+    tmp_path: Path, s3_endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An upload cut off inside a chunk file: the object is there, shorter than written.
+    source = tmp_path / "store"
+    make_store(source, ["r0"], chunks=(16, 16, 16))
+    chunk = source / "zarr" / "images" / "r0.zarr" / "c" / "1" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:20])
+    upload(s3_endpoint, source, "ctseg-cut", "v1")
+    url = "s3://ctseg-cut/v1"
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+    }
+    cut = f"{url}/zarr/images/r0.zarr: its chunk files hold "
+    with pytest.raises(CtsegError) as info:
+        stage_records(url, ["r0"], tmp_path / "scratch", fmt="raw", storage_options=options)
+    assert str(info.value).startswith(cut) and "cut short or replaced" in str(info.value)
+    assert not (tmp_path / "scratch").exists()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    with pytest.raises(CtsegError) as info:
+        open_volume(f"{url}/zarr/images/r0.zarr")
+    assert str(info.value).startswith(cut)
+
+
 # --------------------------------------------------------------------------- check_staged
 
 

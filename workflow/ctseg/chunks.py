@@ -2,13 +2,16 @@
 empty one.
 
 zarr reads a chunk whose file is absent as the fill value: a store that lost chunk files (a
-partial copy, an interrupted rsync or S3 sync) reads as zeros there, without an error. So every
-array a ctseg step writes carries, in its attributes under `RECORD`, its chunk grid, how many
-chunks were written and which were left unwritten on purpose (all fill value), as runs of
-linear chunk indices in C order. `ctseg.io.atomic_path` writes the record (`record_stores`) once
-the step's block has finished, just before the store is renamed into place, so it describes
-exactly what the step wrote. Readers (`ctseg.store`'s open functions; `ctseg.preprocess.stage`
-for a source, local or s3://) list the chunk files present and compare (`missing_chunks`).
+partial copy, an interrupted rsync or S3 sync) reads as zeros there, without an error. A chunk
+file cut short is no better: blosc decodes a truncated buffer into garbage, again without an
+error. So every array a ctseg step writes carries, in its attributes under `RECORD`, its chunk
+grid, how many chunks were written and which were left unwritten on purpose (all fill value),
+as runs of linear chunk indices in C order, and the total bytes of its chunk files with a
+digest of each one's size (`sizes`), so that a chunk file of another size is found too.
+`ctseg.io.atomic_path` writes the record (`record_stores`) once the step's block has finished,
+just before the store is renamed into place, so it describes exactly what the step wrote.
+Readers (`ctseg.store`'s open functions; `ctseg.preprocess.stage` for a source, local or
+s3://) list the chunk files present with their sizes and compare (`problem`).
 
 A store without the record (made by another tool, or by ctseg before the record existed), or
 whose record describes another grid, is read only when every chunk of its grid is present:
@@ -20,6 +23,7 @@ is the shard grid). Pure metadata and file names, so `ctseg.io` can use it witho
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -68,11 +72,26 @@ def _runs(indices: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def record_for(meta: Mapping[str, Any], present: Collection[str]) -> dict[str, Any]:
-    """The record of an array whose chunk files are `present` (keys relative to the array)."""
+def record_for(meta: Mapping[str, Any], present: Mapping[str, int]) -> dict[str, Any]:
+    """The record of an array whose chunk files are `present` (keys relative to the array,
+    and their sizes in bytes)."""
     absent = [i for i, key in enumerate(_keys(meta)) if key not in present]
     grid = grid_shape(meta)
-    return {"grid": list(grid), "written": math.prod(grid) - len(absent), "absent": _runs(absent)}
+    return {
+        "grid": list(grid),
+        "written": math.prod(grid) - len(absent),
+        "absent": _runs(absent),
+        "bytes": sum(present.values()),
+        "sizes": sizes_digest(present),
+    }
+
+
+def sizes_digest(present: Mapping[str, int]) -> str:
+    """A digest of every chunk file's key and size: equal only for the same files and sizes."""
+    digest = hashlib.sha256()
+    for key in sorted(present):
+        digest.update(f"{key}\0{int(present[key])}\n".encode())
+    return digest.hexdigest()[:32]
 
 
 def _valid_record(meta: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -109,7 +128,7 @@ def problem(store: str, node: str, meta: Mapping[str, Any], present: Collection[
     its chunk files, relative to the array."""
     missing, recorded = missing_chunks(meta, present)
     if not missing:
-        return None
+        return _size_problem(store, meta, present)
     chunk = f"{node}/{missing[0]}" if node else missing[0]
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
     if recorded:
@@ -126,16 +145,34 @@ def problem(store: str, node: str, meta: Mapping[str, Any], present: Collection[
     )
 
 
+def _size_problem(store: str, meta: Mapping[str, Any], present: Collection[str]) -> str | None:
+    """One line when the chunk files' sizes are not those written (a file cut short or
+    replaced), or None; None too where the sizes are unknown (a listing without them, or a
+    record written before sizes were recorded)."""
+    record = (meta.get("attributes") or {}).get(RECORD) or {}
+    if not isinstance(present, Mapping) or "sizes" not in record:
+        return None
+    if sizes_digest(present) == record["sizes"]:
+        return None
+    found, written = sum(present.values()), record.get("bytes")
+    return (
+        f"{store}: its chunk files hold {found} bytes where {written} were written: a chunk "
+        "file was cut short or replaced (a partial copy or sync?), and zarr would read it as "
+        "garbage; copy the store again, or rerun the step that writes it"
+    )
+
+
 # --------------------------------------------------------------------------- a local directory
 
 
-def list_files(root: Path) -> set[str]:
-    """Every file under `root`, as a path relative to it with / separators."""
-    found = set()
+def list_files(root: Path) -> dict[str, int]:
+    """Every file under `root`, as a path relative to it with / separators, and its size."""
+    found = {}
     for directory, _, names in os.walk(root):
         rel = os.path.relpath(directory, root)
         prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-        found.update(prefix + name for name in names)
+        for name in names:
+            found[prefix + name] = os.path.getsize(os.path.join(directory, name))
     return found
 
 
@@ -153,10 +190,14 @@ def arrays_in(files: Collection[str], read: Any) -> dict[str, dict[str, Any]]:
     return nodes
 
 
-def chunk_files(files: Collection[str], node: str) -> set[str]:
-    """The files under array `node`, relative to it, but its metadata."""
+def chunk_files(files: Mapping[str, int], node: str) -> dict[str, int]:
+    """The files under array `node` (with their sizes), relative to it, but its metadata."""
     prefix = f"{node}/" if node else ""
-    return {f[len(prefix) :] for f in files if f.startswith(prefix) and f != f"{prefix}{METADATA}"}
+    return {
+        f[len(prefix) :]: size
+        for f, size in files.items()
+        if f.startswith(prefix) and f != f"{prefix}{METADATA}"
+    }
 
 
 def record_stores(root: Path) -> int:

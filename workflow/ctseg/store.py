@@ -152,11 +152,16 @@ def check_complete(path: str | Path, arrays: Mapping[str, Mapping[str, Any]]) ->
             raise CtsegError(problem)
 
 
-def _stored_files(path: str | Path) -> set[str]:
+def _stored_files(path: str | Path) -> dict[str, int]:
+    """Every file of the store, relative to it, and its size."""
     text = str(path)
     if "://" not in text:
         return chunks.list_files(Path(text))
     fs, root = fsspec.core.url_to_fs(text)
     root = root.rstrip("/")
     fs.invalidate_cache(root)  # a long-lived process may hold a listing from before a change
-    return {f[len(root) + 1 :] for f in fs.find(root) if f.startswith(f"{root}/")}
+    return {
+        f[len(root) + 1 :]: int(info["size"])
+        for f, info in fs.find(root, detail=True).items()
+        if f.startswith(f"{root}/")
+    }

@@ -258,7 +258,7 @@ def _check_chunks(
 ) -> None:
     """Refuse a source store that lacks a chunk its writer wrote (`ctseg.chunks`), from the
     listing already made: a partial upload would otherwise be staged, and read, as zeros."""
-    rels = {f.rel for f in files}
+    rels = {f.rel: f.size for f in files}
     for node, text in sorted(texts.items()):
         meta = json.loads(text)
         if meta.get("node_type") != "array":
