@@ -562,3 +562,53 @@ def test_each_dataset_has_its_own_preprocessed_stores(workdir):
         for path in ("zarr/images/a.zarr", "zarr/labels/a.zarr", "targets/a.zarr"):
             assert f"results/preprocessed/{name}/{path}" in proc.stdout, proc.stdout
         assert f"results/preprocessed/{other}/" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("raised", "line"),
+    [
+        (
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/out/a.tif"),
+            f"ctseg postprocess: error: /data/out/a.tif: {os.strerror(errno.ENOSPC)}; free some "
+            "space there and rerun",
+        ),
+        (
+            PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/data/ro"),
+            f"ctseg postprocess: error: /data/ro: {os.strerror(errno.EACCES)}; choose a path "
+            "this user may write to, or change the folder's permissions",
+        ),
+        (
+            RuntimeError("zarr: the write failed"),  # no OS error behind it: ctseg's own, raised
+            None,
+        ),
+    ],
+)
+def test_an_os_error_is_one_line_naming_the_path_and_an_interrupt_says_so(
+    tmp_path, monkeypatch, capsys, raised, line
+):
+    """What the user must fix (a full disk, a folder they may not write) is one line with the
+    path; a KeyboardInterrupt is one line too; anything else keeps its traceback."""
+    from ctseg.postprocess import write
+
+    def fails(*args, **kwargs):
+        if line is None:
+            raise raised
+        raise RuntimeError("wrapped") from raised  # as zarr and pools re-raise an OS error
+
+    monkeypatch.setattr(write, "write_mask", fails)
+    args = ["postprocess", str(tmp_path / "p.zarr"), str(tmp_path / "m.tif")]
+    if line is None:
+        with pytest.raises(RuntimeError, match="the write failed"):
+            cli_main(args)
+        return
+    assert cli_main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(write, "write_mask", interrupted)
+    assert cli_main(args) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ctseg postprocess: interrupted; nothing partial was kept"
+    ]

@@ -393,6 +393,13 @@ def test_a_weights_file_cut_short_or_damaged_is_refused(tmp_path):
         load_model(tmp_path / "flipped.pt", "cpu")
 
 
+def test_an_image_store_given_as_probabilities_is_refused(tmp_path):
+    image = image_store(tmp_path / "img.zarr", random_volume((8, 8, 8)), (8, 8, 8))
+    with pytest.raises(CtsegError, match=r"img.zarr: a uint8 store, not probabilities"):
+        write_mask(image, tmp_path / "m.tif", PostprocessSettings())
+    assert not (tmp_path / "m.tif").exists()
+
+
 def test_image_errors_name_the_store_and_leave_no_output(tmp_path):
     model = nn.Conv3d(1, 1, 1)
     kw = {"window": (8, 8, 8)}

@@ -13,6 +13,9 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -270,3 +273,67 @@ def test_the_workflow_route_plans_one_predict_job_per_volume_naming_run_and_fold
     refused = run_snakemake(workflow_dir, "-n", "predict_folder", check=False)
     assert refused.returncode != 0
     assert "config predict.input: not set" in refused.stdout + refused.stderr
+
+
+def test_an_output_inside_the_input_folder_is_refused_and_the_volumes_are_kept(
+    project, tmp_path, capsys
+):
+    """-o the input folder would overwrite each volume with its mask (same name); inside it,
+    the masks would be read as volumes next time. Both are refused before anything runs."""
+    volumes = tmp_path / "in"
+    source = write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    before = source.read_bytes()
+    run = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes)]
+    for option, where in (("-o", volumes), ("-o", volumes / "masks"),
+                          ("--probabilities", volumes / "p")):  # fmt: skip
+        out = [] if option == "-o" else ["-o", str(tmp_path / "out")]
+        line = cli_error([*run, *out, option, str(where), "--device", "cpu"], capsys)
+        assert f"{where}: " in line and "is inside the input folder" in line, line
+    assert source.read_bytes() == before and sorted(p.name for p in volumes.iterdir()) == ["a.tif"]
+
+
+def test_a_killed_predicts_work_folder_is_removed_by_the_next_one(project, tmp_path):
+    """SIGKILL leaves the work folder (the temporary stores) behind; the next predict into the
+    same output removes it, and leaves none of its own. Another output's is left alone."""
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    other = scratch / "ctseg-predict-0123456789ab"
+    other.mkdir(parents=True)
+    args = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes), "-o",
+            str(out), "--scratch", str(scratch), "--device", "cpu"]  # fmt: skip
+    # Killed once the volume is converted into the work folder, before its mask is written.
+    killer = (
+        "import os, signal, sys\n"
+        "from ctseg.inference import predict\n"
+        "convert = predict.convert_volume\n"
+        "def convert_then_die(*a, **k):\n"
+        "    convert(*a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "predict.convert_volume = convert_then_die\n"
+        "from ctseg.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", killer, *args], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL
+    left = [p for p in scratch.iterdir() if p.name.startswith("ctseg-predict-") and p != other]
+    assert len(left) == 1 and (left[0] / "images" / "a.zarr").is_dir()
+    assert not out.exists() or not any(out.iterdir())
+    predict(project, "tiny", volumes, out, "--scratch", scratch)
+    assert sorted(p.name for p in scratch.iterdir()) == [other.name]
+    assert sorted(p.name for p in out.iterdir()) == ["a.tif"]
+
+
+def test_a_device_this_machine_lacks_and_an_unwritable_output_are_one_line(
+    project, tmp_path, capsys
+):
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    run = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes)]
+    for device in ("cuda:7", "nonsense"):
+        line = cli_error([*run, "-o", str(tmp_path / "o"), "--device", device], capsys)
+        assert line.startswith(f"ctseg predict: error: device '{device}': ") and "cpu" in line
+    (tmp_path / "afile").write_text("a file where the output folder should be")
+    line = cli_error([*run, "-o", str(tmp_path / "afile"), "--device", "cpu"], capsys)
+    assert line.startswith(f"ctseg predict: error: {tmp_path / 'afile'}: ") and "folder" in line
+    assert (tmp_path / "afile").read_text().startswith("a file")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ctseg import __version__
-from ctseg.io import CtsegError, strict_json
+from ctseg.io import CtsegError, os_error_line, strict_json
 
 # `ArgumentParser.add_subparsers().add_parser`: each subcommand's builder adds itself with it.
 AddParser = Callable[..., argparse.ArgumentParser]
@@ -1064,6 +1064,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         func(args)
     except CtsegError as exc:
         print(f"ctseg {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        # Each step's temporary output was removed on the way out (`io.atomic_path`).
+        print(f"ctseg {args.command}: interrupted; nothing partial was kept", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        # A folder that cannot be written, a full disk, a file where a folder should be: the
+        # user's to fix, so one line naming the path rather than a traceback. Anything else
+        # is ctseg's own error and keeps its traceback.
+        line = os_error_line(exc)
+        if line is None:
+            raise
+        print(f"ctseg {args.command}: error: {line}", file=sys.stderr)
         return 2
     finally:
         if on_main_thread:

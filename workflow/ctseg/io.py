@@ -175,6 +175,40 @@ def disk_full(exc: BaseException) -> OSError | None:
     return None
 
 
+# The fix to print with an operating-system error, by errno, where a plain rerun would not do.
+_OS_ERROR_FIXES = {
+    **dict.fromkeys(DISK_FULL_ERRNOS, "free some space there and rerun"),
+    **dict.fromkeys(
+        (errno.EACCES, errno.EPERM, errno.EROFS),
+        "choose a path this user may write to, or change the folder's permissions",
+    ),
+    **dict.fromkeys(
+        (errno.EEXIST, errno.ENOTDIR, errno.EISDIR),
+        "a file and a folder are in each other's way: give a path to a folder, or move the "
+        "file aside",
+    ),
+    errno.ENOENT: "check the path",
+}
+
+
+def os_error_line(exc: BaseException) -> str | None:
+    """One line for the operating-system error behind `exc` (itself, or its explicit cause,
+    `raise ... from`): the path, the problem and the fix; None when there is no such error."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            where = " -> ".join(
+                str(f) for f in (current.filename, current.filename2) if f is not None
+            )
+            problem = current.strerror or os.strerror(current.errno)
+            fix = _OS_ERROR_FIXES.get(current.errno)
+            return f"{where + ': ' if where else ''}{problem}" + (f"; {fix}" if fix else "")
+        current = current.__cause__
+    return None
+
+
 @contextlib.contextmanager
 def disk_full_is_an_error(path: str | Path, what: str) -> Iterator[None]:
     """Turn running out of space inside the block into a one-line `CtsegError` naming `path`.
@@ -243,6 +277,24 @@ def _output_lock(final: Path) -> Iterator[None]:
         with contextlib.suppress(OSError):
             lock.unlink()
         os.close(fd)
+
+
+@contextlib.contextmanager
+def work_folder(path: str | Path) -> Iterator[Path]:
+    """A scratch folder at `path` for this process alone, removed on the way out. One left by
+    a run that was killed (SIGKILL, a lost node) is removed first, under the lock a living run
+    holds on it, so a rerun cleans up after a killed one; a living one makes this an error."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _output_lock(path):
+        if path.exists():
+            remove_path(path)
+        path.mkdir()
+        try:
+            yield path
+        finally:
+            with contextlib.suppress(OSError):
+                remove_path(path)
 
 
 @contextlib.contextmanager

@@ -24,14 +24,19 @@ temporary Zarr store (streamed in slabs under the convert budget),
 `ctseg.inference.ensemble.ensemble_volume` for a combined run, and
 `ctseg.postprocess.write.write_mask` to ``<out>/<id>.tif`` (uint8 0/1, the submission layout).
 Memory stays bounded by the settings' budgets, as in each step; the temporary stores are removed
-as each volume is done. With ``probabilities``, ``<probabilities>/<id>.zarr`` is kept as well.
+as each volume is done, from a work folder under ``scratch`` (the system's temporary folder by
+default) that a killed predict leaves behind and the next predict into the same ``out`` removes.
+With ``probabilities``, ``<probabilities>/<id>.zarr`` is kept as well. No output folder may be
+the input folder or lie inside it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +50,7 @@ from ctseg.inference.inputs import input_volumes
 from ctseg.inference.run import load_model
 from ctseg.inference.settings import InferenceSettings
 from ctseg.inference.volume import infer_volume
-from ctseg.io import CtsegError, remove_path
+from ctseg.io import CtsegError, remove_path, work_folder
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
 from ctseg.postprocess.write import write_mask
@@ -158,6 +163,40 @@ def _selected(volumes: dict[str, Path], only: Sequence[str] | None, folder: Path
     return [i for i in volumes if i in set(only)]
 
 
+def _check_outside(folder: Path, outputs: dict[str, Path | None]) -> None:
+    """Refuse an output folder that is the input folder or inside it: the masks would replace
+    the volumes they were made from (same names), or be read as volumes by the next run."""
+    inputs = folder.resolve()
+    for option, where in outputs.items():
+        if where is None:
+            continue
+        resolved = Path(where).resolve()
+        if resolved == inputs or inputs in resolved.parents:
+            raise CtsegError(
+                f"{where}: {option} is inside the input folder {folder}, where its files would "
+                "replace the volumes or be read as volumes next time; choose a folder outside it"
+            )
+
+
+@contextlib.contextmanager
+def _work_folder(scratch: Path | None, out_dir: Path) -> Iterator[Path]:
+    """``<scratch>/ctseg-predict-<digest of out_dir>``: the temporary stores of one predict into
+    `out_dir`. A predict killed on the way leaves it behind; the next one into the same folder
+    removes it first (`ctseg.io.work_folder`)."""
+    root = Path(scratch) if scratch is not None else Path(tempfile.gettempdir())
+    digest = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:12]
+    try:
+        with work_folder(root / f"ctseg-predict-{digest}") as work:
+            yield work
+    except CtsegError as exc:
+        if "another run is writing" not in str(exc):
+            raise
+        raise CtsegError(
+            f"{out_dir}: another ctseg predict is writing into this folder now; wait for it to "
+            "finish, or choose another --out"
+        ) from exc
+
+
 def predict_folder(
     run: PredictRun,
     folder: Path,
@@ -174,20 +213,24 @@ def predict_folder(
     returns what was done, one row per volume (module docstring). The log (stderr) names the
     run, its models and weights, and the post-processing with `postprocess_from`, its source."""
     folder, out_dir = Path(folder), Path(out_dir)
+    outputs = {"--out": out_dir, "--probabilities": probabilities_dir, "--scratch": scratch}
+    _check_outside(folder, outputs)
     volumes = input_volumes(folder)
     ids = _selected(volumes, only, folder)
     for rid in ids:
         read_header(volumes[rid])  # convert's checks, before any long step
     device = inference.torch_device()
     models = [load_model(f, device) for f in run.weight_files]
+    for where in (out_dir, probabilities_dir):
+        if where is not None:
+            Path(where).mkdir(parents=True, exist_ok=True)  # a folder in the way: now
     print(
         f"predict: {len(ids)} volume(s) of {folder} by {run.describe()} on {device}\n"
         f"predict: post-processing {postprocess.label()}: {postprocess_from}",
         file=sys.stderr,
     )
     rows = []
-    with tempfile.TemporaryDirectory(prefix="ctseg-predict-", dir=scratch) as tmp:
-        work = Path(tmp)
+    with _work_folder(scratch, out_dir) as work:
         for rid in tqdm(ids, unit="volume", desc="predict", file=sys.stderr):
             rows.append(
                 _predict_volume(

@@ -62,7 +62,8 @@ def load_model(
         model.load_state_dict(state["model"])
         patch = check_window(state["patch_size"])
     except (ValueError, RuntimeError, TypeError, CtsegError) as exc:
-        raise CtsegError(f"{weights}: weights do not match their model config: {exc}") from exc
+        problem = " ".join(str(exc).split())  # torch's is several lines
+        raise CtsegError(f"{weights}: weights do not match their model config: {problem}") from exc
     return model.to(pick_device(device)).eval(), patch
 
 

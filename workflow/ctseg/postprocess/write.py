@@ -46,6 +46,11 @@ def write_mask(prob_store: Path, out_tif: Path, settings: PostprocessSettings) -
     settings, whether the whole mask was held, and the voxel counts of each step."""
     prob_store, out_tif = Path(prob_store), Path(out_tif)
     probs = open_checked(prob_store, "probability store")
+    if not np.issubdtype(probs.dtype, np.floating):
+        raise CtsegError(
+            f"{prob_store}: a {probs.dtype} store, not probabilities (an image or a mask?); "
+            "pass the float16 probability store that ctseg infer writes"
+        )
     shape = tuple(int(s) for s in probs.shape)
     whole = settings.whole_volume
     info: dict[str, Any] = {**settings.as_dict(), "holds_whole_mask": whole}

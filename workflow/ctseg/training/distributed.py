@@ -72,12 +72,36 @@ def pick_device(requested: str | torch.device | None = None) -> torch.device:
     """The device asked for, else CUDA where present; under torchrun each process takes the GPU
     of its local rank (``cuda:LOCAL_RANK``), whatever index was asked for."""
     if requested:
-        device = torch.device(requested)
+        device = _checked_device(requested)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ranks = torchrun_ranks()
     if device.type == "cuda" and ranks.world > 1:
         return torch.device("cuda", ranks.local_rank)
+    return device
+
+
+def _checked_device(requested: str | torch.device) -> torch.device:
+    """`requested` as a torch device this machine has, or a one-line error naming the ones
+    it has (torch's own errors are an assertion or a list of every device type it knows)."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = ["cpu", *(["cuda"] + [f"cuda:{i}" for i in range(cuda)] if cuda else [])]
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, TypeError) as exc:
+        raise CtsegError(
+            f"device {str(requested)!r}: not a device name; this machine has {', '.join(have)}"
+        ) from exc
+    missing = (device.type == "cuda" and (not cuda or (device.index or 0) >= cuda)) or (
+        device.type not in ("cpu", "cuda")
+        and not getattr(getattr(torch.backends, device.type, None), "is_available", bool)()
+    )
+    if missing:
+        build = "a CUDA build" if torch.version.cuda else "a CPU-only build"
+        raise CtsegError(
+            f"device {str(requested)!r}: not on this machine (torch {torch.__version__}, "
+            f"{build}); this machine has {', '.join(have)}"
+        )
     return device
 
 
