@@ -84,8 +84,7 @@ FillingValidator = _filling_validator()
 
 
 def schema(name: str) -> dict[str, Any]:
-    path = SCHEMAS / f"{name}.schema.yaml"
-    return yaml.safe_load(path.read_text())
+    return read_yaml(SCHEMAS / f"{name}.schema.yaml")
 
 
 def validated(data: Any, schema_name: str, where: str) -> dict[str, Any]:
@@ -102,15 +101,63 @@ def validated(data: Any, schema_name: str, where: str) -> dict[str, Any]:
 
 
 def read_yaml(path: str | Path) -> Any:
+    """A YAML file's data (as yaml.safe_load reads it), refusing a key given twice in one
+    mapping: YAML keeps the last, so a second `train:` block would silently drop every key of
+    the first (and the schema would then fill in its defaults)."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text())
+        loader = yaml.SafeLoader(path.read_text())
     except FileNotFoundError as exc:
         raise CtsegError(f"{path}: file not found") from exc
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_unique_keys(loader, node, path)
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise CtsegError(
             f"{yaml_position(path, exc)}: not valid YAML: {yaml_problem(exc)}"
         ) from exc
+    finally:
+        loader.dispose()
+
+
+def check_unique_keys(loader: yaml.SafeLoader, node: yaml.Node, path: Path) -> None:
+    """Every mapping under `node`, at any depth, has each key once (a `<<` merge key may
+    override what it merges: that is YAML's way of doing so on purpose)."""
+    seen_nodes: set[int] = set()
+
+    def walk(node: yaml.Node, where: tuple[str, ...]) -> None:
+        if id(node) in seen_nodes:  # an alias of a node checked already
+            return
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    walk(value_node, where)
+                    continue
+                key = loader.construct_object(key_node, deep=True)
+                try:
+                    earlier = first_line.get(key)
+                except TypeError:  # an unhashable key: PyYAML refuses it itself
+                    continue
+                line = key_node.start_mark.line + 1
+                name = ".".join((*where, str(key)))
+                if earlier is not None:
+                    raise CtsegError(
+                        f"{path}:{line}: key {name!r} appears twice (first at line {earlier}); "
+                        "YAML would keep only this one and drop the first silently: merge the "
+                        "two into one"
+                    )
+                first_line[key] = line
+                walk(value_node, (*where, str(key)))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                walk(item, (*where, str(index)))
+
+    walk(node, ())
 
 
 def yaml_position(path: Path, exc: yaml.YAMLError) -> str:

@@ -14,16 +14,18 @@ def refuse(message):
     raise SystemExit(1)
 
 
-def check_config_file(path):
-    """A one-line error naming the file, line and problem, before Snakemake's own loader says
-    only that the file is not valid YAML."""
-    try:
-        read_yaml(path)
-    except CtsegError as exc:
-        refuse(exc)
+def check_config_files():
+    """A one-line error naming the file, line and problem (a key given twice included), before
+    Snakemake's own loader says only that the file is not valid YAML, or keeps the last of two
+    keys without a word."""
+    for path in [CONFIG_FILE, *workflow.config_settings.configfiles]:
+        try:
+            read_yaml(path)
+        except CtsegError as exc:
+            refuse(exc)
 
 
-check_config_file(CONFIG_FILE)
+check_config_files()
 
 
 configfile: CONFIG_FILE

@@ -1,0 +1,114 @@
+"""Bad settings refused while the workflow is planned, as one line that names the file, the key
+and the fix: a key given twice in a YAML file, an unset variable in `scratch`, a phase that is
+not a phase number, post-processing settings that only the job would have refused, and
+dataset files missing by the dozen."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake
+
+from ctseg.config import (
+    load_ensemble,
+    load_experiment,
+    load_phases,
+    read_yaml,
+)
+from ctseg.io import CtsegError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- keys given twice
+@pytest.mark.parametrize(
+    ("text", "key", "line", "first"),
+    [
+        ("a: 1\nb: 2\na: 3\n", "a", 3, 1),
+        ("infer:\n  threshold: 0.3\n  overlap: 0.5\n  threshold: 0.4\n", "infer.threshold", 4, 2),
+        ("phases:\n  0: {workers: 1}\n  1: {workers: 2}\n  0: {workers: 3}\n", "phases.0", 4, 2),
+        ("runs:\n  - {name: a, name: b}\n", "runs.0.name", 2, 2),
+    ],
+)
+def test_a_key_given_twice_is_refused_with_the_file_key_and_line(
+    tmp_path: Path, text: str, key: str, line: int, first: int
+) -> None:
+    path = tmp_path / "settings.yaml"
+    path.write_text(text)
+    with pytest.raises(CtsegError) as info:
+        read_yaml(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: key {key!r} appears twice (first at line {first})")
+    assert message.endswith("merge the two into one") and "\n" not in message
+
+
+def test_a_merge_key_may_still_override_what_it_merges(tmp_path: Path) -> None:
+    path = tmp_path / "settings.yaml"
+    path.write_text("base: &base {lr: 0.01, epochs: 3}\nrun:\n  <<: *base\n  lr: 0.005\n")
+    assert read_yaml(path)["run"] == {"lr": 0.005, "epochs": 3}
+
+
+def test_a_second_train_block_in_an_experiment_is_refused(tmp_path: Path) -> None:
+    """YAML keeps the last block: epochs, steps_per_epoch and warmup_steps silently became the
+    schema's defaults."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY_EXPERIMENT, sort_keys=False) + "train:\n  lr: 0.005\n")
+    first = path.read_text().splitlines().index("train:") + 1
+    last = len(path.read_text().splitlines()) - 1
+    with pytest.raises(CtsegError, match=rf"tiny.yaml:{last}: key 'train' appears twice "):
+        load_experiment(path)
+    assert f"(first at line {first})" in str(read_yaml_error(path))
+
+
+def read_yaml_error(path: Path) -> CtsegError:
+    with pytest.raises(CtsegError) as info:
+        read_yaml(path)
+    return info.value
+
+
+def test_phases_and_ensembles_are_read_with_the_same_check(tmp_path: Path) -> None:
+    phases = tmp_path / "phases.yaml"
+    shipped = (REPO / "config" / "phases.yaml").read_text()
+    phases.write_text(shipped + "  0:\n    workers: 4\n")
+    with pytest.raises(CtsegError, match=r"phases.yaml:\d+: key 'phases.0' appears twice"):
+        load_phases(phases)
+    ensemble = tmp_path / "ens.yaml"
+    ensemble.write_text("name: ens\nmembers: [a, b]\nweights: [1, 1]\nweights: [3, 1]\n")
+    with pytest.raises(CtsegError, match=r"ens.yaml:4: key 'weights' appears twice"):
+        load_ensemble(ensemble, {"a", "b"})
+
+
+# ----------------------------------------------------------------------------- the workflow
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One copy of the workflow for the cases that only change the command line."""
+    return copy_workflow(tmp_path_factory.mktemp("workflow"), {**TINY_CONFIG, "experiment": "tiny"})
+
+
+def refusal(workdir: Path, *args: str) -> str:
+    """The one `ctseg:` line a dry run stops with (and no traceback)."""
+    proc: subprocess.CompletedProcess = run_snakemake(workdir, "-n", *args, check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text and 'File "' not in text, text
+    [line] = [line for line in text.splitlines() if line.startswith("ctseg: ")]
+    return line.removeprefix("ctseg: ")
+
+
+def test_a_second_infer_block_in_the_config_file_is_refused(tmp_path: Path) -> None:
+    workdir = copy_workflow(tmp_path, {**TINY_CONFIG, "experiment": "tiny"})
+    config = workdir / "config" / "config.yaml"
+    config.write_text(
+        yaml.safe_dump({**TINY_CONFIG, "infer": {"postprocess": "fixed"}})
+        + "infer:\n  overlap: 0.25\n"
+    )
+    line = refusal(workdir)
+    assert line.startswith("config/config.yaml:") and "key 'infer' appears twice" in line
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("infer:\n  overlap: 0.25\ninfer:\n  batch_size: 2\n")
+    config.write_text(yaml.safe_dump(TINY_CONFIG))
+    line = refusal(workdir, "--configfile", str(extra))
+    assert line.startswith(f"{extra}:3: key 'infer' appears twice (first at line 1)")
