@@ -85,6 +85,9 @@ def test_a_chunk_file_cut_short_is_named_not_read_as_garbage(tmp_path, keep):
     )
     chunk.write_bytes(data)  # the whole file back: it reads again
     np.testing.assert_array_equal(open_volume(store)[...], values)
+    # A file that is not a chunk (Snakemake marks a directory output with one) is no change.
+    (store / ".snakemake_timestamp").write_bytes(b"")
+    np.testing.assert_array_equal(open_volume(store)[...], values)
 
 
 def test_a_record_without_sizes_is_still_read(tmp_path):

@@ -77,13 +77,20 @@ def record_for(meta: Mapping[str, Any], present: Mapping[str, int]) -> dict[str,
     and their sizes in bytes)."""
     absent = [i for i, key in enumerate(_keys(meta)) if key not in present]
     grid = grid_shape(meta)
+    sizes = _chunk_sizes(meta, present)
     return {
         "grid": list(grid),
         "written": math.prod(grid) - len(absent),
         "absent": _runs(absent),
-        "bytes": sum(present.values()),
-        "sizes": sizes_digest(present),
+        "bytes": sum(sizes.values()),
+        "sizes": sizes_digest(sizes),
     }
+
+
+def _chunk_sizes(meta: Mapping[str, Any], present: Mapping[str, int]) -> dict[str, int]:
+    """The sizes of the grid's chunk files among `present`: other files in the array's folder
+    (Snakemake's ``.snakemake_timestamp`` in a directory output) are not chunks."""
+    return {key: int(present[key]) for key in _keys(meta) if key in present}
 
 
 def sizes_digest(present: Mapping[str, int]) -> str:
@@ -152,9 +159,10 @@ def _size_problem(store: str, meta: Mapping[str, Any], present: Collection[str])
     record = (meta.get("attributes") or {}).get(RECORD) or {}
     if not isinstance(present, Mapping) or "sizes" not in record:
         return None
-    if sizes_digest(present) == record["sizes"]:
+    sizes = _chunk_sizes(meta, present)
+    if sizes_digest(sizes) == record["sizes"]:
         return None
-    found, written = sum(present.values()), record.get("bytes")
+    found, written = sum(sizes.values()), record.get("bytes")
     return (
         f"{store}: its chunk files hold {found} bytes where {written} were written: a chunk "
         "file was cut short or replaced (a partial copy or sync?), and zarr would read it as "
