@@ -335,3 +335,19 @@ def test_stores_written_by_infer_are_ensembled_and_checked(tmp_path):
     assert np.array_equal(read(out), read(a))
     with pytest.raises(CtsegError, match="overlap"):
         ensemble_volume([a, c], [1, 1], out)
+
+
+def test_the_ensemble_names_its_members_weights_files_in_order(tmp_path):
+    """Each member's store names the weights file it was made with; the ensemble's names them
+    all, in member order (tuned.json keeps this, and ctseg predict checks it). A member that
+    does not say leaves the ensemble saying nothing, rather than half."""
+    rng = np.random.default_rng(1)
+    a = write_probs(tmp_path / "a" / "v.zarr", rng.random(SHAPE), weights_sha256=["aa"])
+    b = write_probs(tmp_path / "b" / "v.zarr", rng.random(SHAPE), weights_sha256=["bb"])
+    plain = write_probs(tmp_path / "c" / "v.zarr", rng.random(SHAPE))
+    ensemble_volume([b, a], [1, 3], tmp_path / "ba.zarr")
+    attrs = dict(open_volume(tmp_path / "ba.zarr").attrs)
+    assert attrs["weights_sha256"] == ["bb", "aa"]
+    assert attrs["ensemble"]["weights"] == [0.25, 0.75]
+    ensemble_volume([a, plain], [1, 1], tmp_path / "ac.zarr")
+    assert "weights_sha256" not in dict(open_volume(tmp_path / "ac.zarr").attrs)

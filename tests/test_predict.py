@@ -29,7 +29,7 @@ from ctseg import rule_args
 from ctseg.cli import main
 from ctseg.config import load_config
 from ctseg.network.model import build_model
-from ctseg.training.checkpoint import save_checkpoint
+from ctseg.training.checkpoint import save_checkpoint, stored_digest
 
 MODEL = {"filters": [4, 8]}
 PATCH = [16, 16, 16]
@@ -337,3 +337,26 @@ def test_a_device_this_machine_lacks_and_an_unwritable_output_are_one_line(
     line = cli_error([*run, "-o", str(tmp_path / "afile"), "--device", "cpu"], capsys)
     assert line.startswith(f"ctseg predict: error: {tmp_path / 'afile'}: ") and "folder" in line
     assert (tmp_path / "afile").read_text().startswith("a file")
+
+
+def test_settings_tuned_for_other_weights_are_refused(project, tmp_path, capsys):
+    """tuned.json says which weights its search scored (`made_with`); after a retrain the run's
+    last.pt is another file, and predict refuses the stale settings instead of applying them
+    to the new model's probabilities. Fixed settings still predict."""
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    run_dir = project / "results" / "tiny"
+    tuned_file = run_dir / "postprocess" / "tuned.json"
+    tuned = json.loads(tuned_file.read_text())
+    made = {"weights_sha256": [stored_digest(run_dir / "last.pt")], "ensemble_weights": None}
+    tuned_file.write_text(json.dumps({**tuned, "made_with": made}))
+    predict(project, "tiny", volumes, tmp_path / "ok")  # tuned for these weights: applied
+    save_run(run_dir, seed=9)  # retrained: another last.pt, tuned.json left as it was
+    args = ["predict", "--run", str(run_dir), "-i", str(volumes), "-o", str(tmp_path / "o"),
+            "--experiments-dir", str(project / "config" / "experiments"),
+            "--device", "cpu"]  # fmt: skip
+    line = cli_error(args, capsys)
+    assert line.startswith(f"ctseg predict: error: {tuned_file}: tuned on the probabilities of ")
+    assert "its weights files changed" in line and "rerun the search" in line
+    assert not (tmp_path / "o").exists()
+    predict(project, "tiny", volumes, tmp_path / "fixed", "--threshold", "0.5")

@@ -25,6 +25,7 @@ from ctseg.io import CtsegError
 from ctseg.postprocess import tuning
 from ctseg.postprocess.masks import PostprocessSettings, binary_mask, hysteresis
 from ctseg.store import create_volume
+from ctseg.training.checkpoint import stored_digest
 
 NOISE_BLOBS = [(12, 5, 5), (12, 20, 10), (26, 10, 20), (2, 15, 15)]
 
@@ -303,6 +304,11 @@ def test_workflow_tunes_on_val_and_applies_it_to_test_volumes(tmp_path: Path):
     val_ids = list(split.loc[split["split"] == "val", "id"])
     tuned = json.loads((results / "postprocess" / "tuned.json").read_text())
     assert tuned["volumes"] == val_ids and tuned["topo_method"] == "betti_matching"
+    # Which weights it was tuned for: what ctseg predict checks it against.
+    assert tuned["made_with"] == {
+        "weights_sha256": [stored_digest(results / "last.pt")],
+        "ensemble_weights": None,
+    }
     candidates = pd.read_csv(results / "postprocess" / "candidates.csv")
     # Two thresholds, refine, (2 offset pairs + the fixed pair) x 2 modes, a size, fill, and the
     # default plugging, patching and closing.
@@ -880,3 +886,18 @@ def test_the_search_builds_each_stages_base_once(tmp_path: Path, monkeypatch):
     whole_best, whole = tuning.search([volume], topo_method="betti_counts")
     assert whole_best.settings == best.settings
     assert [(c.settings, c.scores) for c in whole] == [(c.settings, c.scores) for c in candidates]
+
+
+def test_tuned_json_says_which_weights_made_the_probabilities(tmp_path: Path):
+    """`made_with`: the weights files (and ensemble weights) the val probabilities were made
+    with, from their stores; stores that disagree are an error, not a search over two models;
+    stores that do not say give None (nothing to check later)."""
+    a, b = surface_case(tmp_path, "a", 4), surface_case(tmp_path, "b", 5)
+    assert tuning.made_with([a, b]) is None
+    for volume, digest in ((a, "d1"), (b, "d1")):
+        store = zarr.open_array(str(volume.probabilities), mode="r+")
+        store.attrs["weights_sha256"] = [digest]
+    assert tuning.made_with([a, b]) == {"weights_sha256": ["d1"], "ensemble_weights": None}
+    zarr.open_array(str(b.probabilities), mode="r+").attrs["weights_sha256"] = ["d2"]
+    with pytest.raises(CtsegError, match=r"b.zarr: made with other weights than .*a.zarr"):
+        tuning.made_with([a, b])

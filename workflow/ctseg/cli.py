@@ -304,6 +304,7 @@ def _fixed_postprocess(args: argparse.Namespace) -> PostprocessSettings:
 
 def cmd_infer(args: argparse.Namespace) -> None:
     from ctseg.inference.run import load_model, predict_record
+    from ctseg.training.checkpoint import stored_digest
 
     # Both settings are checked when made, before the (long) inference, which would otherwise
     # run only to have postprocess refuse them.
@@ -317,6 +318,7 @@ def cmd_infer(args: argparse.Namespace) -> None:
         Path(args.mask) if args.mask else None,
         inference.with_window(patch),
         postprocess,
+        stored_digest(Path(args.weights)),
     )
     print(strict_json(row, indent=1, default=str))
 
@@ -326,6 +328,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
     from ctseg.postprocess.tuning import load_tuned
 
     inference = _inference_settings(args)
+    run = resolve_run(Path(args.run), Path(args.experiments_dir), Path(args.ensembles_dir))
     if args.settings:
         if _fixed_given(args):
             raise CtsegError(
@@ -335,9 +338,8 @@ def cmd_predict(args: argparse.Namespace) -> None:
         postprocess, source = load_tuned(Path(args.settings)), args.settings
     else:
         postprocess, source = run_postprocess(
-            Path(args.run), _fixed_postprocess(args), bool(_fixed_given(args))
+            run, _fixed_postprocess(args), bool(_fixed_given(args))
         )
-    run = resolve_run(Path(args.run), Path(args.experiments_dir), Path(args.ensembles_dir))
     summary = predict_folder(
         run,
         Path(args.input),

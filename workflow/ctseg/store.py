@@ -35,6 +35,10 @@ from ctseg.io import CtsegError
 DEFAULT_CODEC: dict[str, Any] = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
 TARGET_VOLUMES = ("ignore", "foreground", "skeleton", "tube", "sdt")
 MASK_BITS = {"foreground": 1, "ignore": 2, "skeleton": 4, "tube": 8}
+# A probability store's attribute naming the weights files it was made with: their sha256
+# (`ctseg.training.checkpoint.stored_digest`), in member order for an ensemble. tuned.json
+# keeps it, so that `ctseg predict` can tell settings tuned for other weights.
+WEIGHTS_ATTRIBUTE = "weights_sha256"
 
 
 def pack_masks(targets: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -53,7 +53,7 @@ import zarr
 
 from ctseg.config import check_weights, default_step
 from ctseg.io import CtsegError, atomic_path, check_id, strict_json
-from ctseg.store import create_volume, open_volume
+from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume, open_volume
 
 # What ctseg.inference.volume.infer_volume records about its blending; members must agree on all of
 # them.
@@ -154,9 +154,12 @@ def ensemble_volume(
     shape = tuple(int(s) for s in ref.shape)
     depth = slab_depth(shape, int(ref.chunks[0]), memory_budget_mb)
     attributes = {
-        **{k: v for k, v in dict(ref.attrs).items() if k != "ensemble"},
+        **{k: v for k, v in dict(ref.attrs).items() if k not in ("ensemble", WEIGHTS_ATTRIBUTE)},
         "ensemble": {"members": [str(p) for p in members], "weights": norm},
     }
+    weights_files = [a.attrs.get(WEIGHTS_ATTRIBUTE) for a in arrays]
+    if all(isinstance(w, list) for w in weights_files):  # every member says what made it
+        attributes[WEIGHTS_ATTRIBUTE] = [d for w in weights_files for d in w]
     t0 = time.perf_counter()
     with atomic_path(out) as tmp:
         store = create_volume(tmp, shape, np.float16, ref.chunks, attributes=attributes)

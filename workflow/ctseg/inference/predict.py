@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ctseg.config import load_ensemble, load_experiment
+from ctseg.config import check_weights, load_ensemble, load_experiment
 from ctseg.inference.ensemble import ensemble_volume, load_weights
 from ctseg.inference.inputs import input_volumes
 from ctseg.inference.run import load_model
@@ -56,6 +58,8 @@ from ctseg.postprocess.tuning import load_tuned
 from ctseg.postprocess.write import write_mask
 from ctseg.preprocess.convert import convert_volume, read_header
 from ctseg.runs import cv_base
+from ctseg.store import WEIGHTS_ATTRIBUTE
+from ctseg.training.checkpoint import stored_digest
 
 EXPERIMENTS_DIR = Path("config/experiments")
 ENSEMBLES_DIR = Path("config/ensembles")
@@ -141,16 +145,47 @@ def _folds_lookup(experiments_dir: Path) -> Callable[[str], int | None]:
 
 
 def run_postprocess(
-    run_dir: Path, fixed: PostprocessSettings, fixed_given: bool
+    run: PredictRun, fixed: PostprocessSettings, fixed_given: bool
 ) -> tuple[PostprocessSettings, str]:
     """The run's post-processing and where it comes from: ``postprocess/tuned.json`` when it
-    exists and no fixed setting was given, else `fixed`."""
-    tuned = Path(run_dir) / TUNED_FILE
+    exists and no fixed setting was given, else `fixed`. A tuned.json made with other weights
+    than the run's now (the run was retrained, and its search not rerun) is refused: its
+    settings were chosen for another model's probabilities."""
+    tuned = run.directory / TUNED_FILE
     if fixed_given:
         return fixed, "the fixed settings given"
-    if tuned.is_file():
-        return load_tuned(tuned), str(tuned)
-    return fixed, f"the fixed defaults ({tuned} does not exist)"
+    if not tuned.is_file():
+        return fixed, f"the fixed defaults ({tuned} does not exist)"
+    settings = load_tuned(tuned)
+    made_with = json.loads(tuned.read_text()).get("made_with")
+    if made_with is None:  # written before ctseg recorded its weights: nothing to check
+        return settings, str(tuned)
+    current = {
+        WEIGHTS_ATTRIBUTE: [stored_digest(f) for f in run.weight_files],
+        "ensemble_weights": None
+        if run.kind == "trained"
+        else check_weights(run.weights, len(run.weights), run.weights_from),
+    }
+    same_files = made_with.get(WEIGHTS_ATTRIBUTE) == current[WEIGHTS_ATTRIBUTE]
+    tuned_mix = made_with.get("ensemble_weights")
+    same_mix = (tuned_mix is None) == (current["ensemble_weights"] is None) and (
+        tuned_mix is None
+        or (
+            len(tuned_mix) == len(current["ensemble_weights"])
+            and all(
+                math.isclose(a, b, abs_tol=1e-9)
+                for a, b in zip(tuned_mix, current["ensemble_weights"], strict=True)
+            )  # fmt: skip
+        )
+    )
+    if not (same_files and same_mix):
+        raise CtsegError(
+            f"{tuned}: tuned on the probabilities of other weights than {run.name}'s now "
+            f"({'its weights files' if not same_files else 'its ensemble weights'} changed "
+            f"since: retrained?); rerun the search (snakemake {tuned}), or give fixed settings "
+            "(--threshold ...) or --settings"
+        )
+    return settings, str(tuned)
 
 
 # ----------------------------------------------------------------------------- predicting
@@ -271,13 +306,14 @@ def _predict_volume(
     image = work / "images" / f"{rid}.zarr"
     convert_volume(source, image, kind="image")
     prob = Path(probabilities_dir) / f"{rid}.zarr" if probabilities_dir else work / f"{rid}.zarr"
+    digests = [stored_digest(f) for f in run.weight_files]
     if run.kind == "trained":
         model, patch = models[0]
-        info = infer_volume(model, image, prob, inference.with_window(patch))
+        info = infer_volume(model, image, prob, inference.with_window(patch), digests[0])
     else:
         member_probs = [work / "members" / m / f"{rid}.zarr" for m in run.members]
-        for (model, patch), member_prob in zip(models, member_probs, strict=True):
-            infer_volume(model, image, member_prob, inference.with_window(patch))
+        for (model, patch), member_prob, digest in zip(models, member_probs, digests, strict=True):
+            infer_volume(model, image, member_prob, inference.with_window(patch), digest)
         info = ensemble_volume(
             member_probs,
             run.weights,

@@ -19,7 +19,7 @@ from ctseg.io import CtsegError, check_id
 from ctseg.network.model import build_model
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.write import write_mask
-from ctseg.training.checkpoint import verify_checksum
+from ctseg.training.checkpoint import stored_digest, verify_checksum
 from ctseg.training.distributed import pick_device
 
 WEIGHT_KEYS = ("model", "model_config", "patch_size")
@@ -94,7 +94,9 @@ def infer_records(
     rows = []
     for rid, store in zip(ids, image_stores, strict=True):
         prob, tif = Path(prob_dir) / f"{rid}.zarr", Path(out_dir) / f"{rid}.tif"
-        row = predict_record(model, Path(store), prob, tif, settings, postprocess)
+        row = predict_record(
+            model, Path(store), prob, tif, settings, postprocess, stored_digest(Path(weights))
+        )
         flat = {k: v for k, v in row.items() if k not in ("inference", "mask")}
         rows.append({"id": rid, **flat, **row["inference"], **row["mask"]})
     return rows
@@ -107,11 +109,13 @@ def predict_record(
     mask: Path | None,
     inference: InferenceSettings,
     postprocess: PostprocessSettings,
+    weights_sha256: str | None = None,
 ) -> dict[str, Any]:
     """One volume: the probabilities (`infer_volume`), then the post-processed mask (none when
     `mask` is None: the workflow post-processes in a step of its own, with settings tuned on the
-    val split's probabilities). Both settings are checked when made, before the long inference."""
-    info = infer_volume(model, Path(image_store), Path(probabilities), inference)
+    val split's probabilities). Both settings are checked when made, before the long inference.
+    `weights_sha256`: the weights file's digest, kept with the probabilities."""
+    info = infer_volume(model, Path(image_store), Path(probabilities), inference, weights_sha256)
     post = None if mask is None else write_mask(Path(probabilities), Path(mask), postprocess)
     return {
         "prediction": None if mask is None else str(mask),

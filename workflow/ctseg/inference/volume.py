@@ -68,7 +68,7 @@ from ctseg.inference.windows import (
 )
 from ctseg.io import CtsegError, atomic_path
 from ctseg.postprocess.write import open_checked
-from ctseg.store import create_volume
+from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -325,9 +325,15 @@ def predict_volume(
 
 
 def infer_volume(
-    model: torch.nn.Module, image_store: Path, prob_store: Path, settings: InferenceSettings
+    model: torch.nn.Module,
+    image_store: Path,
+    prob_store: Path,
+    settings: InferenceSettings,
+    weights_sha256: str | None = None,
 ) -> dict[str, Any]:
     """Blended sliding-window probabilities of `image_store`, written to a float16 Zarr store.
+    `weights_sha256`: the digest of the weights file the model was loaded from, kept in the
+    store's attributes (`ctseg.store.WEIGHTS_ATTRIBUTE`).
 
     Resident on the device when `resident_bytes` fits the device budget (module docstring),
     else streamed in z-slabs under ``memory_budget_mb``. The model is moved to the device and
@@ -358,6 +364,8 @@ def infer_volume(
         "blending": f"gaussian sigma=window*{SIGMA_SCALE}",
         "value": "foreground probability (sigmoid)",
     }
+    if weights_sha256 is not None:
+        attributes[WEIGHTS_ATTRIBUTE] = [weights_sha256]
 
     # Each forward frees and reallocates the same activation buffers (28 MB per tensor for a
     # batch of four 48^3 windows at 16 channels); glibc would hand them back to the OS and

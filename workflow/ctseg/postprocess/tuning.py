@@ -11,7 +11,9 @@ and writes
 
 * ``tuned.json``: the settings applied, their mean score, the default's (threshold 0.5 and
   nothing else) and the gain over it, the search's best candidate, the search space and its
-  size;
+  size, and ``made_with``: the weights files (their sha256) and ensemble weights the
+  probabilities were made with (`made_with`), which `ctseg predict` checks against the run's
+  weights before it applies the settings;
 * ``candidates.csv``: one row per candidate scored: the stage, the settings, the mean score and
   its three terms, and each volume's score.
 
@@ -130,6 +132,7 @@ from ctseg.postprocess.masks import (
     PostprocessSettings,
     settings_from_mapping,
 )
+from ctseg.store import WEIGHTS_ATTRIBUTE
 
 DEFAULT_SETTINGS = PostprocessSettings()
 TUNED_JSON = "tuned.json"
@@ -655,6 +658,7 @@ def tune_postprocess(
     if duplicates:
         raise CtsegError(f"volumes with the same id {duplicates}: their scores would collide")
     t0 = time.perf_counter()
+    made = made_with(volumes)
     foreground = labelled_foreground(volumes)
     reason = untunable_reason(foreground)
     if reason is not None:
@@ -672,6 +676,7 @@ def tune_postprocess(
             "min_gain": MIN_GAIN,
             "topo_method": topo_method,
             "volumes": ids,
+            "made_with": made,
             "foreground_voxels": foreground,
             "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
             "candidates": 0,
@@ -705,6 +710,7 @@ def tune_postprocess(
         "min_gain": MIN_GAIN,
         "topo_method": topo_method,
         "volumes": ids,
+        "made_with": made,
         "foreground_voxels": foreground,
         "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
         "candidates": len(candidates),
@@ -770,6 +776,32 @@ def _write_outputs(out_dir: Path, summary: dict[str, Any], table: pd.DataFrame) 
     ):
         table.to_csv(csv_tmp, index=False)
         json_tmp.write_text(text)
+
+
+def made_with(volumes: Sequence[Volume]) -> dict[str, Any] | None:
+    """The weights the volumes' probabilities were made with (`ctseg.store.WEIGHTS_ATTRIBUTE`,
+    and an ensemble's weights), the same for every volume, or None where the stores do not say
+    (written before ctseg recorded it). tuned.json keeps it, so that `ctseg predict` refuses
+    settings tuned for other weights. Probabilities of different weights are an error: the
+    search would tune on a mix of models."""
+    from ctseg.store import open_volume
+
+    found: dict[str, Volume] = {}
+    for v in volumes:
+        attrs = dict(open_volume(v.probabilities).attrs)
+        made = {
+            WEIGHTS_ATTRIBUTE: attrs.get(WEIGHTS_ATTRIBUTE),
+            "ensemble_weights": (attrs.get("ensemble") or {}).get("weights"),
+        }
+        found.setdefault(json.dumps(made, sort_keys=True), v)
+    if len(found) > 1:
+        first, other = list(found.values())[:2]
+        raise CtsegError(
+            f"{other.probabilities}: made with other weights than {first.probabilities}: the "
+            "val volumes' probabilities must come from one model; rerun infer for the run"
+        )
+    made = json.loads(next(iter(found))) if found else {WEIGHTS_ATTRIBUTE: None}
+    return made if made[WEIGHTS_ATTRIBUTE] is not None else None
 
 
 def labelled_foreground(volumes: Sequence[Volume]) -> dict[str, int]:

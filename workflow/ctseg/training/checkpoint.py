@@ -276,6 +276,20 @@ def verify_checksum(path: Path) -> bool | None:
         )
 
 
+def stored_digest(path: Path) -> str | None:
+    """The sha256 written in `path`'s checksum trailer (not recomputed: `verify_checksum` does
+    that), or None without a trailer: what names a weights file in the outputs made with it."""
+    size = os.path.getsize(path)
+    if size < TRAILER_BYTES:
+        return None
+    with open(path, "rb") as handle:
+        handle.seek(size - TRAILER_BYTES)
+        trailer = handle.read(TRAILER_BYTES)
+    if not trailer.startswith(CHECKSUM_TAG):
+        return None
+    return trailer[len(CHECKSUM_TAG) :].decode("ascii", "replace")
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint's contents, once its checksum is verified; one without a checksum is
     refused like a damaged one, since damage in it could not be found."""
