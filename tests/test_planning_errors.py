@@ -19,6 +19,7 @@ from ctseg.config import (
     read_yaml,
 )
 from ctseg.io import CtsegError
+from ctseg.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,48 @@ def test_phases_and_ensembles_are_read_with_the_same_check(tmp_path: Path) -> No
     ensemble.write_text("name: ens\nmembers: [a, b]\nweights: [1, 1]\nweights: [3, 1]\n")
     with pytest.raises(CtsegError, match=r"ens.yaml:4: key 'weights' appears twice"):
         load_ensemble(ensemble, {"a", "b"})
+
+
+# ----------------------------------------------------------------------------- dataset files
+def kaggle_dataset(root: Path, ids: list[str], test_ids: list[str] = ()) -> Path:
+    """train.csv and test.csv with their files (read_records only looks for them)."""
+    for split, listed in (("train", ids), ("test", test_ids)):
+        folders = ("train_images", "train_labels") if split == "train" else ("test_images",)
+        for folder in folders:
+            (root / folder).mkdir(parents=True, exist_ok=True)
+            for record_id in listed:
+                (root / folder / f"{record_id}.tif").touch()
+        rows = "".join(f"{i},1\n" for i in listed)
+        (root / f"{split}.csv").write_text("id,scroll_id\n" + rows)
+    return root
+
+
+def test_every_missing_record_file_is_named_at_once(tmp_path: Path) -> None:
+    root = kaggle_dataset(tmp_path / "data", [f"v{i}" for i in range(6)])
+    for i in range(5):
+        (root / "train_images" / f"v{i}.tif").unlink()
+    (root / "train_labels" / "v0.tif").unlink()
+    with pytest.raises(CtsegError) as info:
+        read_records(root)
+    message = str(info.value)
+    csv = root / "train.csv"
+    assert message.startswith(f"{csv}: 5 listed ids lack their files: 'v0' (")
+    assert f"{root}/train_images/v0.tif and {root}/train_labels/v0.tif do not exist" in message
+    assert "'v1'" in message and "'v2'" in message and "and 2 more" in message
+    assert "'v3'" not in message and "'v5'" not in message
+    assert message.endswith(f"remove those rows from {csv}, or add their files")
+
+
+def test_missing_files_of_both_csv_files_are_named_together(tmp_path: Path) -> None:
+    root = kaggle_dataset(tmp_path / "data", ["a", "b"], ["t"])
+    (root / "train_labels" / "b.tif").unlink()
+    (root / "test_images" / "t.tif").unlink()
+    with pytest.raises(CtsegError) as info:
+        read_records(root)
+    message = str(info.value)
+    assert f"{root}/train.csv: id 'b' is listed but {root}/train_labels/b.tif" in message
+    assert f"; also {root}/test.csv: id 't' is listed but {root}/test_images/t.tif" in message
+    assert message.endswith(f"remove its row from {root}/test.csv, or add the file")
 
 
 # ----------------------------------------------------------------------------- the workflow

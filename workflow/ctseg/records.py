@@ -65,34 +65,63 @@ def read_csv(path: Path, require_rows: bool = False) -> pd.DataFrame:
 def read_records(dataset_dir: str | Path, require_files: bool = True) -> pd.DataFrame:
     """All records, with columns id, scroll_id, split, image and label ("" when absent)."""
     dataset_dir = Path(dataset_dir)
-    frames = []
+    frames, lacking = [], []
     for split in SPLITS:
         csv_path = dataset_dir / f"{split}.csv"
         if split == "test" and not csv_path.exists():
             continue
         table = read_csv(csv_path, require_rows=split == "train").assign(split=split)
         images, labels = [], []
+        missing: dict[str, list[Path]] = {}  # id -> the files it lacks
         for record_id in table["id"]:
             image = find_volume(dataset_dir / f"{split}_images", record_id)
             label = find_volume(dataset_dir / f"{split}_labels", record_id)
-            if require_files and image is None:
-                raise CtsegError(
-                    f"{csv_path}: id {record_id!r} is listed but "
-                    f"{dataset_dir / f'{split}_images' / record_id}.tif does not exist"
+            if image is None:
+                missing.setdefault(record_id, []).append(
+                    dataset_dir / f"{split}_images" / f"{record_id}.tif"
                 )
-            if require_files and split == "train" and label is None:
-                raise CtsegError(
-                    f"{csv_path}: id {record_id!r} is listed but "
-                    f"{dataset_dir / 'train_labels' / record_id}.tif does not exist"
+            if split == "train" and label is None:
+                missing.setdefault(record_id, []).append(
+                    dataset_dir / "train_labels" / f"{record_id}.tif"
                 )
             images.append(str(image) if image else "")
             labels.append(str(label) if label else "")
+        if require_files and missing:
+            lacking.append(missing_files_message(csv_path, missing))
         frames.append(table.assign(image=images, label=labels))
+    if lacking:  # both csv files at once, too
+        raise CtsegError("; also ".join(lacking))
     records = pd.concat(frames, ignore_index=True)
     clash = records["id"][records["id"].duplicated()].unique().tolist()
     if clash:
         raise CtsegError(f"{dataset_dir}: id(s) {clash} appear in both train.csv and test.csv")
     return records
+
+
+# The missing files a message names, before "and N more": enough to see a pattern.
+MISSING_SHOWN = 3
+
+
+def missing_files_message(csv_path: Path, missing: Mapping[str, list[Path]]) -> str:
+    """Every listed id without its files in one line (the count and the first few), so that a
+    copy that lost many volumes is not found one rerun at a time."""
+
+    def lacks(files: list[Path]) -> str:
+        return " and ".join(str(f) for f in files) + (" do" if len(files) > 1 else " does")
+
+    if len(missing) == 1:
+        [(record_id, files)] = missing.items()
+        return (
+            f"{csv_path}: id {record_id!r} is listed but {lacks(files)} not exist; remove its "
+            f"row from {csv_path}, or add the file"
+        )
+    shown = [f"{i!r} ({lacks(files)} not exist)" for i, files in missing.items()]
+    more = len(missing) - MISSING_SHOWN
+    listed = ", ".join(shown[:MISSING_SHOWN]) + (f" and {more} more" if more > 0 else "")
+    return (
+        f"{csv_path}: {len(missing)} listed ids lack their files: {listed}; remove those rows "
+        f"from {csv_path}, or add their files"
+    )
 
 
 # --------------------------------------------------------------------------- record selection
