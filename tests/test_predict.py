@@ -242,6 +242,9 @@ def test_folder_and_run_errors_name_the_path(project, tmp_path, capsys):
     assert "two volumes with the id 'a'" in cli_error([*run, "-i", str(volumes)], capsys)
     (volumes / "a.tiff").unlink()
     assert "no such folder of volumes" in cli_error([*run, "-i", str(tmp_path / "x")], capsys)
+    one_file = cli_error([*run, "-i", str(volumes / "a.tif")], capsys)
+    assert f"{volumes / 'a.tif'}: a file, where a folder of volumes is expected" in one_file
+    assert f"({volumes}), with --only a " in one_file
     missing = [
         "predict",
         "--run",

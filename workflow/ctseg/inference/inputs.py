@@ -17,6 +17,11 @@ def input_volumes(folder: Path) -> dict[str, Path]:
     (a multi-page TIFF) or ``<id>/`` (a folder of 2D slice TIFFs). Hidden entries are skipped
     (macOS's ``._*`` files); anything else is an error naming it."""
     folder = Path(folder)
+    if folder.is_file():
+        raise CtsegError(
+            f"{folder}: a file, where a folder of volumes is expected; give the folder that "
+            f"holds it ({folder.parent}), with --only {folder.name.split('.')[0]} for this one"
+        )
     if not folder.is_dir():
         raise CtsegError(f"{folder}: no such folder of volumes")
     found: dict[str, Path] = {}
