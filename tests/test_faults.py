@@ -582,6 +582,7 @@ def test_each_dataset_has_its_own_preprocessed_stores(workdir):
             None,
         ),
     ],
+    ids=["disk-full", "permission", "ctseg-own"],
 )
 def test_an_os_error_is_one_line_naming_the_path_and_an_interrupt_says_so(
     tmp_path, monkeypatch, capsys, raised, line
@@ -611,4 +612,23 @@ def test_an_os_error_is_one_line_naming_the_path_and_an_interrupt_says_so(
     assert cli_main(args) == 130
     assert capsys.readouterr().err.strip().splitlines() == [
         "ctseg postprocess: interrupted; nothing partial was kept"
+    ]
+
+
+def test_a_full_disk_raised_deep_in_a_library_is_still_one_line(tmp_path, monkeypatch, capsys):
+    """zarr's async writers raise the OS error while handling another (its context, not its
+    cause): a full disk found anywhere in the chain is still the one line."""
+    from ctseg.postprocess import write
+
+    def fails(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/scratch/p.zarr/c/0/0/0")
+        except OSError:
+            raise RuntimeError("task failed")  # noqa: B904 - as the library does
+
+    monkeypatch.setattr(write, "write_mask", fails)
+    assert cli_main(["postprocess", str(tmp_path / "p.zarr"), str(tmp_path / "m.tif")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"ctseg postprocess: error: /scratch/p.zarr/c/0/0/0: {os.strerror(errno.ENOSPC)}; free "
+        "some space there and rerun"
     ]

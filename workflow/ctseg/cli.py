@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ctseg import __version__
-from ctseg.io import CtsegError, os_error_line, strict_json
+from ctseg.io import CtsegError, disk_full, os_error_line, strict_json
 
 # `ArgumentParser.add_subparsers().add_parser`: each subcommand's builder adds itself with it.
 AddParser = Callable[..., argparse.ArgumentParser]
@@ -1075,7 +1075,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A folder that cannot be written, a full disk, a file where a folder should be: the
         # user's to fix, so one line naming the path rather than a traceback. Anything else
         # is ctseg's own error and keeps its traceback.
-        line = os_error_line(exc)
+        line = os_error_line(disk_full(exc) or exc)  # a full disk, however deep it was raised
         if line is None:
             raise
         print(f"ctseg {args.command}: error: {line}", file=sys.stderr)
