@@ -13,6 +13,7 @@ import yaml
 from conftest import TINY_CONFIG, TINY_EXPERIMENT, copy_workflow, run_snakemake
 
 from ctseg.config import (
+    check_configured_phase,
     load_ensemble,
     load_experiment,
     load_phases,
@@ -80,6 +81,20 @@ def test_phases_and_ensembles_are_read_with_the_same_check(tmp_path: Path) -> No
     ensemble.write_text("name: ens\nmembers: [a, b]\nweights: [1, 1]\nweights: [3, 1]\n")
     with pytest.raises(CtsegError, match=r"ens.yaml:4: key 'weights' appears twice"):
         load_ensemble(ensemble, {"a", "b"})
+
+
+# ----------------------------------------------------------------------------- config phase
+@pytest.mark.parametrize("phase", [3.0, True, "3"])
+def test_only_a_whole_phase_number_or_auto_is_a_phase(phase: object) -> None:
+    phases = load_phases(REPO / "config" / "phases.yaml")
+    with pytest.raises(
+        CtsegError, match=r"is not a phase number: config/phases.yaml defines \[0, "
+    ):
+        check_configured_phase(phase, phases)
+    check_configured_phase(3, phases)
+    check_configured_phase("auto", phases)
+    with pytest.raises(CtsegError, match=r"config 'phase': 99 is not in config/phases.yaml"):
+        check_configured_phase(99, phases)
 
 
 # ----------------------------------------------------------------------------- dataset files
@@ -155,3 +170,34 @@ def test_a_second_infer_block_in_the_config_file_is_refused(tmp_path: Path) -> N
     config.write_text(yaml.safe_dump(TINY_CONFIG))
     line = refusal(workdir, "--configfile", str(extra))
     assert line.startswith(f"{extra}:3: key 'infer' appears twice (first at line 1)")
+
+
+def test_an_unset_variable_in_scratch_is_one_line(workdir: Path) -> None:
+    line = refusal(workdir, "--config", "scratch=$CTSEG_TEST_NEVER_SET/x")
+    assert line.startswith(
+        "config/config.yaml with --config: scratch: '$CTSEG_TEST_NEVER_SET/x' uses unset "
+        "environment variable(s) ['CTSEG_TEST_NEVER_SET']; export the variable, or set scratch"
+    )
+
+
+def test_a_phase_given_as_a_decimal_is_refused_naming_the_phases(workdir: Path) -> None:
+    line = refusal(workdir, "train", "--config", "phase=3.0")
+    assert line.startswith("config 'phase': 3.0 is not a phase number: config/phases.yaml defines ")
+    assert "[0, 1, 2, 3" in line and "or auto" in line
+
+
+def test_a_bad_phase_or_experiment_names_the_valid_ones(workdir: Path) -> None:
+    phase = refusal(workdir, "--config", "phase=abc")
+    assert phase.startswith("config/config.yaml with --config: phase: 'abc': expected a phase")
+    assert "config/phases.yaml ([0, 1, 2, 3" in phase and "or auto" in phase
+    experiment = refusal(workdir, "--config", "experiment=")
+    assert experiment.startswith("config/config.yaml with --config: experiment: no value: ")
+    assert "'tiny'" in experiment and "'exp001'" in experiment and "'ens_demo'" in experiment
+
+
+def test_an_error_in_the_config_file_says_with_config_only_when_given(tmp_path: Path) -> None:
+    workdir = copy_workflow(tmp_path, {**TINY_CONFIG, "dataset": 5})
+    line = refusal(workdir)
+    assert line == "config/config.yaml: dataset: 5 is not of type 'string'"
+    given = refusal(workdir, "--config", "phase=1")
+    assert given.startswith("config/config.yaml with --config: dataset: 5 is not of type")

@@ -29,7 +29,21 @@ import yaml
 from ctseg.io import CtsegError
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
+# Where the workflow reads its settings (relative to the working directory, as Snakemake runs).
 CONFIG_FILE = "config/config.yaml"
+PHASES_FILE = "config/phases.yaml"
+EXPERIMENTS_DIR = Path("config/experiments")
+ENSEMBLES_DIR = Path("config/ensembles")
+
+
+class SettingError(CtsegError):
+    """A value a schema refuses. `key` is where it sits (``("infer", "threshold")``) and `value`
+    what it is, for a caller that can say more than the schema about what the key may be."""
+
+    def __init__(self, message: str, key: tuple[str, ...], value: Any) -> None:
+        super().__init__(message)
+        self.key = key
+        self.value = value
 
 
 class Frozen(dict):
@@ -95,8 +109,9 @@ def validated(data: Any, schema_name: str, where: str) -> dict[str, Any]:
     )
     if errors:
         first = errors[0]
-        key = ".".join(str(p) for p in first.absolute_path) or "(top level)"
-        raise CtsegError(f"{where}: {key}: {first.message}")
+        path = tuple(str(p) for p in first.absolute_path)
+        key = ".".join(path) or "(top level)"
+        raise SettingError(f"{where}: {key}: {first.message}", path, first.instance)
     return data
 
 
@@ -401,6 +416,24 @@ def select_phase(phases: Mapping[int, Phase], phase: int | str, where: str) -> t
     if number not in phases:
         raise CtsegError(f"{where}: phase {number} is not defined (it defines {sorted(phases)})")
     return number, phases[number]
+
+
+def check_configured_phase(phase: Any, phases: Mapping[int, Phase]) -> None:
+    """Config `phase`: auto, or a phase of `phases` as a whole number. The schema takes 3.0 for
+    an integer and 3.0 in `phases` is true, so without this the train job would be the first to
+    refuse it."""
+    if phase == "auto":
+        return
+    if isinstance(phase, bool) or not isinstance(phase, int):
+        raise CtsegError(
+            f"config 'phase': {phase!r} is not a phase number: {PHASES_FILE} defines "
+            f"{sorted(phases)}; choose one of them (as 3, not 3.0), or auto"
+        )
+    if phase not in phases:
+        raise CtsegError(
+            f"config 'phase': {phase} is not in {PHASES_FILE} (it defines {sorted(phases)}); "
+            "choose one of them, or auto"
+        )
 
 
 def check_trial_phases(exp: Experiment, phases: Mapping[int, Phase], exp_path: str) -> None:

@@ -7,10 +7,9 @@ import time
 from pathlib import Path
 
 from ctseg import layout, rule_args
-from ctseg.config import load_phases, settings_used
+from ctseg.config import check_configured_phase, load_phases, settings_used
 from ctseg.io import CtsegError
 from ctseg.preprocess.demo_data import demo_dataset
-from ctseg.preprocess.stage import expand_scratch
 from ctseg.records import read_records
 from ctseg.run_settings import SETTINGS_JSON, read_run_settings
 from ctseg.runs import Runs, base_of, cv_base, fold_of
@@ -28,11 +27,9 @@ STORE = layout.store_root(config["dataset"])
 IMAGE_STORE = layout.image_store(STORE, "{id}")
 LABEL_STORE = layout.label_store(STORE, "{id}")
 TARGET_STORE = layout.target_store(STORE, "{id}")
-EXPERIMENTS_DIR = Path("config/experiments")
-ENSEMBLES_DIR = Path("config/ensembles")
-PHASES_FILE = "config/phases.yaml"
+# EXPERIMENTS_DIR, ENSEMBLES_DIR and PHASES_FILE are ctseg.config's (imported in settings.smk).
 STARTED = time.time()
-SCRATCH_ROOT = layout.scratch_root(expand_scratch(config["scratch"]), config["dataset"])
+SCRATCH_ROOT = layout.scratch_root(configured_scratch(), config["dataset"])
 
 
 def planning(function):
@@ -114,11 +111,7 @@ wildcard_constraints:
 # Every experiment and ensemble file, and the configured phase, checked when the workflow loads:
 # a bad one is one line naming its file, whatever the target.
 planning(RUNS.check_all)()
-if config["phase"] != "auto" and config["phase"] not in PHASES:
-    refuse(
-        f"config 'phase': {config['phase']} is not in {PHASES_FILE} (it defines "
-        f"{sorted(PHASES)}); choose one of them, or auto"
-    )
+planning(check_configured_phase)(config["phase"], PHASES)
 
 
 @planning

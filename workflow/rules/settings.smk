@@ -3,8 +3,20 @@ import sys
 from snakemake.utils import validate
 
 from ctseg.cluster import check_placeholders
-from ctseg.config import CONFIG_FILE, command_line_values, load_config, read_yaml
+from ctseg.config import (
+    CONFIG_FILE,
+    ENSEMBLES_DIR,
+    EXPERIMENTS_DIR,
+    PHASES_FILE,
+    SettingError,
+    command_line_values,
+    load_config,
+    load_phases,
+    read_yaml,
+)
 from ctseg.io import CtsegError
+from ctseg.preprocess.stage import expand_scratch
+from ctseg.runs import yaml_names
 
 
 def refuse(message):
@@ -12,6 +24,16 @@ def refuse(message):
     traceback, which would only point into the workflow's own code."""
     print(f"ctseg: {message}", file=sys.stderr)
     raise SystemExit(1)
+
+
+def config_source():
+    """Where the config's values come from, as an error names it: config/config.yaml, and any
+    --configfile or --config given on the command line."""
+    settings = workflow.config_settings
+    source = CONFIG_FILE
+    for path in settings.configfiles:
+        source += f" with --configfile {path}"
+    return source + (" with --config" if settings.config else "")
 
 
 def check_config_files():
@@ -31,16 +53,40 @@ check_config_files()
 configfile: CONFIG_FILE
 
 
+def choices(key):
+    """What a top-level key whose values are named in other files may be, listed in full; None
+    for any other key (the schema's message says it)."""
+    if key == ("phase",):
+        try:
+            phases = sorted(load_phases(PHASES_FILE))
+        except CtsegError as exc:
+            refuse(exc)
+        return f"expected a phase of {PHASES_FILE} ({phases}), or auto"
+    if key == ("experiment",):
+        return (
+            f"expected a run, or a list of runs: an experiment of {EXPERIMENTS_DIR}/ "
+            f"({yaml_names(EXPERIMENTS_DIR)}), a fold <experiment>.fold<i>, a "
+            f"cross-validation <experiment>.cv, or an ensemble of {ENSEMBLES_DIR}/ "
+            f"({yaml_names(ENSEMBLES_DIR)})"
+        )
+    return None
+
+
 def check_config():
     """Nested --config values read as YAML (so `--config 'infer={threshold: 0.3}'` sets one
     key), then one line naming the key and the problem for anything the schema refuses.
+    Returns the config with its defaults filled in.
     """
     command_line_values(config)
     try:
-        load_config(config, f"{CONFIG_FILE} with --config")
-    except CtsegError as exc:
+        return load_config(config, config_source())
+    except SettingError as exc:
+        expected = choices(exc.key)
+        if expected is not None:
+            value = "no value" if exc.value is None else repr(exc.value)
+            refuse(f"{config_source()}: {'.'.join(exc.key)}: {value}: {expected}")
         hint = ""
-        if "is not of type" in str(exc):
+        if "is not of type" in str(exc) and workflow.config_settings.config:
             hint = (
                 ". A nested key is set with e.g. --config 'infer={threshold: 0.3}' "
                 "(the section's other keys keep their values)"
@@ -50,6 +96,18 @@ def check_config():
 
 check_config()
 validate(config, schema="../schemas/config.schema.yaml")
+
+
+def configured_scratch():
+    """Config `scratch` with its $VARS expanded here, where stage runs; an unset one (as
+    `$TMPDIR` outside a cluster job) stops planning with the key named."""
+    try:
+        return expand_scratch(config["scratch"])
+    except CtsegError as exc:
+        refuse(
+            f"{config_source()}: {exc}; export the variable, or set scratch to a directory "
+            "(e.g. --config scratch=results/scratch)"
+        )
 
 
 def check_profile():
