@@ -186,6 +186,30 @@ def test_a_phase_given_as_a_decimal_is_refused_naming_the_phases(workdir: Path) 
     assert "[0, 1, 2, 3" in line and "or auto" in line
 
 
+@pytest.mark.parametrize(
+    ("infer", "expected"),
+    [
+        (
+            "infer={postprocess: fixed, hysteresis_high: 0.4}",
+            "infer: hysteresis_high=0.4: expected threshold (0.5) < hysteresis_high < 1",
+        ),
+        (
+            "infer={postprocess: fixed, hysteresis_mode: z}",
+            "infer: hysteresis_mode='z' needs hysteresis_high",
+        ),
+        (
+            "infer={tune: {hysteresis_pairs: [[0.9, 0.5]]}}",
+            "infer.tune: hysteresis_pairs [[0.9, 0.5]]: expected [low, high] pairs with 0 < low",
+        ),
+    ],
+)
+def test_post_processing_settings_are_checked_before_any_job(
+    workdir: Path, infer: str, expected: str
+) -> None:
+    line = refusal(workdir, "--config", infer)
+    assert line.startswith(f"config/config.yaml with --config: {expected}"), line
+
+
 def test_a_bad_phase_or_experiment_names_the_valid_ones(workdir: Path) -> None:
     phase = refusal(workdir, "--config", "phase=abc")
     assert phase.startswith("config/config.yaml with --config: phase: 'abc': expected a phase")

@@ -1,3 +1,4 @@
+import dataclasses
 import sys
 
 from snakemake.utils import validate
@@ -15,6 +16,8 @@ from ctseg.config import (
     read_yaml,
 )
 from ctseg.io import CtsegError
+from ctseg.postprocess.masks import PostprocessSettings
+from ctseg.postprocess.tuning import SearchSpace
 from ctseg.preprocess.stage import expand_scratch
 from ctseg.runs import yaml_names
 
@@ -94,7 +97,29 @@ def check_config():
         refuse(f"{exc}{hint}")
 
 
-check_config()
+def check_postprocess(infer):
+    """The fixed post-processing values and the search space of config `infer`, checked by the
+    very classes the postprocess and tune_postprocess jobs build from them, so that a bad
+    combination (hysteresis_high below threshold, hysteresis_mode z without hysteresis_high, a
+    pair [high, low]) stops planning, not a job after training and inference. Both are checked
+    whichever infer.postprocess uses, as every other value of the config is."""
+    fixed = {f.name: infer[f.name] for f in dataclasses.fields(PostprocessSettings)}
+    try:
+        PostprocessSettings(**fixed)
+    except CtsegError as exc:
+        refuse(f"{config_source()}: infer: {exc}")
+
+    def as_tuples(value):
+        # The search space's values as `ctseg tune-postprocess` gives them: lists as tuples.
+        return tuple(as_tuples(v) for v in value) if isinstance(value, list) else value
+
+    try:
+        SearchSpace(**{key: as_tuples(value) for key, value in infer["tune"].items()})
+    except CtsegError as exc:
+        refuse(f"{config_source()}: infer.tune: {exc}")
+
+
+check_postprocess(check_config()["infer"])
 validate(config, schema="../schemas/config.schema.yaml")
 
 
