@@ -363,3 +363,23 @@ def test_settings_tuned_for_other_weights_are_refused(project, tmp_path, capsys)
     assert "its weights files changed" in line and "rerun the search" in line
     assert not (tmp_path / "o").exists()
     predict(project, "tiny", volumes, tmp_path / "fixed", "--threshold", "0.5")
+
+
+def test_a_second_predict_into_the_same_output_is_refused(project, tmp_path, capsys):
+    """While one predict writes into -o (it holds the lock on its work folder), another into
+    the same folder is refused with one line naming it, and takes nothing of the first's."""
+    from ctseg.inference.predict import _work_folder
+
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    out, scratch = tmp_path / "masks", tmp_path / "scratch"
+    args = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes), "-o",
+            str(out), "--scratch", str(scratch), "--device", "cpu"]  # fmt: skip
+    with _work_folder(scratch, out) as work:  # the first predict, still running
+        (work / "images").mkdir()
+        line = cli_error(args, capsys)
+        assert line == (
+            f"ctseg predict: error: {out}: another ctseg predict is writing into this folder "
+            "now; wait for it to finish, or choose another --out"
+        )
+        assert (work / "images").is_dir()

@@ -259,13 +259,13 @@ def predict_folder(
     for where in (out_dir, probabilities_dir):
         if where is not None:
             Path(where).mkdir(parents=True, exist_ok=True)  # a folder in the way: now
-    print(
-        f"predict: {len(ids)} volume(s) of {folder} by {run.describe()} on {device}\n"
-        f"predict: post-processing {postprocess.label()}: {postprocess_from}",
-        file=sys.stderr,
-    )
     rows = []
     with _work_folder(scratch, out_dir) as work:
+        print(
+            f"predict: {len(ids)} volume(s) of {folder} by {run.describe()} on {device}\n"
+            f"predict: post-processing {postprocess.label()}: {postprocess_from}",
+            file=sys.stderr,
+        )
         for rid in tqdm(ids, unit="volume", desc="predict", file=sys.stderr):
             rows.append(
                 _predict_volume(
