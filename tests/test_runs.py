@@ -11,7 +11,8 @@ import yaml
 
 from ctseg.config import load_phases
 from ctseg.io import CtsegError
-from ctseg.runs import Runs, alternatives, base_of, cv_base, fold_of
+from ctseg.runs import Runs, TrainingPlan, alternatives, auto_phase, base_of, cv_base, fold_of
+from ctseg.summaries import TrialSummary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -247,30 +248,131 @@ def trained_record(runs: Runs, run: str, phase: int) -> dict:
     )
 
 
-def test_the_training_notice_keeps_a_model_of_another_phase(config_dirs) -> None:
-    runs = make_runs(config_dirs)
-    record = trained_record(runs, "exp001", 3)
-    assert runs.training_notice("exp001", 3, record) is None
-    assert runs.training_notice("exp001", "auto", record) is None
-    assert runs.training_notice("exp001", 0, None) is None
-    assert runs.training_notice("exp001", 0, record) == (
-        "exp001: keeps its last.pt, trained under phase 3 (config phase 0): a phase changes how "
-        "a run trains, not its result; --forcerun train_model retrains it under phase 0"
+def plan_of(runs: Runs, phase, record, *, after_trials=False, trials=None, last_pt=True):
+    return runs.training_plan(
+        "exp001", phase, last_pt=last_pt, trained=record, after_trials=after_trials, trials=trials
     )
 
 
-def test_the_training_notice_names_what_changed(config_dirs) -> None:
+def trial(phase: int, samples_per_s: float | None, status: str = "ok") -> TrialSummary:
+    return TrialSummary(phase=phase, status=status, samples_per_s=samples_per_s)
+
+
+KEEPS = "a phase changes how a run trains, not its result"
+
+
+def test_a_run_not_trained_yet_waits_on_the_trials_under_auto_only(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    assert plan_of(runs, "auto", None, last_pt=False) == TrainingPlan(True, "auto", None)
+    assert plan_of(runs, 0, None, last_pt=False) == TrainingPlan(False, 0, None)
+
+
+def test_a_fixed_phase_keeps_a_model_and_declares_the_trials_its_training_did(config_dirs):
+    runs = make_runs(config_dirs)
+    record = trained_record(runs, "exp001", 3)
+    assert plan_of(runs, 3, record) == TrainingPlan(False, 3, None)
+    kept = (
+        f"exp001: keeps its last.pt, trained under phase 3 (config phase 0): {KEEPS}; "
+        "--forcerun train_model retrains it under phase 0"
+    )
+    assert plan_of(runs, 0, record) == TrainingPlan(False, 0, kept)
+    # Trained under auto: the job waited on the trials, so it still does under a fixed phase
+    # (another set of inputs would retrain it).
+    trials = [trial(0, 1.0), trial(3, 2.0)]
+    assert plan_of(runs, 0, record, after_trials=True, trials=trials) == TrainingPlan(True, 0, kept)
+    # Its trials gone: a changed set of inputs either way, so it retrains (under a fixed phase
+    # without waiting on trials it does not need).
+    gone = (
+        "exp001: retrains: its last.pt was trained after its trials, which are not all written now"
+    )
+    assert plan_of(runs, 0, record, after_trials=True) == TrainingPlan(False, 0, gone)
+    assert plan_of(runs, "auto", record, after_trials=True) == TrainingPlan(True, "auto", gone)
+
+
+def test_auto_keeps_a_model_trained_after_its_trials(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    record = trained_record(runs, "exp001", 3)
+    chose_3 = [trial(0, 1.0), trial(3, 2.0)]
+    assert plan_of(runs, "auto", record, after_trials=True, trials=chose_3) == TrainingPlan(
+        True, "auto", None
+    )
+    chose_0 = [trial(0, 3.0), trial(3, 2.0)]
+    assert plan_of(runs, "auto", record, after_trials=True, trials=chose_0) == TrainingPlan(
+        True,
+        "auto",
+        f"exp001: keeps its last.pt, trained under phase 3 (config phase auto; its trials "
+        f"choose phase 0): {KEEPS}; --forcerun train_model retrains it under phase auto",
+    )
+    failed = [trial(0, None, "oom")]
+    assert "(config phase auto; none of its trials finished ok)" in str(
+        plan_of(runs, "auto", record, after_trials=True, trials=failed).notice
+    )
+
+
+def test_auto_keeps_a_model_trained_without_trials_on_its_phase(config_dirs) -> None:
+    runs = make_runs(config_dirs)
+    record = trained_record(runs, "exp001", 3)
+    # It waits on no trial (its set of inputs stays the one it was trained with) and is given
+    # the phase it was trained under, so that a rerun for another reason, or --forcerun, trains
+    # as the line says.
+    assert plan_of(runs, "auto", record, trials=None) == TrainingPlan(
+        False,
+        3,
+        f"exp001: keeps its last.pt, trained under phase 3 without trials (config phase auto): "
+        f"{KEEPS}, so it stays on phase 3, --forcerun train_model included, until its training "
+        "settings change or its last.pt is removed",
+    )
+    assert plan_of(runs, "auto", record, trials=[trial(3, 2.0)]) == TrainingPlan(False, 3, None)
+    # Trained under a phase config/phases.yaml no longer defines: nothing to stay on.
+    record["phase"]["workers"] = 99
+    assert plan_of(runs, "auto", record) == TrainingPlan(
+        True,
+        "auto",
+        "exp001: retrains under phase auto, after its trials: its last.pt was trained without "
+        "them, under a phase config/phases.yaml does not define",
+    )
+
+
+def test_the_training_plan_names_what_changed(config_dirs) -> None:
     runs = make_runs(config_dirs)
     record = trained_record(runs, "exp001", 0)
     record["experiment"]["train"]["lr"] = 1.0
     record["experiment"]["model"]["filters"] = [1, 2]
-    assert runs.training_notice("exp001", 0, record) == (
+    changed = (
         "exp001: retrains: its experiment's model, train changed since its last.pt was trained"
     )
+    assert plan_of(runs, 0, record) == TrainingPlan(False, 0, changed)
+    # Under auto it retrains after its trials, whatever its last training waited on.
+    assert plan_of(runs, "auto", record) == TrainingPlan(True, "auto", changed)
     # A change outside the training sections (the split) is not training's to report.
     record = trained_record(runs, "exp001", 0)
     record["experiment"]["split"]["seed"] = 99
-    assert runs.training_notice("exp001", 0, record) is None
+    assert plan_of(runs, 0, record).notice is None
+    # The trial section counts for a run trained after its trials: they rerun, and it waited
+    # on them.
+    record = trained_record(runs, "exp001", 0)
+    record["experiment"]["trial"]["steps"] = 99
+    assert plan_of(runs, 0, record).notice is None
+    assert plan_of(runs, 0, record, after_trials=True, trials=[]).notice == (
+        "exp001: retrains: its experiment's trial changed since its last.pt was trained"
+    )
+
+
+def test_auto_phase_is_the_train_jobs_choice(tmp_path: Path) -> None:
+    from ctseg.trials.trials import choose_phase
+
+    cases = [
+        [trial(0, 1.0), trial(1, 2.0), trial(2, 1.5)],
+        [trial(0, 2.0), trial(1, 2.0)],  # a tie: the lower phase
+        [trial(0, 9.0, "oom"), trial(1, 1.0), trial(2, None)],
+    ]
+    for i, trials in enumerate(cases):
+        paths = []
+        for t in trials:
+            paths.append(tmp_path / f"{i}-{t.phase}.json")
+            t.write(paths[-1])
+        assert auto_phase(trials) == choose_phase(paths)
+    assert auto_phase([trial(0, 9.0, "oom")]) is None and auto_phase([]) is None
 
 
 def test_a_combined_run_records_its_members_and_weights(config_dirs) -> None:

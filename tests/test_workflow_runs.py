@@ -259,3 +259,86 @@ def test_a_fine_tune_plans_its_source_first(demo_workflow: Path) -> None:
     )
     bad = run_snakemake(demo_workflow, "-n", "results/ft/last.pt", check=False)
     assert bad.returncode != 0 and "init_from: 'ens_demo' is not a trained run" in planned(bad)
+
+
+def planned_rules(proc) -> set[str]:
+    return {
+        line.strip().removeprefix("local").removeprefix("rule ").rstrip(":")
+        for line in planned(proc).splitlines()
+        if line.strip().startswith(("rule ", "localrule "))
+    }
+
+
+def one_trial_workflow(tmp_path: Path) -> tuple[Path, Path]:
+    """The tiny workflow with experiment tiny2, whose only trial is phase 2 (so that phase auto
+    trains under phase 2 and the config's phase 0 differs); returns it and tiny2's last.pt."""
+    work = copy_workflow(tmp_path, TINY_CONFIG)
+    trial = {**TINY_EXPERIMENT["trial"], "phases": [2]}
+    (work / "config/experiments/tiny2.yaml").write_text(
+        yaml.safe_dump({**TINY_EXPERIMENT, "name": "tiny2", "trial": trial})
+    )
+    return work, work / "results" / "tiny2" / "last.pt"
+
+
+def test_a_run_trained_under_auto_is_kept_under_a_fixed_phase(tmp_path: Path) -> None:
+    work, weights = one_trial_workflow(tmp_path)
+    run_snakemake(work, "train", "--config", "experiment=tiny2", "phase=auto")
+    trained = weights.stat().st_mtime_ns
+    # It waited on its trial; the plan of a fixed phase keeps that set of inputs, so Snakemake
+    # sees no change, and the line says what happens.
+    for target in ("train", "report"):
+        plan = run_snakemake(work, "-n", target, "--config", "experiment=tiny2")
+        assert "train_model" not in planned_rules(plan), planned(plan)
+        assert "ctseg: tiny2: keeps its last.pt, trained under phase 2 (config phase 0)" in planned(
+            plan
+        )
+    run_snakemake(work, "train", "--config", "experiment=tiny2")
+    assert weights.stat().st_mtime_ns == trained
+    # Back to auto, whose trial chose phase 2: nothing to do, nothing to say.
+    back = run_snakemake(work, "-n", "train", "--config", "experiment=tiny2", "phase=auto")
+    assert planned_rules(back) == set() and "ctseg: tiny2" not in planned(back)
+
+
+def test_a_run_trained_under_a_fixed_phase_is_kept_under_auto(tmp_path: Path) -> None:
+    work, weights = one_trial_workflow(tmp_path)
+    run_snakemake(work, "train", "--config", "experiment=tiny2")
+    trained = weights.stat().st_mtime_ns
+    stays = (
+        "ctseg: tiny2: keeps its last.pt, trained under phase 0 without trials (config phase "
+        "auto): a phase changes how a run trains, not its result, so it stays on phase 0"
+    )
+    plan = run_snakemake(work, "-n", "-p", "train", "--config", "experiment=tiny2", "phase=auto")
+    assert planned_rules(plan) == set() and stays in planned(plan)
+    # The report shows its trial: that runs, the training does not.
+    report = run_snakemake(work, "-n", "report", "--config", "experiment=tiny2", "phase=auto")
+    assert "train_trial" in planned_rules(report) and "train_model" not in planned_rules(report)
+    run_snakemake(work, "train", "--config", "experiment=tiny2", "phase=auto")
+    assert weights.stat().st_mtime_ns == trained
+    # Retrained on request, it trains under the phase the line names.
+    forced = planned(
+        run_snakemake(
+            work,
+            "-n",
+            "-p",
+            "train",
+            "--forcerun",
+            "train_model",
+            "--config",
+            "experiment=tiny2",
+            "phase=auto",
+        )
+    )
+    [train] = shell_commands(forced, "train")
+    assert option(train, "--phase") == "0"
+    # A change of its training settings retrains it under auto, after its trial.
+    experiment = work / "config" / "experiments" / "tiny2.yaml"
+    settings = yaml.safe_load(experiment.read_text())
+    settings["train"]["lr"] = 0.0123
+    experiment.write_text(yaml.safe_dump(settings))
+    changed = run_snakemake(work, "train", "--config", "experiment=tiny2", "phase=auto")
+    assert "ctseg: tiny2: retrains: its experiment's train changed" in planned(changed)
+    assert weights.stat().st_mtime_ns != trained
+    log = (work / "results" / "logs" / "train" / "tiny2.log").read_text()
+    assert "phase auto: chose phase 2" in log
+    record = work / "results" / "tiny2" / "train" / "trials.txt"
+    assert record.read_text().split() == ["results/tiny2/phases/phase2/summary.json"]

@@ -91,6 +91,19 @@ KEEP_ATTEMPT_LOG = (
 )
 
 
+# Shell run as `{params.record_trials} <record> <trial summaries...> && <command>`: the train job
+# writes which trials it waits on to <record> (train/trials.txt), one path a line, and removes
+# it when it waits on none. Snakemake reruns a job whose set of inputs changed; this record, kept
+# beside the last.pt the job writes, is how the next plan declares the same set whatever the
+# phase (`ctseg.runs.Runs.training_plan`). Written before the command: a job that fails leaves
+# no last.pt, so a record always belongs to the last.pt beside it.
+RECORD_TRIALS = (
+    'record_trials() { record="$1"; shift; rm -f "$record" && '
+    '{ [ $# -eq 0 ] || printf "%s\\n" "$@" > "$record"; }; }; '
+    "record_trials"
+)
+
+
 def init_arg(init: Sequence[str]) -> str:
     return f"--init-from '{init[0]}'" if init else ""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from ctseg.config import (
 )
 from ctseg.io import CtsegError
 from ctseg.records import assign_folds, folds_by_scroll, select_records
+from ctseg.summaries import TrialSummary
 
 # Directories of results/ that are not runs.
 RESERVED = frozenset({"preprocessed", "scratch", "logs", "benchmarks", "bench", "report"})
@@ -60,6 +62,28 @@ def fold_of(run: str) -> int | None:
 def cv_base(run: str) -> str | None:
     """The experiment of a cross-validation run ``<exp>.cv``; None for any other name."""
     return run[: -len(CV_SUFFIX)] if run.endswith(CV_SUFFIX) else None
+
+
+def auto_phase(trials: Sequence[TrialSummary]) -> int | None:
+    """The phase `phase: auto` trains under, given its experiment's trials: the fastest
+    (samples/s) that finished ok, the lower number on a tie; None when none did. The rule of
+    `ctseg.trials.trials.choose_phase`, which the train job runs, here on summaries already read
+    and without torch, for the plan's notice (tests/test_runs.py holds the two together)."""
+    ok = [
+        (t.samples_per_s, -t.phase, t.phase)
+        for t in trials
+        if t.status == "ok" and t.samples_per_s is not None
+    ]
+    return max(ok)[2] if ok else None
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """What a plan holds for a trained run's train job (`Runs.training_plan`)."""
+
+    trials: bool  # the job waits on its experiment's trials: they are among its inputs
+    phase: int | str  # the --phase it is given: a phase number, or auto
+    notice: str | None  # the one line the plan prints about it, if any
 
 
 def yaml_names(folder: Path) -> list[str]:
@@ -476,7 +500,7 @@ class Runs:
         """What the train job's result depends on among the settings: the experiment's training
         sections. Not the phase: a phase changes how a run trains (and a checkpoint is resumed
         only under the same maths, `ctseg.training.checkpoint`), so a last.pt trained under one
-        phase is kept when the config names another (`training_notice` says so)."""
+        phase is kept when the config names another (`training_plan` says so)."""
         self.chosen_phases(run, phase)  # an unknown phase is refused here
         return settings_used(self.settings(run), None, "train")
 
@@ -500,34 +524,113 @@ class Runs:
             for p in self.experiment(base)["trial"]["phases"]
         ]
 
-    def training_notice(
-        self, run: str, phase: int | str, trained: Mapping[str, Any] | None
-    ) -> str | None:
-        """One line on what training a run's next plan holds, before any job runs: `trained` is
-        its train/settings.json (None: no last.pt yet, nothing to say). A phase changes how a run
-        trains, not what it trained, so a last.pt trained under another phase is kept, saying
-        so; a change of the experiment's training settings retrains it, naming the keys."""
-        if trained is None:
-            return None
-        used = settings_used(self.settings(run), None, "train")
-        before = {key: trained["experiment"].get(key) for key in used}
-        changed = sorted(key for key in used if thaw(before[key]) != used[key])
+    def training_changes(
+        self, run: str, trained: Mapping[str, Any], after_trials: bool
+    ) -> list[str]:
+        """The experiment's sections that changed since `trained` (a train/settings.json) was
+        written, among those its train job's result depends on: the training sections, and the
+        trial section for a run trained after its trials (they rerun, and it waits on them)."""
+        used = settings_used(self.settings(run), None, "trial" if after_trials else "train")
+        return sorted(key for key in used if thaw(trained["experiment"].get(key)) != used[key])
+
+    def training_plan(
+        self,
+        run: str,
+        phase: int | str,
+        *,
+        last_pt: bool,
+        trained: Mapping[str, Any] | None,
+        after_trials: bool,
+        trials: Sequence[TrialSummary] | None,
+    ) -> TrainingPlan:
+        """What the plan does with a trained run's train job under the configured `phase`,
+        given the run's results: `last_pt`, whether its last.pt exists; `trained`, its
+        train/settings.json (None: not written); `after_trials`, whether the job that wrote
+        last.pt waited on the trials (its train/trials.txt exists); `trials`, the trial
+        summaries as they are now (None while any is not written).
+
+        A phase changes how a run trains, not its result, so a phase change keeps a last.pt.
+        Snakemake reruns a job whose set of inputs differs from the set its last run recorded,
+        so a finished run's job declares the trials exactly when the job that wrote its last.pt
+        did, whatever the phase now; phase auto declares them when the run trains anyway. Under
+        auto, a run trained without its trials stays on the phase it was trained under (the
+        job's --phase) until its training settings change. A change of those settings retrains
+        the run, naming the keys."""
+        auto = phase == "auto"
+        if not last_pt:
+            return TrainingPlan(auto, phase, None)
+        changed = [] if trained is None else self.training_changes(run, trained, after_trials)
         if changed:
-            return (
+            return TrainingPlan(
+                auto,
+                phase,
                 f"{run}: retrains: its experiment's {', '.join(changed)} changed since its "
-                f"last.pt was trained"
+                "last.pt was trained",
             )
-        then = trained.get("phase")
-        if phase == "auto" or then == thaw(dict(self.phases[phase])):  # type: ignore[index]
-            return None
-        under = next(
-            (f"phase {n}" for n, p in self.phases.items() if thaw(dict(p)) == then),
-            "a phase config/phases.yaml does not define",
-        )
-        return (
-            f"{run}: keeps its last.pt, trained under {under} (config phase {phase}): a phase "
-            f"changes how a run trains, not its result; --forcerun train_model retrains it "
-            f"under phase {phase}"
+        then = None if trained is None else trained.get("phase")
+        number = next((n for n, p in self.phases.items() if thaw(dict(p)) == then), None)
+        if trained is None:
+            under = "a phase no train/settings.json records"
+        elif number is None:
+            under = "a phase config/phases.yaml does not define"
+        else:
+            under = f"phase {number}"
+        chosen = None if trials is None else auto_phase(trials)
+        chosen_same = chosen in self.phases and then == thaw(dict(self.phases[chosen]))
+        if after_trials and trials is None:
+            # Its set of inputs changes either way: waiting on trials that must run first, or
+            # (a fixed phase, which needs none) on none.
+            return TrainingPlan(
+                auto,
+                phase,
+                f"{run}: retrains: its last.pt was trained after its trials, which are not all "
+                "written now",
+            )
+        if not auto:
+            if trained is None or then == thaw(dict(self.phases[phase])):  # type: ignore[index]
+                return TrainingPlan(after_trials, phase, None)
+            return TrainingPlan(
+                after_trials,
+                phase,
+                f"{run}: keeps its last.pt, trained under {under} (config phase {phase}): a "
+                "phase changes how a run trains, not its result; --forcerun train_model "
+                f"retrains it under phase {phase}",
+            )
+        if after_trials:
+            if chosen_same:
+                return TrainingPlan(True, phase, None)
+            choice = (
+                "none of its trials finished ok"
+                if chosen is None
+                else f"its trials choose phase {chosen}"
+            )
+            return TrainingPlan(
+                True,
+                phase,
+                f"{run}: keeps its last.pt, trained under {under} (config phase auto; {choice}): "
+                "a phase changes how a run trains, not its result; --forcerun train_model "
+                "retrains it under phase auto",
+            )
+        if number is None:
+            # No phase to stay on: the job needs the trials, and declaring them changes its set
+            # of inputs, which retrains it.
+            return TrainingPlan(
+                True,
+                phase,
+                f"{run}: retrains under phase auto, after its trials: its last.pt was trained "
+                f"without them, under {under}",
+            )
+        return TrainingPlan(
+            False,
+            number,
+            None
+            if chosen_same
+            else (
+                f"{run}: keeps its last.pt, trained under phase {number} without trials (config "
+                "phase auto): a phase changes how a run trains, not its result, so it stays on "
+                f"phase {number}, --forcerun train_model included, until its training settings "
+                "change or its last.pt is removed"
+            ),
         )
 
     def previous_trial(self, experiment: str, phase: int) -> list[str]:

@@ -13,6 +13,7 @@ from ctseg.preprocess.demo_data import demo_dataset
 from ctseg.records import read_records
 from ctseg.run_settings import SETTINGS_JSON, read_run_settings
 from ctseg.runs import Runs, base_of, cv_base, fold_of
+from ctseg.summaries import TrialSummary
 
 ID_REGEX = "[A-Za-z0-9_.-]+"
 DATASET_DIR = Path("resources") / config["dataset"]
@@ -147,17 +148,77 @@ def bench(run, name):
     return f"{run_dir(run)}/benchmarks/{name}.tsv"
 
 
+def trials_record(run):
+    """train/trials.txt: the trials the job that wrote the run's last.pt waited on, one a line;
+    absent when it waited on none (rule_args.RECORD_TRIALS writes it)."""
+    return f"{run_dir(run)}/train/trials.txt"
+
+
+def trials_written(run):
+    """Its experiment's trial summaries as they are now; None while any is not written. One
+    that does not read is left out (the train job refuses it, naming it)."""
+    paths = [Path(p) for p in trial_summaries(run)]
+    if not all(p.exists() for p in paths):
+        return None
+    found = []
+    for path in paths:
+        try:
+            found.append(TrialSummary.read(path))
+        except CtsegError:
+            pass
+    return found
+
+
+@functools.cache
+def training_plan(run):
+    """What the plan does with a trained run's train job (ctseg.runs.Runs.training_plan): which
+    phase it is given, whether it waits on the trials, and the line printed about it.
+
+    It reads the run's results as planning starts (last.pt, train/settings.json and
+    train/trials.txt exist; what settings.json holds; the trial summaries), so the train rule's
+    input functions are not functions of the config alone. That is the point: Snakemake reruns
+    a job whose set of inputs differs from the one its last run recorded, so whether a finished
+    run's job declares the trials must follow what its last training declared, not the phase
+    configured now, or a phase change would retrain it."""
+    folder = Path(run_dir(run))
+    last_pt = (folder / "last.pt").exists()
+    settings = folder / "train" / SETTINGS_JSON
+    after_trials = last_pt and Path(trials_record(run)).exists()
+    return planning(RUNS.training_plan)(
+        run,
+        config["phase"],
+        last_pt=last_pt,
+        trained=read_run_settings(settings) if last_pt and settings.exists() else None,
+        after_trials=after_trials,
+        trials=(
+            trials_written(run) if config["phase"] == "auto" or after_trials else None
+        ),
+    )
+
+
+def train_trials(wildcards):
+    """The trials the train job waits on: phase auto's when it trains, or those the job that
+    wrote its last.pt waited on (training_plan)."""
+    return trial_summaries(wildcards.exp) if training_plan(wildcards.exp).trials else []
+
+
+def train_phase(run):
+    """The train job's --phase: the configured one, or for auto, the phase a run trained
+    without trials stays on (training_plan)."""
+    return training_plan(run).phase
+
+
 def chosen_phases(run):
-    """The phases the train job may use: the configured one, or any trialled one for auto."""
-    return planning(RUNS.chosen_phases)(run, config["phase"])
+    """The phases the train job may use: its phase, or any trialled one for auto."""
+    return planning(RUNS.chosen_phases)(run, train_phase(run))
 
 
 def train_gpus(run):
-    return planning(RUNS.train_gpus)(run, config["phase"])
+    return planning(RUNS.train_gpus)(run, train_phase(run))
 
 
 def train_settings(run):
-    return planning(RUNS.train_settings)(run, config["phase"])
+    return planning(RUNS.train_settings)(run, train_phase(run))
 
 
 def previous_trial(wildcards):
@@ -274,17 +335,12 @@ for _run in DEFAULT_RUNS:
 @planning
 def training_notices():
     """A line for each default trained run whose last.pt the plan keeps under another phase or
-    retrains for changed settings, before any job runs (ctseg.runs.Runs.training_notice).
+    retrains for changed settings, before any job runs (ctseg.runs.Runs.training_plan).
     """
     for run in sorted({t for r in DEFAULT_RUNS for t in RUNS.trained_runs(r)}):
-        folder = Path(run_dir(run))
-        settings = folder / "train" / SETTINGS_JSON
-        if (folder / "last.pt").exists() and settings.exists():
-            notice = RUNS.training_notice(
-                run, config["phase"], read_run_settings(settings)
-            )
-            if notice:
-                print(f"ctseg: {notice}", file=sys.stderr)
+        notice = training_plan(run).notice
+        if notice:
+            print(f"ctseg: {notice}", file=sys.stderr)
 
 
 training_notices()

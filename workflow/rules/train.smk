@@ -63,9 +63,10 @@ rule train_model:
     input:
         unpack(training_data),
         split=f"{ROOT}/{{exp}}/split.csv",
-        trials=lambda wildcards: (
-            trial_summaries(wildcards.exp) if config["phase"] == "auto" else []
-        ),
+        # Phase auto's trials when it trains; for a finished run, the trials its last training
+        # waited on whatever the phase now, so that a phase change is not a changed set of
+        # inputs, which Snakemake would retrain it for (common.smk, training_plan).
+        trials=train_trials,
         # A fine-tune's starting weights (init_from), trained first.
         init=lambda wildcards: init_weights(wildcards.exp),
     output:
@@ -100,7 +101,10 @@ rule train_model:
         settings=lambda wildcards: train_settings(wildcards.exp),
         # Not compared between runs: a phase changes how a run trains, not its result, so a
         # last.pt trained under another phase is kept (common.smk prints a line saying so).
-        phase=rule_args.Untracked(config["phase"]),
+        phase=lambda wildcards: rule_args.Untracked(train_phase(wildcards.exp)),
+        # Which trials this job waits on, beside the last.pt it writes, for the next plan.
+        record_trials=rule_args.RECORD_TRIALS,
+        trials_record=lambda wildcards: trials_record(wildcards.exp),
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.steps).parent,
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
@@ -113,6 +117,7 @@ rule train_model:
     # would die at once; it finishes the step, checkpoints and exits 75 (docs/cluster.md).
     shell:
         "{params.keep_log} {log:q} && "
+        "{params.record_trials} {params.trials_record:q} {input.trials:q} && "
         "exec {params.ctseg} train --experiment {params.experiment:q} {params.fold} "
         "--phases {params.phases:q} --phase {params.phase} --trials {input.trials:q} "
         "{params.scratch} --split {input.split:q} --out {params.out:q} "
