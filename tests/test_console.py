@@ -36,11 +36,35 @@ def test_the_headline_names_the_report_and_each_run_s_score(tmp_path: Path) -> N
     run = tmp_path / "exp001"
     (run / "evaluation").mkdir(parents=True)
     summary = {"volumes": 2, "mean_score": 0.61234, "provenance": {"scored_on": "test_split"}}
-    (run / "evaluation" / "summary.json").write_text(json.dumps(summary))
-    assert headline(report, [("exp001", run)]) == []  # no report, nothing to point at
+    scores = run / "evaluation" / "summary.json"
+    scores.write_text(json.dumps(summary))
+    assert headline(report, [("exp001", run)], [scores]) == []  # no report, nothing to point at
     report.write_text("<html></html>")
-    assert headline(report, [("exp001", run), ("missing", tmp_path / "missing")]) == [
+    assert headline(report, [("exp001", run), ("missing", tmp_path / "missing")], [scores]) == [
         f"report: {report}",
         "exp001: score 0.6123, the mean over 2 volume(s) (test_split); the competition score "
         "is 1.0 for a perfect mask",
+    ]
+
+
+def test_a_report_behind_its_inputs_is_out_of_date_and_shows_no_score(tmp_path: Path) -> None:
+    report = tmp_path / "report.html"
+    run = tmp_path / "exp001"
+    (run / "evaluation").mkdir(parents=True)
+    scores = run / "evaluation" / "summary.json"
+    scores.write_text(json.dumps({"volumes": 2, "mean_score": 0.5}))
+    report.write_text("<html></html>")
+    # A model retrained after the report (by `snakemake train`): its scores are the old model's.
+    steps = run / "train" / "steps.csv"
+    steps.parent.mkdir()
+    steps.write_text("step\n1\n")
+    built = report.stat().st_mtime
+    os.utime(steps, (built + 10, built + 10))
+    assert headline(report, [("exp001", run)], [scores, steps]) == [
+        f"report: {report} is out of date: {steps} changed after it; `snakemake report` rebuilds it"
+    ]
+    gone = run / "evaluation" / "scores.csv"
+    assert headline(report, [("exp001", run)], [gone]) == [
+        f"report: {report} is out of date: {gone} is not written yet; `snakemake report` "
+        "rebuilds it"
     ]

@@ -342,3 +342,20 @@ def test_a_run_trained_under_a_fixed_phase_is_kept_under_auto(tmp_path: Path) ->
     assert "phase auto: chose phase 2" in log
     record = work / "results" / "tiny2" / "train" / "trials.txt"
     assert record.read_text().split() == ["results/tiny2/phases/phase2/summary.json"]
+
+
+def test_the_last_lines_show_a_score_only_for_a_report_up_to_date(tmp_path: Path) -> None:
+    work = copy_workflow(tmp_path, TINY_CONFIG)
+    built = planned(run_snakemake(work, "report", "--config", "experiment=tiny"))
+    assert "ctseg: report: results/report.html\n" in built and "ctseg: tiny: score 0." in built
+    # A changed setting retrains the model; the report, not rebuilt, still shows the old one.
+    experiment = work / "config" / "experiments" / "tiny.yaml"
+    settings = yaml.safe_load(experiment.read_text())
+    settings["train"]["lr"] = 0.0123
+    experiment.write_text(yaml.safe_dump(settings))
+    trained = planned(run_snakemake(work, "train", "--config", "experiment=tiny"))
+    assert "ctseg: tiny: score" not in trained
+    assert (
+        "ctseg: report: results/report.html is out of date: results/tiny/train/steps.csv "
+        "changed after it; `snakemake report` rebuilds it"
+    ) in trained

@@ -1,6 +1,7 @@
 """What the workflow prints on the console when it ends: ctseg's own message of each failed job
 (a job's console output goes to its log, so Snakemake alone shows only a traceback of the shell
-command and the log's path), and on success where the report is and the score each run got.
+command and the log's path), and on success where the report is and the score each run got, or
+that the report is out of date.
 """
 
 from __future__ import annotations
@@ -43,11 +44,29 @@ def failed_job_errors(log_dir: Path, since: float) -> list[str]:
     return found
 
 
-def headline(report: Path, runs: Sequence[tuple[str, Path]]) -> list[str]:
+def out_of_date(report: Path, inputs: Sequence[Path]) -> str | None:
+    """Why the report is behind its `inputs` (the files it reads): the first one written after
+    it, or not written at all; None when it is up to date with them, as one this run built is."""
+    built = Path(report).stat().st_mtime
+    for path in inputs:
+        try:
+            if Path(path).stat().st_mtime > built:
+                return f"{path} changed after it"
+        except OSError:
+            return f"{path} is not written yet"
+    return None
+
+
+def headline(report: Path, runs: Sequence[tuple[str, Path]], inputs: Sequence[Path]) -> list[str]:
     """The report's path, then each run's mean competition score and what it is a mean of,
-    read from its evaluation/summary.json (`runs`: (name, run directory))."""
+    read from its evaluation/summary.json (`runs`: (name, run directory)). Only for a report up
+    to date with `inputs`, the files it reads: after a run that left it behind (`snakemake train`
+    retrained a model), its scores are an older model's, so one line says it is out of date."""
     if not Path(report).exists():
         return []
+    behind = out_of_date(report, inputs)
+    if behind is not None:
+        return [f"report: {report} is out of date: {behind}; `snakemake report` rebuilds it"]
     lines = [f"report: {report}"]
     for name, directory in runs:
         summary = Path(directory) / "evaluation" / "summary.json"
