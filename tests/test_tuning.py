@@ -890,7 +890,7 @@ def test_the_search_builds_each_stages_base_once(tmp_path: Path, monkeypatch):
 
 def test_tuned_json_says_which_weights_made_the_probabilities(tmp_path: Path):
     """`made_with`: the weights files (and ensemble weights) the val probabilities were made
-    with, from their stores; stores that disagree are an error, not a search over two models;
+    with, from their stores; stores of different ensembles are an error, not a search over two;
     stores that do not say give None (nothing to check later)."""
     a, b = surface_case(tmp_path, "a", 4), surface_case(tmp_path, "b", 5)
     assert tuning.made_with([a, b]) is None
@@ -898,6 +898,10 @@ def test_tuned_json_says_which_weights_made_the_probabilities(tmp_path: Path):
         store = zarr.open_array(str(volume.probabilities), mode="r+")
         store.attrs["weights_sha256"] = [digest]
     assert tuning.made_with([a, b]) == {"weights_sha256": ["d1"], "ensemble_weights": None}
+    # Out-of-fold volumes of a cross-validation: one fold each.
     zarr.open_array(str(b.probabilities), mode="r+").attrs["weights_sha256"] = ["d2"]
-    with pytest.raises(CtsegError, match=r"b.zarr: made with other weights than .*a.zarr"):
+    assert tuning.made_with([a, b]) == {"weights_sha256": ["d1", "d2"], "ensemble_weights": None}
+    for volume, mix in ((a, [0.5, 0.5]), (b, [0.25, 0.75])):
+        zarr.open_array(str(volume.probabilities), mode="r+").attrs["ensemble"] = {"weights": mix}
+    with pytest.raises(CtsegError, match=r"b.zarr: made with other ensemble weights than .*a.zarr"):
         tuning.made_with([a, b])

@@ -160,23 +160,20 @@ def run_postprocess(
     made_with = json.loads(tuned.read_text()).get("made_with")
     if made_with is None:  # written before ctseg recorded its weights: nothing to check
         return settings, str(tuned)
-    current = {
-        WEIGHTS_ATTRIBUTE: [stored_digest(f) for f in run.weight_files],
-        "ensemble_weights": None
+    # The search's volumes were made with some of the run's weights files (a cross-validation
+    # scores each out-of-fold volume with one fold); every one must still be the run's.
+    current = {stored_digest(f) for f in run.weight_files}
+    same_files = set(made_with.get(WEIGHTS_ATTRIBUTE) or ["none"]) <= current
+    mix = (
+        None
         if run.kind == "trained"
-        else check_weights(run.weights, len(run.weights), run.weights_from),
-    }
-    same_files = made_with.get(WEIGHTS_ATTRIBUTE) == current[WEIGHTS_ATTRIBUTE]
+        else check_weights(run.weights, len(run.weights), run.weights_from)
+    )
     tuned_mix = made_with.get("ensemble_weights")
-    same_mix = (tuned_mix is None) == (current["ensemble_weights"] is None) and (
-        tuned_mix is None
-        or (
-            len(tuned_mix) == len(current["ensemble_weights"])
-            and all(
-                math.isclose(a, b, abs_tol=1e-9)
-                for a, b in zip(tuned_mix, current["ensemble_weights"], strict=True)
-            )  # fmt: skip
-        )
+    same_mix = tuned_mix is None or (
+        mix is not None
+        and len(tuned_mix) == len(mix)
+        and all(math.isclose(a, b, abs_tol=1e-9) for a, b in zip(tuned_mix, mix, strict=True))
     )
     if not (same_files and same_mix):
         raise CtsegError(

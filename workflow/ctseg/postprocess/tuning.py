@@ -779,29 +779,33 @@ def _write_outputs(out_dir: Path, summary: dict[str, Any], table: pd.DataFrame) 
 
 
 def made_with(volumes: Sequence[Volume]) -> dict[str, Any] | None:
-    """The weights the volumes' probabilities were made with (`ctseg.store.WEIGHTS_ATTRIBUTE`,
-    and an ensemble's weights), the same for every volume, or None where the stores do not say
+    """The weights files the volumes' probabilities were made with (their sha256, from
+    `ctseg.store.WEIGHTS_ATTRIBUTE`: each volume's own, so a cross-validation's out-of-fold
+    volumes name one fold each) and an ensemble's weights, or None where a store does not say
     (written before ctseg recorded it). tuned.json keeps it, so that `ctseg predict` refuses
-    settings tuned for other weights. Probabilities of different weights are an error: the
-    search would tune on a mix of models."""
+    settings tuned for weights the run no longer has. Ensemble weights that differ between
+    volumes are an error: the search would tune on a mix of ensembles."""
     from ctseg.store import open_volume
 
-    found: dict[str, Volume] = {}
+    files: set[str] = set()
+    mixes: dict[str, Volume] = {}
     for v in volumes:
         attrs = dict(open_volume(v.probabilities).attrs)
-        made = {
-            WEIGHTS_ATTRIBUTE: attrs.get(WEIGHTS_ATTRIBUTE),
-            "ensemble_weights": (attrs.get("ensemble") or {}).get("weights"),
-        }
-        found.setdefault(json.dumps(made, sort_keys=True), v)
-    if len(found) > 1:
-        first, other = list(found.values())[:2]
+        digests = attrs.get(WEIGHTS_ATTRIBUTE)
+        if not isinstance(digests, list):
+            return None
+        files.update(digests)
+        mixes.setdefault(json.dumps((attrs.get("ensemble") or {}).get("weights")), v)
+    if len(mixes) > 1:
+        first, other = list(mixes.values())[:2]
         raise CtsegError(
-            f"{other.probabilities}: made with other weights than {first.probabilities}: the "
-            "val volumes' probabilities must come from one model; rerun infer for the run"
+            f"{other.probabilities}: made with other ensemble weights than "
+            f"{first.probabilities}: the val volumes' probabilities must come from one "
+            "ensemble; rerun the ensemble for the run"
         )
-    made = json.loads(next(iter(found))) if found else {WEIGHTS_ATTRIBUTE: None}
-    return made if made[WEIGHTS_ATTRIBUTE] is not None else None
+    if not mixes:
+        return None
+    return {WEIGHTS_ATTRIBUTE: sorted(files), "ensemble_weights": json.loads(next(iter(mixes)))}
 
 
 def labelled_foreground(volumes: Sequence[Volume]) -> dict[str, int]:
