@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ctseg import layout
 from ctseg.config import load_phases
 from ctseg.io import CtsegError
 from ctseg.runs import Runs, TrainingPlan, alternatives, auto_phase, base_of, cv_base, fold_of
@@ -232,6 +233,28 @@ def test_a_dataset_other_than_the_demo_has_its_own_results_folder(config_dirs) -
                 phases=load_phases(REPO / "config" / "phases.yaml"),
                 demo=False,
             )
+
+
+def test_a_run_of_the_demo_may_not_take_another_datasets_folder(config_dirs, tmp_path) -> None:
+    """The demo's runs are in results/<run>/, another dataset's in results/<dataset>/: an
+    experiment named like a dataset in resources/ would write into that dataset's folder."""
+    experiments, ensembles = config_dirs
+    (tmp_path / "resources" / "exp001").mkdir(parents=True)
+    (tmp_path / "resources" / "demo").mkdir()
+    others = layout.other_datasets(tmp_path / "resources", "demo")
+    assert others == ["exp001"]
+    with pytest.raises(CtsegError, match=r"run 'exp001' \(exp001.yaml\) has the name of the "):
+        Runs(
+            records(labelled_test=True),
+            dataset="demo",
+            experiments_dir=experiments,
+            ensembles_dir=ensembles,
+            phases=load_phases(REPO / "config" / "phases.yaml"),
+            demo=True,
+            other_datasets=others,
+        )
+    # Another dataset's own runs are under results/<dataset>/: no clash with a third one.
+    make_runs(config_dirs)  # dataset "mine", given no other datasets
 
 
 def trained_record(runs: Runs, run: str, phase: int) -> dict:

@@ -73,6 +73,19 @@ def results_root(dataset: str) -> str:
     return RESULTS if dataset == DEMO_DATASET else f"{RESULTS}/{dataset}"
 
 
+def other_datasets(resources: str | Path, dataset: str) -> list[str]:
+    """The datasets in `resources` (its folders) other than `dataset` and the demo, whose runs
+    are in ``results/<name>/``: a run of the demo may not take one of their names."""
+    folder = Path(resources)
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and p.name not in (dataset, DEMO_DATASET)
+    )
+
+
 def scratch_root(scratch: str, dataset: str) -> str:
     """A dataset's staged copies under the configured scratch directory (kept as given, so a
     $VAR in it expands where the job runs): the demo's in it, any other's in <dataset>/."""

@@ -116,6 +116,7 @@ class Runs:
         ensembles_dir: Path,
         phases: Mapping[int, Mapping[str, Any]],
         demo: bool,
+        other_datasets: Sequence[str] = (),
     ) -> None:
         self.records = records
         self.dataset = dataset
@@ -123,6 +124,9 @@ class Runs:
         self.ensembles_dir = Path(ensembles_dir)
         self.phases = phases
         self.demo = demo
+        # Datasets beside this one (`layout.other_datasets`): their runs are in
+        # results/<dataset>/, a folder no run of the demo's may take as its own.
+        self.other_datasets = list(other_datasets)
         self.root = layout.results_root(dataset)
         self.experiment_names = yaml_names(self.experiments_dir)
         self.ensemble_names = yaml_names(self.ensembles_dir)
@@ -140,6 +144,16 @@ class Runs:
                 raise CtsegError(
                     f"{name}.yaml: a run's name may hold only letters, digits, _ and -, and not "
                     f"be one of {sorted(RESERVED)}; rename the file"
+                )
+        if self.root == layout.RESULTS:
+            taken = sorted(
+                set(self.experiment_names + self.ensemble_names) & set(self.other_datasets)
+            )
+            if taken:
+                raise CtsegError(
+                    f"run {taken[0]!r} ({taken[0]}.yaml) has the name of the dataset "
+                    f"resources/{taken[0]}/, whose runs are in results/{taken[0]}/: both would "
+                    "write there; rename the run's file or the dataset's folder"
                 )
         clash = sorted(set(self.experiment_names) & set(self.ensemble_names))
         if clash:

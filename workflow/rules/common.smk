@@ -69,6 +69,7 @@ RUNS = planning(Runs)(
     ensembles_dir=ENSEMBLES_DIR,
     phases=PHASES,
     demo=IS_DEMO,
+    other_datasets=layout.other_datasets("resources", config["dataset"]),
 )
 
 # The run model's answers, as the rules and input functions use them.
