@@ -546,6 +546,15 @@ def s3_endpoint():
             server.stop()
 
 
+def s3_options(endpoint: str) -> dict:
+    """fsspec's storage options for the loopback server's test credentials."""
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+
+
 def upload(endpoint: str, local: Path, bucket: str, prefix: str) -> None:
     import boto3
 
@@ -571,11 +580,7 @@ def test_s3_source_stages_the_same_bytes_as_local(tmp_path: Path, s3_endpoint) -
     expected = make_store(source, ids, chunks=(16, 16, 16))
     upload(s3_endpoint, source, "ctseg-store", "preprocessed/v1")
     url = "s3://ctseg-store/preprocessed/v1"
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
-    }
+    options = s3_options(s3_endpoint)
     for fmt in ("raw", "zarr"):
         remote = tmp_path / f"remote-{fmt}"
         local = tmp_path / f"local-{fmt}"
@@ -605,11 +610,7 @@ def test_an_s3_source_missing_a_chunk_is_refused_naming_it(
     (source / "zarr" / "images" / "r0.zarr" / "c" / "1" / "0" / "0").unlink()
     upload(s3_endpoint, source, "ctseg-partial", "v1")
     url = "s3://ctseg-partial/v1"
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
-    }
+    options = s3_options(s3_endpoint)
     missing = f"{url}/zarr/images/r0.zarr: chunk c/1/0/0 is missing: 1 of the 8 chunks written"
     with pytest.raises(CtsegError) as info:
         stage_records(url, ["r0"], tmp_path / "scratch", fmt="raw", storage_options=options)
@@ -632,11 +633,7 @@ def test_an_s3_source_with_a_chunk_cut_short_is_refused(
     chunk.write_bytes(chunk.read_bytes()[:20])
     upload(s3_endpoint, source, "ctseg-cut", "v1")
     url = "s3://ctseg-cut/v1"
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
-    }
+    options = s3_options(s3_endpoint)
     cut = f"{url}/zarr/images/r0.zarr: its chunk files hold "
     with pytest.raises(CtsegError) as info:
         stage_records(url, ["r0"], tmp_path / "scratch", fmt="raw", storage_options=options)

@@ -247,6 +247,10 @@ def _remove_stale_temporaries(final: Path) -> None:
         remove_path(stale)
 
 
+class OutputBusy(CtsegError):
+    """Another living run holds the lock on the output (`_output_lock`)."""
+
+
 @contextlib.contextmanager
 def _output_lock(final: Path) -> Iterator[None]:
     """An exclusive lock on ``.<name>.lock`` beside `final`, removed again on release.
@@ -262,7 +266,7 @@ def _output_lock(final: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             os.close(fd)
-            raise CtsegError(f"{final}: another run is writing this output now") from exc
+            raise OutputBusy(f"{final}: another run is writing this output now") from exc
         try:
             same = os.fstat(fd).st_ino == os.stat(lock).st_ino
         except FileNotFoundError:

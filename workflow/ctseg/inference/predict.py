@@ -52,7 +52,7 @@ from ctseg.inference.inputs import input_volumes
 from ctseg.inference.run import load_model
 from ctseg.inference.settings import InferenceSettings
 from ctseg.inference.volume import infer_volume
-from ctseg.io import CtsegError, remove_path, work_folder
+from ctseg.io import CtsegError, OutputBusy, remove_path, work_folder
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
 from ctseg.postprocess.write import write_mask
@@ -220,9 +220,7 @@ def _work_folder(scratch: Path | None, out_dir: Path) -> Iterator[Path]:
     try:
         with work_folder(root / f"ctseg-predict-{digest}") as work:
             yield work
-    except CtsegError as exc:
-        if "another run is writing" not in str(exc):
-            raise
+    except OutputBusy as exc:
         raise CtsegError(
             f"{out_dir}: another ctseg predict is writing into this folder now; wait for it to "
             "finish, or choose another --out"
@@ -253,6 +251,7 @@ def predict_folder(
         read_header(volumes[rid])  # convert's checks, before any long step
     device = inference.torch_device()
     models = [load_model(f, device) for f in run.weight_files]
+    digests = [stored_digest(f) for f in run.weight_files]  # kept with each probability store
     for where in (out_dir, probabilities_dir):
         if where is not None:
             Path(where).mkdir(parents=True, exist_ok=True)  # a folder in the way: now
@@ -268,6 +267,7 @@ def predict_folder(
                 _predict_volume(
                     run,
                     models,
+                    digests,
                     rid,
                     volumes[rid],
                     work,
@@ -292,6 +292,7 @@ def predict_folder(
 def _predict_volume(
     run: PredictRun,
     models: Sequence[tuple[torch.nn.Module, Any]],
+    digests: Sequence[str | None],
     rid: str,
     source: Path,
     work: Path,
@@ -303,7 +304,6 @@ def _predict_volume(
     image = work / "images" / f"{rid}.zarr"
     convert_volume(source, image, kind="image")
     prob = Path(probabilities_dir) / f"{rid}.zarr" if probabilities_dir else work / f"{rid}.zarr"
-    digests = [stored_digest(f) for f in run.weight_files]
     if run.kind == "trained":
         model, patch = models[0]
         info = infer_volume(model, image, prob, inference.with_window(patch), digests[0])
