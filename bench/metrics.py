@@ -78,6 +78,12 @@ def make_pair(size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return (smooth > 125).astype(np.uint8), volume.label, probs
 
 
+def figure(value: float) -> float:
+    """`value` to three significant digits: a time of milliseconds stays positive, where a fixed
+    number of decimals would print it as 0."""
+    return float(f"{value:.3g}")
+
+
 def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     out = fn(*args, **kwargs)
@@ -167,17 +173,17 @@ def main() -> None:
     _, warmup_s = timed(score_volume, warm_pred, warm_label, threads=args.threads)
     print(f"warm-up score at 24^3 (loading or compiling numba's kernels): {warmup_s:.2f} s")
 
-    result: dict = {"threads": args.threads, "warmup_s": round(warmup_s, 2)}
+    result: dict = {"threads": args.threads, "warmup_s": figure(warmup_s)}
     with tempfile.TemporaryDirectory(prefix="bench_metrics_") as tmp:
         for size in args.sizes:
             tune = not args.no_tune
             row = bench_size(size, args.threads, tune, args.unpruned, args.whole_masks, Path(tmp))
             worst = max(row["agreement"].values())
             print(
-                f"{size}^3: score {row['score_s']:.2f} s (median of {WARM_SCORES} after a first "
-                f"of {row['first_score_s']:.2f} s; previous {row['reference_s']:.1f} s, "
-                f"x{row['reference_s'] / row['score_s']:.1f}); SurfaceDice {row['sd_s']:.2f} s "
-                f"(surface-distance {row['sd_reference_s']:.1f} s, "
+                f"{size}^3: score {row['score_s']:.3g} s (median of {WARM_SCORES} after a first "
+                f"of {row['first_score_s']:.3g} s; previous {row['reference_s']:.3g} s, "
+                f"x{row['reference_s'] / row['score_s']:.1f}); SurfaceDice {row['sd_s']:.3g} s "
+                f"(surface-distance {row['sd_reference_s']:.3g} s, "
                 f"x{row['sd_reference_s'] / row['sd_s']:.1f}); peak RSS {row['rss_fast_gb']:.2f} "
                 f"GB; largest difference from the oracle {worst:.1e} "
                 f"({json.dumps(row['agreement'])}), Betti counts identical: "
@@ -185,13 +191,13 @@ def main() -> None:
                 f"counts {json.dumps(row['counts'])}",
                 flush=True,
             )
-            result[f"first_score_s_{size}"] = round(row["first_score_s"], 2)
-            result[f"score_s_{size}"] = round(row["score_s"], 2)
-            result[f"reference_score_s_{size}"] = round(row["reference_s"], 1)
-            result[f"score_speedup_{size}"] = round(row["reference_s"] / row["score_s"], 1)
-            result[f"sd_s_{size}"] = round(row["sd_s"], 2)
-            result[f"sd_speedup_{size}"] = round(row["sd_reference_s"] / row["sd_s"], 1)
-            result[f"max_term_diff_{size}"] = float(f"{worst:.1e}")
+            result[f"first_score_s_{size}"] = figure(row["first_score_s"])
+            result[f"score_s_{size}"] = figure(row["score_s"])
+            result[f"reference_score_s_{size}"] = figure(row["reference_s"])
+            result[f"score_speedup_{size}"] = figure(row["reference_s"] / row["score_s"])
+            result[f"sd_s_{size}"] = figure(row["sd_s"])
+            result[f"sd_speedup_{size}"] = figure(row["sd_reference_s"] / row["sd_s"])
+            result[f"max_term_diff_{size}"] = figure(worst)
             result[f"counts_identical_{size}"] = row["counts_identical"]
             for key, what in (
                 ("tune", "20-candidate search"),
@@ -202,7 +208,7 @@ def main() -> None:
                 if f"{key}_s" not in row:
                     continue
                 print(
-                    f"{size}^3: {what} {row[f'{key}_s']:.1f} s per volume, "
+                    f"{size}^3: {what} {row[f'{key}_s']:.3g} s per volume, "
                     f"{row[f'{key}_candidates']} candidates ({row[f'{key}_pruned']} pruned), "
                     f"x{row[f'{key}_s'] / row['score_s']:.1f} one score; chose "
                     f"{row[f'{key}_choice']} (mean {row[f'{key}_mean']:.6f}); peak RSS so far "
@@ -215,8 +221,8 @@ def main() -> None:
                     "unpruned": "tune_unpruned",
                     "whole_masks": "tune32_whole_masks",
                 }[key]
-                result[f"{name}_s_per_volume_{size}"] = round(row[f"{key}_s"], 1)
-                result[f"{name}_over_score_{size}"] = round(row[f"{key}_s"] / row["score_s"], 1)
+                result[f"{name}_s_per_volume_{size}"] = figure(row[f"{key}_s"])
+                result[f"{name}_over_score_{size}"] = figure(row[f"{key}_s"] / row["score_s"])
                 if key in ("tune", "tune32"):
                     result[f"{name}_pruned_{size}"] = row[f"{key}_pruned"]
             if "whole_masks_s" in row:
@@ -237,7 +243,7 @@ def main() -> None:
                     raise SystemExit(f"{size}^3: pruning changed the search's choice")
             if row["agreement"]["score"] > 1e-12 or not row["counts_identical"]:
                 raise SystemExit(f"{size}^3: the fast score differs from the reference")
-    result["peak_rss_gb"] = round(peak_rss_gb(), 2)
+    result["peak_rss_gb"] = figure(peak_rss_gb())
     print("load average at end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(json.dumps(result))
     print("RESULT metrics " + " ".join(f"{k}={v}" for k, v in result.items()))

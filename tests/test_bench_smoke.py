@@ -179,27 +179,43 @@ def test_trial_steps_by_phase():
 def test_metrics_bench_prints_pruned_and_unpruned_searches_that_agree() -> None:
     """bench/metrics.py at 40^3: the score against the previous implementation, the
     20-candidate search pruned and unpruned, which must choose the same, and the default search
-    with its masks shared and built whole, which must too."""
+    with its masks shared and built whole, which must too. At 40^3 a score takes milliseconds:
+    every time in the RESULT line is a measured, positive, finite figure (printed to significant
+    digits, not rounded to 0)."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench/metrics.py"), "--sizes", "40", "--threads", "1"]
         + ["--unpruned", "--whole-masks"],
         capture_output=True,
         text=True,
         timeout=600,
-        check=True,
     )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT metrics ")]
     assert len(lines) == 1, proc.stdout[-2000:]
     fields = dict(item.split("=") for item in lines[0].split()[2:])
     assert fields["counts_identical_40"] == "True"
     assert float(fields["max_term_diff_40"]) <= 1e-12
     assert fields["pruned_same_choice_40"] == "True"
-    assert 0 <= int(fields["tune_pruned_40"]) <= 20
-    assert float(fields["tune_s_per_volume_40"]) > 0 and float(fields["tune32_over_score_40"]) > 0
     assert fields["shared_masks_same_choice_40"] == "True"
+    assert 0 <= int(fields["tune_pruned_40"]) <= 20
+    assert 0 <= int(fields["tune32_pruned_40"]) <= 32
     # One score is timed after its first call (which may load or compile kernels), apart.
-    assert float(fields["first_score_s_40"]) > 0 and float(fields["score_s_40"]) > 0
-    assert float(fields["warmup_s"]) > 0
+    timed = ["warmup_s", "peak_rss_gb"] + [
+        f"{name}_40"
+        for name in ("first_score_s", "score_s", "reference_score_s", "sd_s")
+        + ("score_speedup", "sd_speedup")
+        + tuple(
+            f"{search}_{figure}"
+            for search in ("tune", "tune32", "tune_unpruned", "tune32_whole_masks")
+            for figure in ("s_per_volume", "over_score")
+        )
+    ]
+    for key in timed:
+        value = float(fields[key])
+        assert math.isfinite(value) and value > 0, (key, lines[0])
+    # Each ratio is its two times divided, to the three digits printed.
+    ratio = float(fields["tune_s_per_volume_40"]) / float(fields["score_s_40"])
+    assert float(fields["tune_over_score_40"]) == pytest.approx(ratio, rel=0.01)
 
 
 def test_mfu_sweep_crosses_patch_norm_layout_and_batch_with_phase_6_first():
