@@ -601,20 +601,28 @@ def test_the_report_computes_no_verdict(tmp_path):
 # --------------------------------------------------------------------------- the rule
 def test_report_rule_declares_the_stores_its_overlays_read(tmp_path):
     """On a fresh run the overlays' label stores (held-out volumes no other rule converts) are
-    inputs of the report job, so they exist before it reads them."""
+    inputs of the report job, so they exist before it reads them. A run an earlier invocation
+    scored stays in the report, shown as it is (no input of the job, so nothing rebuilds it)."""
     config = {
         "dataset": "demo",
         "demo": {"n_train": 2, "n_test": 1, "shape": [24, 24, 24], "scroll_ids": [7], "seed": 3},
     }
     workdir = copy_workflow(tmp_path, config)
+    earlier = workdir / "results" / "earlier" / "evaluation" / "summary.json"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("{}")
+    (workdir / "results" / "logs" / "evaluate").mkdir(parents=True)  # no run: nothing scored
+    made = sorted(workdir.joinpath("results").rglob("*"))
     proc = run_snakemake(workdir, "report", "-n", "-p", "--config", "experiment=tiny")
     log = proc.stdout + proc.stderr
     jobs = re.split(r"\n(?=(?:local)?rule \w+:)", log)
     report_job = next(j for j in jobs if re.match(r"(local)?rule report:", j))
     inputs = re.search(r"input: (.*)", report_job).group(1).split(", ")
+    assert re.findall(r"--run '([^']+)'", report_job) == ["results/tiny", "results/earlier"]
+    assert not [i for i in inputs if i.startswith("results/earlier")]
     # --overlay ID 'IMAGE' 'LABEL'; each run's prediction is results/<run>/predictions/<id>.tif
     overlays = re.findall(r"--overlay (\S+) '([^']+)' '([^']+)'", report_job)
-    assert overlays and not (workdir / "results").exists()  # a dry run made nothing
+    assert overlays and sorted(workdir.joinpath("results").rglob("*")) == made  # a dry run
     for record_id, image, label in overlays:
         assert label == f"results/preprocessed/demo/zarr/labels/{record_id}.zarr"
         assert {image, label, f"results/tiny/predictions/{record_id}.tif"} <= set(inputs)

@@ -11,6 +11,7 @@ from ctseg.config import check_configured_phase, load_phases, settings_used
 from ctseg.io import CtsegError
 from ctseg.preprocess.demo_data import demo_dataset
 from ctseg.records import read_records
+from ctseg.report.runs import scored_runs
 from ctseg.run_settings import SETTINGS_JSON, read_run_settings
 from ctseg.runs import Runs, base_of, cv_base, fold_of
 from ctseg.summaries import TrialSummary
@@ -327,6 +328,14 @@ def report_inputs(run):
             *trial_summaries(run),
         ]
     return inputs
+
+
+def report_runs():
+    """The runs the dataset's report shows: this invocation's, then every other run of the
+    dataset already scored in ROOT (ctseg.report.runs.scored_runs), so that a new experiment's
+    report keeps the earlier ones. Only the first are inputs: a run on disk is shown as it is,
+    never rebuilt for the report."""
+    return DEFAULT_RUNS + [r for r in scored_runs(ROOT) if r not in DEFAULT_RUNS]
 
 
 for _run in DEFAULT_RUNS:

@@ -16,7 +16,9 @@ rule report:
     conda:
         "../../environment.yml"
     params:
-        runs=" ".join(f"--run '{run_dir(run)}'" for run in DEFAULT_RUNS),
+        # This invocation's runs and those of earlier ones (report_runs): a change in the list
+        # reruns the report.
+        runs=" ".join(f"--run '{run_dir(run)}'" for run in report_runs()),
         overlays=rule_args.overlay_args(overlay_ids(), IMAGE_STORE, LABEL_STORE),
         # Timings of every job so far; the report lists the files it read.
         benchmarks=f"{ROOT}/benchmarks",

@@ -11,6 +11,9 @@ The phase a training ran at is in no results file: ``ctseg train`` prints it (wi
 of processes, ``world_size``) as its last output, a JSON object, into the train job's log.
 `train_log_facts` reads that object back from ``results/logs/train/<run>.log`` (the train
 rule's log) or ``results/<run>/logs/train.log``.
+
+`scored_runs` lists the runs of a results root that were scored, so that a dataset's report
+keeps the runs of earlier invocations beside those of the current one.
 """
 
 from __future__ import annotations
@@ -81,6 +84,21 @@ def run_from_dir(directory: Path) -> Run:
             directory / "logs" / "train.log",
         ),
     )
+
+
+# What makes a folder of a results root a run the report shows: the evaluate rule's summary.
+# Nothing else writes it, so no other folder there (logs/, benchmarks/, preprocessed/, another
+# dataset's results/<dataset>/) is taken for a run, and a run whose jobs have not all finished
+# (a training still going, or one that failed) is left out until it is scored.
+SCORED_MARK = Path("evaluation") / "summary.json"
+
+
+def scored_runs(root: Path) -> list[str]:
+    """The runs under `root` (`ctseg.layout.results_root`) that have been scored, by name."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / SCORED_MARK).is_file())
 
 
 def train_log_facts(run: Run) -> tuple[dict[str, Any], Path | None]:
