@@ -12,8 +12,7 @@ the rest without it).
 
 Figures:
 - voxels/s of `ctseg.inference.volume.infer_volume` (batch 4 by default, Gaussian blending; the
-volume
-  is resident, and a streamed run is shown beside it) against the baseline below, on the same
+  volume is resident, and a streamed run is shown beside it) against the baseline below, on the same
   U-Net (filters 16-32-64-128, instance norm: a realistic width for a CPU, so the forward
   dominates) and the same volume. Both use the same window positions, Gaussian map, device
   and precision (bf16 autocast on CUDA, fp32 on a CPU), and both run one warm-up forward at
@@ -228,29 +227,29 @@ def child_stream(
     batch: str = str(BATCH),
     device_budget: str = "",
 ) -> float:
-    """`infer_volume` into a float16 store; an empty device budget means the host budget."""
+    """`infer_volume` into a float16 store, with the product's settings but for those given:
+    `device_budget` "0" streams the volume in z-slabs under `budget`; empty keeps
+    `InferenceSettings`' own device budget (resident where the volume fits it, as `ctseg infer`
+    runs)."""
     from ctseg.inference.settings import InferenceSettings
     from ctseg.inference.volume import infer_volume
     from ctseg.training.distributed import pick_device
 
     device = pick_device()
     win = tuple(int(w) for w in window.split(","))
+    given = {"device_budget_mb": float(device_budget)} if device_budget else {}
+    settings = InferenceSettings(
+        window=win,
+        overlap=OVERLAP,
+        batch_size=int(batch),
+        device=str(device),
+        memory_budget_mb=float(budget),
+        **given,
+    )
     model = load(weights, device)
     warm_up(model, win, int(batch), device)
     start = time.perf_counter()
-    infer_volume(
-        model,
-        Path(store),
-        Path(dest),
-        InferenceSettings(
-            window=win,
-            overlap=OVERLAP,
-            batch_size=int(batch),
-            device=str(device),
-            memory_budget_mb=float(budget),
-            device_budget_mb=float(device_budget) if device_budget else None,
-        ),
-    )
+    infer_volume(model, Path(store), Path(dest), settings)
     return time.perf_counter() - start
 
 
@@ -477,6 +476,8 @@ def rss(workdir: Path, plane: int, depths: tuple[int, int]) -> float:
             str(workdir / f"rs{depth}.zarr"),
             win,
             str(RSS_BUDGET_MB),
+            str(BATCH),
+            "0",  # streamed: the bounded memory is what this measures
         )
         loop = measure("loop", str(weights), str(store), str(workdir / f"rl{depth}.zarr"), win)
         peaks[depth] = ours["rss_mb"]
