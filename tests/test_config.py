@@ -82,8 +82,35 @@ def test_a_bad_value_names_the_file_and_the_key(tmp_path: Path) -> None:
     with pytest.raises(CtsegError, match=r"bad.yaml: train.lr: -1 is less than"):
         load_experiment(path)
     path = write(tmp_path / "typo.yaml", {"name": "typo", "trian": {}})
-    with pytest.raises(CtsegError, match=r"typo.yaml: .*'trian'"):
+    with pytest.raises(CtsegError, match=r"typo.yaml: trian: unknown key; did you mean "):
         load_experiment(path)
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        (
+            {"data": {"patch_sise": [8, 8, 8]}},
+            "data.patch_sise: unknown key; did you mean patch_size?",
+        ),
+        # As close to one as to the other: both are named.
+        ({"trian": {}}, "trian: unknown key; did you mean trial or train?"),
+        (
+            {"data": {"zzz": 1, "fg_fracton": 0.5}},
+            "data.fg_fracton: unknown key; did you mean fg_fraction? (also unknown: zzz)",
+        ),
+        # Nothing close: the keys the section takes.
+        (
+            {"data": {"zzz": 1}},
+            "data.zzz: unknown key; data takes augment, fg_fraction, patch_size, runtime_targets",
+        ),
+    ],
+)
+def test_an_unknown_key_names_the_closest_valid_one(tmp_path: Path, settings, line) -> None:
+    path = write(tmp_path / "typo.yaml", {"name": "typo", **settings})
+    with pytest.raises(CtsegError) as info:
+        load_experiment(path)
+    assert str(info.value) == f"{path}: {line}"
 
 
 def test_the_experiment_name_must_be_the_file_name(tmp_path: Path) -> None:

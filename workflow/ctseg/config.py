@@ -16,6 +16,7 @@ through this module, so a setting is parsed once, by the same code, wherever it 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -110,9 +111,40 @@ def validated(data: Any, schema_name: str, where: str) -> dict[str, Any]:
     if errors:
         first = errors[0]
         path = tuple(str(p) for p in first.absolute_path)
+        if first.validator == "additionalProperties":
+            raise unknown_key_error(first, path, where)
         key = ".".join(path) or "(top level)"
         raise SettingError(f"{where}: {key}: {first.message}", path, first.instance)
     return data
+
+
+def closest(name: str, valid: Sequence[str]) -> list[str]:
+    """The valid names closest to `name` (difflib's ratio, its default cutoff of 0.6): all of
+    those that tie for the best, as `trian` is as close to `train` as to `trial`."""
+    close = difflib.get_close_matches(name, valid, n=len(valid))
+    if not close:
+        return []
+    best = difflib.SequenceMatcher(None, name, close[0]).ratio()
+    return [c for c in close if difflib.SequenceMatcher(None, name, c).ratio() == best]
+
+
+def unknown_key_error(
+    error: jsonschema.ValidationError, path: tuple[str, ...], where: str
+) -> SettingError:
+    """A key the schema does not define, named with its closest valid key (a typo such as
+    `patch_sise`), or else with the keys its section takes."""
+    valid = sorted(error.schema.get("properties", {}))
+    unknown = sorted(str(k) for k in error.instance if k not in valid)
+    name = unknown[0]
+    key = (*path, name)
+    close = closest(name, valid)
+    section = ".".join(path) or "the top level"
+    takes = f"{section} takes {', '.join(valid)}"
+    hint = f"did you mean {' or '.join(close)}?" if close else takes
+    others = f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
+    return SettingError(
+        f"{where}: {'.'.join(key)}: unknown key; {hint}{others}", key, error.instance[name]
+    )
 
 
 def read_yaml(path: str | Path) -> Any:
