@@ -5,6 +5,7 @@ error with nothing left behind for every kind of bad input."""
 from __future__ import annotations
 
 import logging
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -562,7 +563,29 @@ def test_truncated_tiff_is_detected(tmp_path, write, keep):
     source.write_bytes(raw[: int(len(raw) * keep)])
 
     message = expect_error(source, tmp_path / "vol.zarr", str(source))
-    assert "truncated" in message or "corrupt" in message
+    assert_damaged_tiff_line(message, source)
+
+
+def assert_damaged_tiff_line(message: str, source: Path) -> None:
+    """The file, the problem and the fix, in words of the file, not of tifffile's objects."""
+    assert message.startswith(f"{source}: truncated or damaged TIFF: "), message
+    assert message.endswith("; copy the file again from its source"), message
+    assert "tifffile" not in message and "<" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.9])
+def test_a_broken_page_chain_says_where_the_file_ends(tmp_path, keep):
+    # tifffile logs "<tifffile.TiffPages @8> invalid page offset 120256" for these.
+    full = write_tiff(tmp_path / "full.tif", random_volume())
+    source = tmp_path / "vol.tif"
+    source.write_bytes(full.read_bytes()[: int(full.stat().st_size * keep)])
+
+    message = expect_error(source, tmp_path / "vol.zarr")
+    assert_damaged_tiff_line(message, source)
+    size = source.stat().st_size
+    assert re.search(
+        rf"a page should start at byte \d+, but the file has only {size} bytes", message
+    )
 
 
 def test_truncation_without_metadata_does_not_pass_as_2d(tmp_path):
@@ -571,7 +594,8 @@ def test_truncation_without_metadata_does_not_pass_as_2d(tmp_path):
     source = tmp_path / "vol.tif"
     source.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
 
-    expect_error(source, tmp_path / "vol.zarr", str(source), "truncated TIFF")
+    message = expect_error(source, tmp_path / "vol.zarr")
+    assert_damaged_tiff_line(message, source)
 
 
 def test_truncated_pixel_data_is_found_from_the_headers(tmp_path):
@@ -583,7 +607,7 @@ def test_truncated_pixel_data_is_found_from_the_headers(tmp_path):
             writer.write(plane, contiguous=False, metadata=None)
     source.write_bytes(source.read_bytes()[:-100])
 
-    with pytest.raises(CtsegError, match=r"truncated TIFF: page 5 needs bytes"):
+    with pytest.raises(CtsegError, match=r"truncated or damaged TIFF: page 5 needs bytes"):
         read_header(source)  # before any pixel is read
     expect_error(source, tmp_path / "vol.zarr", str(source), "truncated")
 
@@ -596,18 +620,41 @@ def test_truncated_slice_in_a_directory_is_detected(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content",
+    ("content", "problem"),
     [
-        pytest.param(np.random.default_rng(0).bytes(4000), id="garbage"),
-        pytest.param(b"II*\x00" + np.random.default_rng(1).bytes(4000), id="garbage-after-header"),
-        pytest.param(b"", id="empty-file"),
+        pytest.param(
+            b"\x89PNG\r\n\x1a\n" + bytes(4000),
+            "not a TIFF file (its first bytes are 89 50 4e 47, where a TIFF's are 49 49 (II) or "
+            "4d 4d (MM)); save the volume as a multi-page TIFF, or copy the file again from its "
+            "source if it is one",
+            id="png",
+        ),
+        pytest.param(
+            b"II*\x00" + bytes(4000),
+            "truncated or damaged TIFF: it holds no image data; copy the file again from its "
+            "source",
+            id="zeros-after-header",
+        ),
+        pytest.param(
+            b"",
+            "an empty file (0 bytes), not a TIFF; copy the file again from its source",
+            id="empty",
+        ),
     ],
 )
-def test_corrupt_tiff(tmp_path, content):
+def test_corrupt_tiff(tmp_path, content, problem):
     source = tmp_path / "vol.tif"
     source.write_bytes(content)
 
-    expect_error(source, tmp_path / "vol.zarr", str(source), "TIFF")
+    assert expect_error(source, tmp_path / "vol.zarr") == f"{source}: {problem}"
+
+
+def test_garbage_after_a_tiff_header_is_one_line_naming_the_file(tmp_path):
+    source = tmp_path / "vol.tif"
+    source.write_bytes(b"II*\x00" + np.random.default_rng(1).bytes(4000))
+
+    message = expect_error(source, tmp_path / "vol.zarr", str(source), "TIFF")
+    assert "copy the file again from its source" in message and "tifffile" not in message
 
 
 def test_2d_image_is_rejected(tmp_path):
@@ -635,16 +682,13 @@ def test_shape_mismatch_names_both_files_and_shapes(tmp_path):
     source = write_tiff(tmp_path / "lab.tif", labels_volume())
     like = tmp_path / "img.zarr"
 
-    expect_error(
-        source,
-        tmp_path / "lab.zarr",
-        str(source),
-        str(like),
-        "(40, 50, 60)",
-        "(40, 50, 61)",
-        kind="label",
-        expect_shape=(40, 50, 61),
-        like_source=like,
+    message = expect_error(
+        source, tmp_path / "lab.zarr", kind="label", expect_shape=(40, 50, 61), like_source=like
+    )
+    assert message == (
+        f"{source}: label shape (40, 50, 60) differs from its image's (40, 50, 61) ({like}); a "
+        "label holds one value per image voxel (z, y, x): replace it with the label volume made "
+        "for that image"
     )
 
 
@@ -653,8 +697,22 @@ def test_label_values_outside_0_1_2_are_named(tmp_path):
     labels[35, 10, 10], labels[36, 0, 0] = 3, 7  # in the last slab: earlier ones are written
     source = write_tiff(tmp_path / "lab.tif", labels)
 
-    message = expect_error(source, tmp_path / "lab.zarr", str(source), "3, 7", kind="label")
-    assert "outside {0, 1, 2}" in message
+    message = expect_error(source, tmp_path / "lab.zarr", kind="label")
+    assert message == (
+        f"{source}: label values outside {{0, 1, 2}}: 3 in slice 35; 7 in slice 36 (0 is "
+        "background, 1 surface, 2 unlabelled): set those voxels to one of them (2 where unsure)"
+    )
+
+
+def test_bad_label_values_name_the_exact_slices_not_the_chunk_row(tmp_path):
+    labels = labels_volume((64, 20, 20))
+    labels[10:12, 3, 4] = 7  # inside the one 64-slice chunk row
+    labels[[30, 31, 32, 50], 0, 0] = 7
+    labels[40, 1, 1] = 255
+    source = write_tiff(tmp_path / "lab.tif", labels)
+
+    message = expect_error(source, tmp_path / "lab.zarr", kind="label", chunks=(64, 64, 64))
+    assert ": 7 in slices 10..11, 30..32, 50; 255 in slice 40 (" in message, message
 
 
 def test_zero_size_volume_is_rejected(tmp_path):
@@ -802,6 +860,11 @@ def test_cli_converts_and_reports_errors(tmp_path, capsys):
 
     assert status == 2
     err = capsys.readouterr().err
-    assert "does not match" in err and "img.zarr" in err and "(40, 50, 61)" in err
+    # The image is named as the store and the TIFF it was converted from.
+    assert (
+        f"differs from its image's (40, 50, 60) ({tmp_path / 'img.zarr'}, converted from {image})"
+        in err
+    )
+    assert "(40, 50, 61)" in err
     assert open_volume(tmp_path / "img.zarr").chunks == (16, 16, 16)
     assert_nothing_left(tmp_path / "lab.zarr")

@@ -92,11 +92,15 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from ctseg.preprocess.convert import convert_volume
     from ctseg.store import open_volume
 
-    expect_shape = None
+    expect_shape = like = None
     if args.like is not None:
         if not Path(args.like).is_dir():
             raise CtsegError(f"{args.like}: image store not found (needed to compare shapes)")
-        expect_shape = tuple(open_volume(args.like).shape)
+        image = open_volume(args.like)
+        expect_shape = tuple(image.shape)
+        # The image as the user knows it: the TIFF the store was converted from.
+        source = image.attrs.get("source")
+        like = f"{args.like}, converted from {source}" if source else args.like
     attrs = convert_volume(
         Path(args.source),
         Path(args.dest),
@@ -106,7 +110,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         shards=args.shards,
         memory_budget_mb=args.memory_budget_mb,
         expect_shape=expect_shape,
-        like_source=args.like,
+        like_source=like,
     )
     print(strict_json(attrs, indent=1))
 

@@ -164,6 +164,60 @@ def _names(paths: list[Path]) -> str:
     return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
 
 
+# What fixes a damaged source: ctseg cannot repair it, and a rerun would read the same bytes.
+COPY_AGAIN = "copy the file again from its source"
+# tifffile names its own objects in its messages ("<tifffile.TiffPages @8> invalid page offset").
+TIFFFILE_OBJECT = re.compile(r"<tifffile\.[^>]*>\s*")
+
+
+def _damaged(path: Path, problem: str) -> CtsegError:
+    return CtsegError(f"{path}: truncated or damaged TIFF: {problem}; {COPY_AGAIN}")
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _tifffile_problem(path: Path, message: str) -> str:
+    """What tifffile found, in the file's terms rather than its own object names."""
+    text = TIFFFILE_OBJECT.sub("", message).strip()
+    size = _file_size(path)
+    offset = re.fullmatch(r"invalid page offset (\d+)", text)
+    if offset is not None:
+        at = int(offset[1])
+        if size is not None and at >= size:
+            return f"a page should start at byte {at}, but the file has only {size} bytes"
+        return f"what should be a page at byte {at} is not one"
+    tags = re.match(r"corrupted tag list of page (\d+)", text)
+    if tags is not None:
+        return f"the directory of page {tags[1]} is garbled"
+    if "ImageJ series metadata invalid" in text:
+        return "its ImageJ header does not match the pages the file holds"
+    return text
+
+
+def _unreadable(path: Path, exc: Exception) -> CtsegError:
+    """One line for an error tifffile raised: not a TIFF at all, or a damaged one."""
+    size = _file_size(path)
+    if size == 0:
+        return CtsegError(f"{path}: an empty file (0 bytes), not a TIFF; {COPY_AGAIN}")
+    text = str(exc)
+    if text.startswith("not a TIFF file"):
+        with contextlib.suppress(OSError), open(path, "rb") as handle:
+            first = handle.read(4).hex(" ")
+            text = f"its first bytes are {first}, where a TIFF's are 49 49 (II) or 4d 4d (MM)"
+        return CtsegError(
+            f"{path}: not a TIFF file ({text}); save the volume as a multi-page TIFF, or "
+            f"{COPY_AGAIN} if it is one"
+        )
+    if isinstance(exc, struct.error):  # a header read past the end of the file
+        return _damaged(path, f"a header runs past the end of the file ({size} bytes)")
+    return _damaged(path, _tifffile_problem(path, text))
+
+
 @contextlib.contextmanager
 def _tifffile_errors(path: Path) -> Iterator[None]:
     """Turn what tifffile logs and then tolerates (a broken page chain, a bad tag) into errors.
@@ -179,7 +233,7 @@ def _tifffile_errors(path: Path) -> Iterator[None]:
     logger.addHandler(handler)
 
     def logged_error() -> CtsegError:
-        return CtsegError(f"{path}: corrupt or truncated TIFF: {records[0].getMessage()}")
+        return _damaged(path, _tifffile_problem(path, records[0].getMessage()))
 
     try:
         yield
@@ -191,7 +245,7 @@ def _tifffile_errors(path: Path) -> Iterator[None]:
         if isinstance(exc, CtsegError):
             raise
         # tifffile raises many types for damaged files.
-        raise CtsegError(f"{path}: corrupt or unreadable TIFF: {exc}") from exc
+        raise _unreadable(path, exc) from exc
     else:
         if records:
             raise logged_error()
@@ -226,26 +280,25 @@ def _check_page_data(path: Path, tif: tifffile.TiffFile, page: Any, z: int) -> N
     with a black tail, or with no complaint at all.
     """
     if page is None:
-        raise CtsegError(f"{path}: corrupt or truncated TIFF: page {z} cannot be read")
+        raise _damaged(path, f"page {z} cannot be read")
     file_size = tif.filehandle.size
     if _ifd_end(tif, page) > file_size:
-        raise CtsegError(f"{path}: truncated TIFF: the directory of page {z} is cut off")
+        raise _damaged(path, f"the directory of page {z} is cut off")
     offsets, counts = page.dataoffsets, page.databytecounts
     if not offsets or len(offsets) != len(counts):
-        raise CtsegError(f"{path}: corrupt TIFF: page {z} has no image data")
+        raise _damaged(path, f"page {z} has no image data")
     for offset, count in zip(offsets, counts, strict=True):
         if count <= 0 or offset <= 0:
-            raise CtsegError(f"{path}: corrupt TIFF: page {z} has a missing strip or tile")
+            raise _damaged(path, f"page {z} has a missing strip or tile")
         if offset + count > file_size:
-            raise CtsegError(
-                f"{path}: truncated TIFF: page {z} needs bytes up to {offset + count} "
-                f"but the file has {file_size}"
+            raise _damaged(
+                path, f"page {z} needs bytes up to {offset + count} but the file has {file_size}"
             )
     keyframe = page.keyframe
     if keyframe.compression == 1 and sum(counts) < keyframe.nbytes:
-        raise CtsegError(
-            f"{path}: truncated TIFF: page {z} holds {sum(counts)} bytes of uncompressed "
-            f"data, {keyframe.nbytes} expected"
+        raise _damaged(
+            path,
+            f"page {z} holds {sum(counts)} bytes of uncompressed data, {keyframe.nbytes} expected",
         )
 
 
@@ -259,7 +312,7 @@ def _stack_layout(path: Path, tif: tifffile.TiffFile) -> tuple[tuple[int, ...], 
     """Shape, dtype, the pages in z order, and whether each page is its own series."""
     series = tif.series
     if not series:
-        raise CtsegError(f"{path}: corrupt TIFF: no image data")
+        raise _damaged(path, "it holds no image data")
     if len(series) == 1:
         return tuple(int(n) for n in series[0].shape), series[0].dtype, list(series[0].pages), False
     # Pages written one at a time with shape metadata each form their own series; that is still
@@ -325,9 +378,8 @@ def _inspect_file(path: Path) -> _Source:
         _check_nonempty(path, shape)
         dtype = _check_dtype(path, dtype)
         if len(pages) != shape[0]:
-            raise CtsegError(
-                f"{path}: truncated or corrupt TIFF: {len(pages)} readable pages, "
-                f"{shape[0]} expected for shape {shape}"
+            raise _damaged(
+                path, f"{len(pages)} readable pages, {shape[0]} expected for shape {shape}"
             )
         for z, page in enumerate(pages):
             _check_page_data(path, tif, page, z)
@@ -419,9 +471,10 @@ def _open_reader(src: _Source) -> Iterator[SlabReader]:
                 while done < len(view):
                     got = handle.readinto(view[done:])
                     if not got:
-                        raise CtsegError(
-                            f"{path}: truncated TIFF: the file ends inside slice "
-                            f"{z0 + done // plane} (was it changed while being converted?)"
+                        raise _damaged(
+                            path,
+                            f"the file ends inside slice {z0 + done // plane} (was it changed "
+                            "while being converted?)",
                         )
                     done += got
                 if src.swap_bytes:
@@ -633,14 +686,66 @@ def _check_settings(chunks: Any, shards: Any, codec: Any, memory_budget_mb: floa
         raise CtsegError(f"bad codec {codec!r}: {exc}") from exc
 
 
-def _check_labels(src: _Source, counts: np.ndarray, z0: int, z1: int) -> None:
-    bad = [int(v) for v in np.flatnonzero(counts) if v not in LABEL_VALUES]
-    if bad:
-        shown = ", ".join(str(v) for v in bad[:20]) + (" ..." if len(bad) > 20 else "")
-        raise CtsegError(
-            f"{src.path}: label values outside {{0, 1, 2}}: {shown} "
-            f"(first found in slices {z0}..{z1 - 1})"
+# Bad label values named in the error, and runs of slices named for each.
+SHOWN_BAD_VALUES = 10
+SHOWN_SLICE_RUNS = 5
+
+
+class _BadLabels:
+    """The z slices where each value outside `LABEL_VALUES` occurs, over the whole volume, so
+    that the error names exactly where to look (a chunk row's range would point at 64 slices)."""
+
+    def __init__(self) -> None:
+        self.slices: dict[int, list[int]] = {}
+
+    @property
+    def found(self) -> bool:
+        return bool(self.slices)
+
+    def add(self, rows: np.ndarray, z0: int, counts: np.ndarray) -> None:
+        """Rows z0.. of the label and their value counts (`_Histogram.add`)."""
+        for value in np.flatnonzero(counts):
+            if value not in LABEL_VALUES:
+                where = np.flatnonzero((rows == value).any(axis=(1, 2)))
+                self.slices.setdefault(int(value), []).extend(int(z0 + z) for z in where)
+
+    def error(self, path: Path) -> CtsegError:
+        values = sorted(self.slices)
+        shown = [f"{v} in {_slice_runs(self.slices[v])}" for v in values[:SHOWN_BAD_VALUES]]
+        more = len(values) - SHOWN_BAD_VALUES
+        return CtsegError(
+            f"{path}: label values outside {{0, 1, 2}}: {'; '.join(shown)}"
+            + (f"; and {more} more values" if more > 0 else "")
+            + " (0 is background, 1 surface, 2 unlabelled): set those voxels to one of them "
+            "(2 where unsure)"
         )
+
+
+def _slice_runs(slices: list[int]) -> str:
+    """ "slice 4", "slices 10..11, 40", with at most `SHOWN_SLICE_RUNS` runs."""
+    runs: list[list[int]] = []
+    for z in sorted(set(slices)):
+        if runs and z == runs[-1][1] + 1:
+            runs[-1][1] = z
+        else:
+            runs.append([z, z])
+    text = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs[:SHOWN_SLICE_RUNS])
+    if len(runs) > SHOWN_SLICE_RUNS:
+        text += f" and {len(runs) - SHOWN_SLICE_RUNS} more runs"
+    return ("slice " if len(slices) == 1 else "slices ") + text
+
+
+def _shape_error(
+    source: Path, kind: str, shape: Shape3, expected: Shape3, like: str | Path | None
+) -> CtsegError:
+    image = f" ({like})" if like is not None else ""
+    if kind == "label":
+        return CtsegError(
+            f"{source}: label shape {shape} differs from its image's {expected}{image}; a label "
+            "holds one value per image voxel (z, y, x): replace it with the label volume made "
+            "for that image"
+        )
+    return CtsegError(f"{source}: shape {shape} differs from the expected {expected}{image}")
 
 
 def convert_volume(
@@ -668,10 +773,7 @@ def convert_volume(
         if expect_shape is not None:
             expected = tuple(int(n) for n in expect_shape)
             if expected != src.shape:
-                like = like_source if like_source is not None else "the expected shape"
-                raise CtsegError(
-                    f"{source}: shape {src.shape} does not match {like} shape {expected}"
-                )
+                raise _shape_error(source, kind, src.shape, expected, like_source)
         if digest is None:
             digest = hasher.submit(sha256_files, list(src.files))
         return _convert(src, dest, kind, chunks, codec, shards, memory_budget_mb, digest)
@@ -708,6 +810,7 @@ def _convert(
             np.empty((min(depth, nz), *src.shape[1:]), dtype=src.dtype) for _ in range(n_buffers)
         ]
         pending: list[list[Future]] = [[] for _ in buffers]
+        bad_labels = _BadLabels()
         with (
             _SlabWriter(arr) as writer,
             _open_reader(src) as read,
@@ -725,12 +828,15 @@ def _convert(
                     r1 = min(r0 + unit_depth, z1)
                     rows = slab[r0 - z0 : r1 - z0]
                     read(r0, r1, rows)
-                    pending[k] += writer.submit(r0, rows)
+                    if not bad_labels.found:  # past a bad value, only the search goes on
+                        pending[k] += writer.submit(r0, rows)
                     counts = histogram.add(rows)
                     if kind == "label":
-                        _check_labels(src, counts, r0, r1)
+                        bad_labels.add(rows, r0, counts)
                     progress.update(r1 - r0)
             writer.wait([future for futures in pending for future in futures])
+        if bad_labels.found:
+            raise bad_labels.error(src.path)
         attrs["source_sha256"] = digest.result()
         attrs.update(histogram.stats())
         if kind == "label":
