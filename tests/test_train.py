@@ -479,7 +479,8 @@ def test_compile_flag_trains_through_torch_compile(
     scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inductor takes ~90 s to compile this net on a CPU, so the graph runs on dynamo's eager
-    backend: still a real torch.compile wrapper that captured the model's forward."""
+    backend: still real torch.compile wrappers, one that captured the model's forward and one
+    the losses (a region of their own, so their small kernels fuse)."""
     import torch._dynamo
 
     compiled = []
@@ -493,8 +494,9 @@ def test_compile_flag_trains_through_torch_compile(
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     run(scratch, tmp_path / "out", phase={**PHASE, "compile": True}, max_steps=2)
-    assert len(compiled) == 1 and isinstance(compiled[0], torch.nn.Module)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert len(compiled) == 2 and isinstance(compiled[0], torch.nn.Module)
+    assert compiled[1].func is compute_losses
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
     torch._dynamo.reset()
 
     compiled.clear()

@@ -50,6 +50,12 @@ def memory_format(phase: Mapping[str, Any]) -> torch.memory_format:
     return torch.channels_last_3d if phase.get("channels_last") else torch.contiguous_format
 
 
+def fused_optimizer(phase: Mapping[str, Any], device: torch.device) -> bool:
+    """The phase's ``fused_optimizer``; where it does not say, fused on CUDA (one kernel for
+    all parameters instead of a loop of small launches) and torch's default loop elsewhere."""
+    return bool(phase.get("fused_optimizer", device.type == "cuda"))
+
+
 def lr_at(step: int, *, base_lr: float, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup, then cosine decay to min_ratio * base_lr at `total` steps."""
     if warmup and step < warmup:

@@ -54,6 +54,7 @@ class Run:
     scaler: torch.amp.GradScaler
     ema: WeightAverage | None  # train.ema; None: off
     losses_cfg: dict[str, Any]
+    step_losses: Callable[..., Any]  # (logits, batch) -> (total, terms): compiled with the model
     autocast_dtype: torch.dtype | None
     memory_format: torch.memory_format
     micro_steps: int  # this process's micro-batches per optimizer step
@@ -76,6 +77,10 @@ class Run:
     epoch_rows: list[dict[str, Any]] = field(default_factory=list)  # this epoch's, for its row
     epochs_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
     peak_rss_mb: float = 0.0
+    # Steps logged whose device values (loss, terms, gradient norm, step time) are not read yet
+    # (ctseg.training.train.materialise), and on CUDA the event that opened their window.
+    pending: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    window_event: Any = None
     live: Any = None  # rank 0's TensorBoard writer and progress plot (ctseg.training.live_view)
 
     @property

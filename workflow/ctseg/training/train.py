@@ -18,6 +18,7 @@ is the same for every feed. Several processes under torchrun: `ctseg.training.di
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import sys
@@ -101,7 +102,7 @@ def train(
         resumed = run.resume()
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
-            run.step_model = torch.compile(run.step_model, mode=phase.get("compile_mode"))
+            compile_step(run)
         end = run.sample_index + (run.total_steps - run.step) * run.effective_batch
         with shielded(stop):  # the loader workers start here (or at the first batch)
             batches = training_feed(
@@ -168,7 +169,8 @@ def setup(
         load_source(model, source)
     model = model.to(dev, memory_format=layout)
     lr = recipe.scaled_lr(tcfg, effective_batch)
-    optimizer = recipe.build_optimizer(model, tcfg, lr, fused=bool(phase.get("fused_optimizer")))
+    optimizer = recipe.build_optimizer(model, tcfg, lr, fused=recipe.fused_optimizer(phase, dev))
+    losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
     return Run(
         exp=exp,
         phase=phase,
@@ -181,7 +183,8 @@ def setup(
         scheduler=recipe.build_schedule(optimizer, tcfg, total_steps),
         scaler=torch.amp.GradScaler(dev.type, enabled=dtype is torch.float16),
         ema=WeightAverage.configured(model, tcfg.get("ema")),
-        losses_cfg=loss_settings({**exp["loss"], "clip_distance": clip_distance}),
+        losses_cfg=losses_cfg,
+        step_losses=functools.partial(compute_losses, **losses_cfg),
         autocast_dtype=dtype,
         memory_format=layout,
         micro_steps=rank_share(accumulate, ranks),  # this process's share of the micro-batches
@@ -207,6 +210,14 @@ def setup(
     )
 
 
+def compile_step(run: Run) -> None:
+    """torch.compile the step's model and, as a region of its own, its losses (their many small
+    element-wise kernels and pools fuse), in the phase's compile mode."""
+    mode = run.phase.get("compile_mode")
+    run.step_model = torch.compile(run.step_model, mode=mode)
+    run.step_losses = torch.compile(run.step_losses, mode=mode)
+
+
 def open_logs(run: Run) -> None:
     """Snakemake deletes a job's declared outputs before it reruns it, so the logs that a
     resumed run appends to live beside its checkpoint (`run.log_dir`); `finish` copies them."""
@@ -221,10 +232,16 @@ def open_logs(run: Run) -> None:
 # ----------------------------------------------------------------------------- step and log
 def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
     """One optimizer step over this process's micro-batches; returns this process's numbers:
-    the loss and its terms averaged over the micro-batches, the feed's times summed."""
+    the loss, its terms and the gradient norm as device tensors (the loss and terms averaged
+    over the micro-batches), the feed's times summed, and on CUDA the event that marks the
+    step's end on the device. Nothing here reads a value back to the host, so the host queues
+    the next step while the device runs this one (`materialise` reads them, once a window)."""
     step_start = time.perf_counter()
-    numbers = {"data_wait_s": 0.0, "h2d_s": 0.0, "loss": 0.0}
-    terms_sum: dict[str, float] = {}
+    if run.dev.type == "cuda" and run.window_event is None:
+        run.window_event = _device_event()  # the device's start of this logging window
+    numbers: dict[str, Any] = {"data_wait_s": 0.0, "h2d_s": 0.0}
+    loss_sum: torch.Tensor | None = None
+    terms_sum: dict[str, torch.Tensor] = {}
     run.optimizer.zero_grad(set_to_none=True)
     for micro in range(run.micro_steps):
         batch, wait_s, h2d_s = next(batches)
@@ -236,79 +253,136 @@ def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
             dtype = run.autocast_dtype
             with torch.autocast(run.dev.type, dtype=dtype, enabled=dtype is not None):
                 logits = run.step_model(image)
-            total, terms = compute_losses(logits, batch, **run.losses_cfg)
+            total, terms = run.step_losses(logits, batch)
             run.scaler.scale(total / run.micro_steps).backward()
-        numbers["loss"] += float(total.detach()) / run.micro_steps
+        loss_sum = _add(loss_sum, total.detach() / run.micro_steps)
         for name, value in terms.items():
-            terms_sum[name] = terms_sum.get(name, 0.0) + float(value.detach()) / run.micro_steps
+            terms_sum[name] = _add(terms_sum.get(name), value.detach() / run.micro_steps)
     # The norm of the true (unscaled) gradients, before clipping; inf max_norm: no clip.
     run.scaler.unscale_(run.optimizer)
     max_norm = float(run.exp["train"]["grad_clip"] or 0) or math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm))
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    lr = run.optimizer.param_groups[0]["lr"]  # the lr this step used
+    lr = run.optimizer.param_groups[0]["lr"]  # the lr this step used (a float: no device read)
     run.scheduler.step()
     run.step += 1
     if run.ema is not None:
         run.ema.update(run.model, run.step)
-    if run.dev.type == "cuda":
-        torch.cuda.synchronize(run.dev)
-    step_s = time.perf_counter() - step_start
     run.sample_index += run.effective_batch
-    return {**numbers, "terms": terms_sum, "step_s": step_s, "grad_norm": grad_norm, "lr": lr}
+    return {
+        **numbers,
+        "loss": loss_sum,
+        "terms": terms_sum,
+        "grad_norm": grad_norm.detach(),
+        "lr": lr,
+        "host_s": time.perf_counter() - step_start,
+        "end_event": _device_event() if run.dev.type == "cuda" else None,
+    }
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if total is None else total + value
+
+
+def _device_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def log_step(run: Run, numbers: dict[str, Any], bar: tqdm | None) -> None:
-    """One steps.csv row for the step of all ranks together (see `ctseg.training.distributed`);
-    every
-    `log_every` steps, rank 0 appends the rows so far to steps.csv and prints one line."""
-    terms, cuda = numbers["terms"], run.dev.type == "cuda"
-    mean = {name: numbers[name] for name in ("data_wait_s", "h2d_s", "loss")}
+    """One steps.csv row for the step of all ranks together (see `ctseg.training.distributed`),
+    its device values still pending; every `log_every` steps `materialise` reads the pending
+    values at once, rank 0 appends the rows so far to steps.csv and prints one line."""
+    cuda = run.dev.type == "cuda"
     largest = {
-        "step_s": numbers["step_s"],
         "vram_peak_mb": torch.cuda.max_memory_allocated(run.dev) / 2**20 if cuda else math.nan,
         "stop": run.stopping.flag(),  # in this step's collective: all ranks stop after it
     }
     shared = across_ranks(
         run.ranks,
         run.dev,
-        mean={**mean, **terms, "gpu_util": run.gpu.utilisation()},
+        mean={
+            "data_wait_s": numbers["data_wait_s"],
+            "h2d_s": numbers["h2d_s"],
+            "gpu_util": run.gpu.utilisation(),
+        },
         largest=largest,
         total={"host_rss_mb": host_rss_bytes() / 2**20},
     )
     run.stopping.agree(shared.pop("stop"))
     run.peak_rss_mb = max(run.peak_rss_mb, shared["host_rss_mb"])
-    values = {
-        **shared,
-        "epoch": run.epoch,
-        "step": run.step,
-        "compute_s": shared["step_s"] - shared["data_wait_s"] - shared["h2d_s"],
-        "samples_per_s": run.effective_batch / shared["step_s"],
-        "grad_norm": numbers["grad_norm"],
-        "lr": numbers["lr"],
-    }
-    values.update(run.efficiency.columns(values["samples_per_s"]))  # every rank's devices
-    row = {column: values[column] for column in step_columns(list(terms), efficiency=True)}
+    row = {**shared, "epoch": run.epoch, "step": run.step, "lr": numbers["lr"]}
+    run.pending.append((row, numbers))
     run.steps_log.append(row)
     run.epoch_rows.append(row)
-    waited = sum(r["data_wait_s"] for r in run.epoch_rows)
-    wait_pct = 100 * waited / sum(r["step_s"] for r in run.epoch_rows)
     if run.step % run.log_every == 0:
         flush_logs(run)
+        rows = run.epoch_rows
+        wait_pct = 100 * sum(r["data_wait_s"] for r in rows) / sum(r["step_s"] for r in rows)
         if bar is not None:
             bar.write(
-                f"step {run.step}/{run.total_steps} (epoch {run.epoch}): loss {values['loss']:.4f}"
-                f", {values['samples_per_s']:.2f} samples/s, data wait {wait_pct:.0f}%",
+                f"step {run.step}/{run.total_steps} (epoch {run.epoch}): loss {row['loss']:.4f}"
+                f", {row['samples_per_s']:.2f} samples/s, data wait {wait_pct:.0f}%",
                 file=sys.stderr,
             )
+            bar.set_postfix(loss=f"{row['loss']:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
     if bar is not None:
-        bar.set_postfix(loss=f"{values['loss']:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
         bar.update(1)
+
+
+def materialise(run: Run) -> None:
+    """Fill the pending rows' device values (loss, terms, gradient norm, averaged over the ranks)
+    and their step times, with one read from the device for all of them. On CUDA a step's time
+    is the device's, between the events at the ends of consecutive steps (the first from the
+    window's start), so it holds the step's own kernels and idle time whatever the host did; on
+    a CPU it is the host's (the step ran synchronously)."""
+    if not run.pending:
+        return
+    names = list(run.pending[0][1]["terms"])
+    stacked = torch.stack(
+        [
+            torch.stack([n["loss"], *(n["terms"][k] for k in names), n["grad_norm"]]).float()
+            for _, n in run.pending
+        ]
+    )
+    if run.ranks.world > 1:  # the loss and terms are each rank's; the gradient norm is shared
+        torch.distributed.all_reduce(stacked)
+        stacked /= run.ranks.world
+    values = stacked.tolist()  # the one host read of the window
+    times = _step_times(run)
+    times = across_ranks(run.ranks, run.dev, largest=dict(enumerate(times)))
+    pending = [row for row, _ in run.pending]
+    for i, (row, (loss, *terms, grad_norm)) in enumerate(zip(pending, values, strict=True)):
+        step_s = times[i]
+        row.update(
+            loss=loss,
+            **dict(zip(names, terms, strict=True)),
+            grad_norm=grad_norm,
+            step_s=step_s,
+            compute_s=step_s - row["data_wait_s"] - row["h2d_s"],
+            samples_per_s=run.effective_batch / step_s,
+        )
+        row.update(run.efficiency.columns(row["samples_per_s"]))  # every rank's devices
+        ordered = {c: row[c] for c in step_columns(names, efficiency=True)}
+        row.clear()
+        row.update(ordered)
+    run.pending, run.window_event = [], None
+
+
+def _step_times(run: Run) -> list[float]:
+    if run.window_event is None:  # CPU: the host's own times
+        return [n["host_s"] for _, n in run.pending]
+    ends = [n["end_event"] for _, n in run.pending]
+    ends[-1].synchronize()
+    starts = [run.window_event, *ends[:-1]]
+    return [a.elapsed_time(b) / 1000 for a, b in zip(starts, ends, strict=True)]
 
 
 def flush_logs(run: Run) -> None:
     """Rank 0 appends the rows not yet on disk; the other ranks hold the same rows."""
+    materialise(run)
     if run.ranks.main:
         append_rows(run.log_dir / "steps.csv", run.steps_log)
         append_rows(run.log_dir / "epochs.csv", run.epochs_log)
@@ -340,6 +414,7 @@ def write_checkpoint(run: Run) -> None:
 # ----------------------------------------------------------------------------- end of epoch
 def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
     """Validation (of the EMA where there is one), the epoch's row, the logs, the checkpoint."""
+    materialise(run)  # the epoch's rows, before validation's time can reach their step times
     val = evaluate(run.weights, run.exp, run.phase, scratch, val_ids, run.losses_cfg, run.ranks)
     rows = run.epoch_rows
     step_s = sum(r["step_s"] for r in rows)
