@@ -90,14 +90,14 @@ def main() -> None:
         pairs = zip(averaged.parameters(), params, strict=True)
         drift[key] = max(float((a - p).detach().abs().max()) for a, p in pairs)
     print(
-        f"{name} on {device}: {tensors} parameter tensors, {count / 1e6:.2f} M parameters, "
+        f"{name} on {device}: {tensors} parameter tensors, {count / 1e6:.3g} M parameters, "
         f"{args.repeats * args.updates} updates each; per update: "
-        + ", ".join(f"{k} {best[k]:.3f} ms (drift {drift[k]:.1e})" for k in variants)
+        + ", ".join(f"{k} {best[k]:.3g} ms (drift {drift[k]:.1e})" for k in variants)
     )
     print(
-        f"RESULT ema model={name} tensors={tensors} params_m={count / 1e6:.2f} "
-        + " ".join(f"{k}_ms={best[k]:.3f}" for k in variants)
-        + f" speedup={best['loop'] / best['foreach']:.2f} drift={drift['foreach']:.1e}"
+        f"RESULT ema model={name} tensors={tensors} params_m={count / 1e6:.3g} "
+        + " ".join(f"{k}_ms={best[k]:.3g}" for k in variants)
+        + f" speedup={best['loop'] / best['foreach']:.3g} drift={drift['foreach']:.1e}"
     )
 
 

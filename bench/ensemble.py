@@ -94,13 +94,13 @@ def main() -> None:
             b = np.asarray(open_volume(root / "w.zarr")[...], np.float32)
             diff = float(np.abs(a - b).max())
         for way, peak, sec in (("streamed", s_peak, s_sec), ("whole", w_peak, w_sec)):
-            print(f"{z:>5} {way:>9} {peak:>9.1f} {sec:>8.2f}")
+            print(f"{z:>5} {way:>9} {peak:>9.3g} {sec:>8.3g}")
         print(f"      max |streamed - whole| = {diff:.2e}")
         rows.append((s_peak, s_sec, w_peak, w_sec, diff))
     (s1, _, w1, _, _), (s4, s4_sec, w4, w4_sec, diff) = rows
     print(
-        f"RESULT ensemble streamed_peak_growth={s4 / s1:.2f} whole_peak_growth={w4 / w1:.2f} "
-        f"peak_ratio_vs_whole={s4 / w4:.3f} time_ratio_vs_whole={s4_sec / w4_sec:.2f} "
+        f"RESULT ensemble streamed_peak_growth={s4 / s1:.3g} whole_peak_growth={w4 / w1:.3g} "
+        f"peak_ratio_vs_whole={s4 / w4:.3g} time_ratio_vs_whole={s4_sec / w4_sec:.3g} "
         f"max_diff={diff:.1e}"
     )
 

@@ -4,6 +4,8 @@
                                      # MONAI: window 72x136x136 on 144x128x128
     python bench/infer.py --quick    # window 48^3 on 72x96x96;    RSS at z = 96 and 384;
                                      # MONAI: window 48x64x64 on 64x96x96
+    python bench/infer.py --smoke    # window 16^3 on 24x32x32: every path in seconds (CI);
+                                     # its figures say nothing about speed
     python bench/infer.py --monai-only --full-model   # on a GPU: exp001_full's model vs MONAI
     python bench/infer.py --monai-only --pointwise    # a 1x1x1 conv: all but the forward
 
@@ -104,13 +106,19 @@ CHUNKS = (64, 64, 64)
 OVERLAP = 0.5
 BATCH = 4
 RSS_BUDGET_MB = 32
-RSS_WINDOW = (48, 48, 48)
 LOW, HIGH = 30.0, 220.0
 # MONAI comparison (window, volume): exp001_full's window and a 128x128 plane (padded to the
 # window in y and x), with z = 144, not 128, so that both place their windows alike (see
 # monai_grid).
 MONAI_GEOMETRY = ((72, 136, 136), (144, 128, 128))
 MONAI_QUICK_GEOMETRY = ((48, 64, 64), (64, 96, 96))
+MONAI_SMOKE_GEOMETRY = ((16, 16, 16), (24, 32, 32))
+# (window, speed volume, RSS window, RSS plane, RSS depths, timed runs) of each size.
+SIZES = {
+    "full": ((64,) * 3, (128, 160, 160), (48,) * 3, 256, (160, 640), 3),
+    "quick": ((48,) * 3, (72, 96, 96), (48,) * 3, 192, (96, 384), 2),
+    "smoke": ((16,) * 3, (24, 32, 32), (16,) * 3, 32, (16, 64), 1),
+}
 # Same inputs, windows and weights: what remains is ctseg's float16 store (2^-12 at p ~ 0.5)
 # and the order of float32 sums.
 MEAN_ABS_TOLERANCE = 0.001  # mean |p_ctseg - p_monai|
@@ -450,7 +458,7 @@ def speed(
         ("loop + tuned malloc (1 run)", tuned),
     ]
     for name, m in rows:
-        print(f"  {name:<30}{m['seconds']:9.1f}{voxels / m['seconds']:12.0f}{m['rss_mb']:14.0f}")
+        print(f"  {name:<30}{m['seconds']:9.3g}{voxels / m['seconds']:12.0f}{m['rss_mb']:14.0f}")
     diff = max_difference(workdir / "s.zarr", workdir / "l.zarr")
     print(f"  max |resident - loop| probability: {diff:.4f} (float16 storage)")
     diff = max_difference(workdir / "s.zarr", workdir / "st.zarr")
@@ -458,11 +466,11 @@ def speed(
     return loop["seconds"] / ours["seconds"]
 
 
-def rss(workdir: Path, plane: int, depths: tuple[int, int]) -> float:
+def rss(workdir: Path, window: tuple[int, int, int], plane: int, depths: tuple[int, int]) -> float:
     weights = pointwise_weights(workdir / "conv.pointwise.pt")
-    win = ",".join(map(str, RSS_WINDOW))
+    win = ",".join(map(str, window))
     print(
-        f"\npeak RSS (MB), 1x1x1-conv model, window {RSS_WINDOW[0]}^3, budget {RSS_BUDGET_MB} MB, "
+        f"\npeak RSS (MB), 1x1x1-conv model, window {window[0]}^3, budget {RSS_BUDGET_MB} MB, "
         f"planes {plane}x{plane}"
     )
     print(f"  {'z':>5}{'float32 volume':>16}{'streaming':>11}{'loop':>8}")
@@ -617,7 +625,11 @@ def monai(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller window and volumes; < 2 min")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller window and volumes; < 2 min")
+    size.add_argument(
+        "--smoke", action="store_true", help="toy window and volumes: every path in seconds (CI)"
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--batch-size", type=int, default=BATCH, help="windows per forward")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per method (min)")
@@ -648,14 +660,16 @@ def main() -> None:
         print(json.dumps({"seconds": min(times)}))
         return
 
-    if args.quick:
-        window, shape, plane, depths, repeat = (48,) * 3, (72, 96, 96), 192, (96, 384), 2
-    else:
-        window, shape, plane, depths, repeat = (64,) * 3, (128, 160, 160), 256, (160, 640), 3
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    window, shape, rss_window, plane, depths, repeat = SIZES[size]
     repeat = args.repeat or repeat
     if args.shape:
         shape = tuple(int(v) for v in args.shape.split(","))
-    monai_window, monai_shape = MONAI_QUICK_GEOMETRY if args.quick else MONAI_GEOMETRY
+    monai_window, monai_shape = {
+        "smoke": MONAI_SMOKE_GEOMETRY,
+        "quick": MONAI_QUICK_GEOMETRY,
+        "full": MONAI_GEOMETRY,
+    }[size]
     if args.monai_shape:
         monai_shape = tuple(int(v) for v in args.monai_shape.split(","))
     if args.monai_window:
@@ -672,14 +686,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         if not args.monai_only:
             speedup = speed(Path(tmp), window, shape, args.batch_size, repeat)
-            growth = rss(Path(tmp), plane, depths)
-            figures += [f"speedup_vs_loop={speedup:.2f}", f"rss_growth={growth:.2f}"]
+            growth = rss(Path(tmp), rss_window, plane, depths)
+            figures += [f"speedup_vs_loop={speedup:.3g}", f"rss_growth={growth:.3g}"]
         if not args.skip_monai:
             ratio = monai(
                 Path(tmp), monai_window, monai_shape, args.batch_size, max(repeat, 2),
                 args.full_model, args.pointwise,
             )  # fmt: skip
-            figures.append(f"monai_ratio={ratio:.2f}")
+            figures.append(f"monai_ratio={ratio:.3g}")
     print(f"\nRESULT infer {' '.join(figures)}")
 
 
