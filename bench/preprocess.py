@@ -2,6 +2,8 @@
 
     python bench/preprocess.py            # 256^3 for the speed ratios, 256^3 vs 384^3 for RSS
     python bench/preprocess.py --quick    # 256^3 for the speed ratios, 128^3 vs 256^3 for RSS
+    python bench/preprocess.py --smoke    # 48^3 and 40^3: every path in seconds (CI); its
+                                          # figures say nothing about speed or memory
 
 Figures:
 - convert MB/s (TIFF -> Zarr, whole step) vs the configured codec compressing the same bytes in
@@ -55,6 +57,8 @@ TUBE = 2
 # The convert figures are a tenth of a second each: the fastest of a few runs in the same child,
 # so that one burst of load from other processes on a shared machine does not decide a ratio.
 REPEATS = 3
+# (edge of the volume of the speed ratios and the skeleton quality, edges of the RSS pair).
+SIZES = {"full": (256, (256, 384)), "quick": (256, (128, 256)), "smoke": (48, (40, 48))}
 
 
 def fastest(run: Callable[[int], float]) -> float:
@@ -266,7 +270,9 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller second size; under 2 min")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller second size; under 2 min")
+    size.add_argument("--smoke", action="store_true", help="toy volumes: every path in seconds")
     parser.add_argument(
         "--workers",
         type=int,
@@ -282,40 +288,42 @@ def main() -> None:
         print(json.dumps({"seconds": CHILDREN[mode](*rest)}))
         return
 
-    sizes = (128, 256) if args.quick else (256, 384)
+    edge, sizes = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         workdir = Path(tmp)
         print(f"machine: {machine()}")
-        volumes = {size: make_volume(workdir, size) for size in sorted({256, *sizes})}
+        volumes = {size: make_volume(workdir, size) for size in sorted({edge, *sizes})}
 
-        image, label = volumes[256]
+        image, label = volumes[edge]
         mb = image.stat().st_size / 2**20
-        convert = measure("convert", str(image), str(workdir / "c256.zarr"))
+        convert = measure("convert", str(image), str(workdir / f"c{edge}.zarr"))
         codec = measure("codec", str(image))
         sha = measure("sha256", str(image))
-        zarr_write = measure("zarr_write", str(image), str(workdir / "z256.zarr"))
-        files = measure("files", str(image), str(workdir / "files256"))
+        zarr_write = measure("zarr_write", str(image), str(workdir / f"z{edge}.zarr"))
+        files = measure("files", str(image), str(workdir / f"files{edge}"))
         histogram = measure("histogram", str(image))
-        label256 = str(workdir / "label256.zarr")
+        label_store = str(workdir / f"label{edge}.zarr")
         # One process against the single-process naive method: the RESULT's time and memory.
         # The RESULT's three runs twice each, interleaved, keeping each one's faster run: the
         # ratios then compare like with like when the shared machine's load comes and goes.
         runs: dict[str, list[dict]] = {"ours": [], "union8": [], "naive": []}
         for i in range(2):
-            runs["ours"].append(measure("precompute", label256, f"{workdir}/t{i}.zarr", "1"))
+            runs["ours"].append(measure("precompute", label_store, f"{workdir}/t{i}.zarr", "1"))
             runs["union8"].append(
-                measure("precompute", label256, f"{workdir}/m{i}.zarr", "1", "medial_surface")
+                measure("precompute", label_store, f"{workdir}/m{i}.zarr", "1", "medial_surface")
             )
             runs["naive"].append(measure("naive", str(label)))
         ours, union8, naive = (min(runs[k], key=lambda r: r["seconds"]) for k in runs)
         fast = measure(
-            "precompute", label256, str(workdir / "f256.zarr"), "1", "medial_surface_fast"
+            "precompute", label_store, str(workdir / f"f{edge}.zarr"), "1", "medial_surface_fast"
         )
-        parallel = measure("precompute", label256, str(workdir / "p256.zarr"), str(args.workers))
+        parallel = measure(
+            "precompute", label_store, str(workdir / f"p{edge}.zarr"), str(args.workers)
+        )
 
         convert_mb_s = mb / convert["seconds"]
         codec_mb_s = mb / codec["seconds"]
-        print(f"\n256^3 uint8 volume ({mb:.1f} MB)")
+        print(f"\n{edge}^3 uint8 volume ({mb:.3g} MB)")
         print(
             f"  convert           {convert_mb_s:8.1f} MB/s   peak RSS {convert['rss_mb']:7.1f} MB"
         )
@@ -339,10 +347,10 @@ def main() -> None:
         import zarr
         from scipy import ndimage
 
-        fg = zarr.open_array(label256, mode="r")[...] == 1
+        fg = zarr.open_array(label_store, mode="r")[...] == 1
         ridge = zarr.open_array(f"{workdir}/t0.zarr/skeleton", mode="r")[...].astype(bool)
         thinned = zarr.open_array(f"{workdir}/m0.zarr/skeleton", mode="r")[...].astype(bool)
-        print("\nskeleton quality, 256^3 (thickness: shortest axis-aligned run, voxels)")
+        print(f"\nskeleton quality, {edge}^3 (thickness: shortest axis-aligned run, voxels)")
         print(f"  foreground: 26-connected pieces {ndimage.label(fg, np.ones((3, 3, 3)))[1]}")
         for name, skel, other in (
             ("distance_ridge", ridge, thinned),
@@ -361,12 +369,12 @@ def main() -> None:
             image_s, _ = volumes[size]
             rss[("convert", size)] = (
                 convert
-                if size == 256
+                if size == edge
                 else measure("convert", str(image_s), str(workdir / f"c{size}.zarr"))
             )["rss_mb"]
             rss[("precompute", size)] = (
                 ours
-                if size == 256
+                if size == edge
                 else measure(
                     "precompute",
                     str(workdir / f"label{size}.zarr"),
@@ -385,17 +393,17 @@ def main() -> None:
         rss[("precompute", large)] / rss[("precompute", small)],
     )
     print(
-        f"\nRESULT preprocess convert_vs_codec={convert_mb_s / codec_mb_s:.2f} "
-        f"convert_vs_zarr_write={convert_mb_s / zarr_mb_s:.2f} "
-        f"precompute_speedup={naive['seconds'] / ours['seconds']:.1f} "
-        f"precompute_speedup_medial_surface={naive['seconds'] / union8['seconds']:.1f} "
-        f"precompute_rss_ratio={ours['rss_mb'] / naive['rss_mb']:.3f} "
-        f"rss_growth={growth:.2f}"
+        f"\nRESULT preprocess convert_vs_codec={convert_mb_s / codec_mb_s:.3g} "
+        f"convert_vs_zarr_write={convert_mb_s / zarr_mb_s:.3g} "
+        f"precompute_speedup={naive['seconds'] / ours['seconds']:.3g} "
+        f"precompute_speedup_medial_surface={naive['seconds'] / union8['seconds']:.3g} "
+        f"precompute_rss_ratio={ours['rss_mb'] / naive['rss_mb']:.3g} "
+        f"rss_growth={growth:.3g}"
     )
     print(
         "also: precompute_speedup with medial_surface_fast="
-        f"{naive['seconds'] / fast['seconds']:.1f}, "
-        f"with {args.workers} workers={naive['seconds'] / parallel['seconds']:.1f}"
+        f"{naive['seconds'] / fast['seconds']:.3g}, "
+        f"with {args.workers} workers={naive['seconds'] / parallel['seconds']:.3g}"
     )
 
 
