@@ -1,11 +1,12 @@
 """Training benchmark: one measured trial per loader phase, same data, same run.
 
     python bench/train.py --quick                    # exp001 on CPU, phases 0-5, a few steps
+    python bench/train.py --smoke                    # a 2-level model on 16^3, phases 0-1:
+                                                     # every path in seconds (CI), no figures
     python bench/train.py --experiment exp001_full   # the starting point's model, phases 0-6
 
 For each phase it runs `ctseg.trials.trials.run_trial`: `trial.steps` training steps with the
-phase's
-loader settings, then the same model on batches already on the device (the compute ceiling).
+phase's loader settings, then the same model on batches already on the device (the compute ceiling).
 It prints samples/s, the data-wait fraction and the feed efficiency (samples/s / ceiling) per
 phase; with ``--status-quo`` it first runs the real starting point (README.md, "The starting
 point"): phase 0 with the targets computed in the data workers (``runtime_targets``), then
@@ -80,7 +81,11 @@ def machine(device: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="under 3 minutes on 2 CPU cores")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="under 3 minutes on 2 CPU cores")
+    size.add_argument(
+        "--smoke", action="store_true", help="toy model, patch and volumes: seconds, for CI"
+    )
     parser.add_argument("--experiment", default="exp001")
     parser.add_argument("--phases", type=int, nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=None, help="override trial.steps")
@@ -102,13 +107,19 @@ def main() -> None:
     phases = yaml.safe_load((REPO / "config/phases.yaml").read_text())["phases"]
     device = str(pick_device(args.device))
     on_gpu = device.startswith("cuda")
-    wanted = args.phases or ([0, 1, 2, 3, 4, 5] if not on_gpu else sorted(phases))
+    default_phases = [0, 1] if args.smoke else [0, 1, 2, 3, 4, 5] if not on_gpu else sorted(phases)
+    wanted = args.phases or default_phases
     if args.quick:
         exp["trial"].update(steps=8, warmup_steps=2, ceiling_steps=4)
+    if args.smoke:
+        exp["trial"].update(steps=3, warmup_steps=1, ceiling_steps=2)
+        exp["model"]["filters"] = [4, 8]
+        exp["data"]["patch_size"] = [16, 16, 16]
     if args.steps:
         exp["trial"]["steps"] = args.steps
-    size = args.size or (96 if args.quick else max(160, *exp["data"]["patch_size"]))
-    n_records = args.records or (2 if args.quick else 4)
+    default_size = 32 if args.smoke else 96 if args.quick else max(160, *exp["data"]["patch_size"])
+    size = args.size or default_size
+    n_records = args.records or (2 if args.quick or args.smoke else 4)
     clip = 8.0
 
     print(f"machine: {machine(device)}")
@@ -161,12 +172,12 @@ def main() -> None:
     status_quo = ""
     if "seeds" in ok:
         ratio = ok[best]["samples_per_s"] / ok["seeds"]["samples_per_s"]
-        status_quo = f" speedup_vs_status_quo={ratio:.2f}"
+        status_quo = f" speedup_vs_status_quo={ratio:.3g}"
     print(
         f"RESULT train best_phase={best} "
-        f"speedup_vs_phase0={ok[best]['samples_per_s'] / ok[0]['samples_per_s']:.2f} "
-        f"feed_efficiency={ok[best]['feed_efficiency']:.3f} "
-        f"data_wait_fraction={ok[best]['data_wait_fraction']:.3f}{status_quo}"
+        f"speedup_vs_phase0={ok[best]['samples_per_s'] / ok[0]['samples_per_s']:.3g} "
+        f"feed_efficiency={ok[best]['feed_efficiency']:.3g} "
+        f"data_wait_fraction={ok[best]['data_wait_fraction']:.3g}{status_quo}"
     )
 
 
