@@ -632,3 +632,93 @@ def test_a_full_disk_raised_deep_in_a_library_is_still_one_line(tmp_path, monkey
         f"ctseg postprocess: error: /scratch/p.zarr/c/0/0/0: {os.strerror(errno.ENOSPC)}; free "
         "some space there and rerun"
     ]
+
+
+# --------------------------------------------------------------------------- a full disk, named
+def test_infer_on_a_full_disk_is_one_line_naming_the_probability_store(
+    tmp_path, monkeypatch, capsys
+):
+    """zarr's write error names no file: the line names the store being written."""
+    import torch
+
+    from ctseg.network.model import build_model
+    from ctseg.training.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    weights = tmp_path / "last.pt"
+    payload = {"model_config": {"filters": [4, 8]}, "patch_size": [12, 12, 12]}
+    save_checkpoint(
+        weights, {**payload, "model": build_model(payload["model_config"]).state_dict()}
+    )
+    image = tmp_path / "img.zarr"
+    attributes = {"p0_5": 0.0, "p99_5": 255.0}
+    create_volume(image, (16, 16, 16), np.uint8, (16, 16, 16), attributes=attributes)[...] = volume(
+        (16, 16, 16)
+    )
+    probabilities = tmp_path / "probabilities" / "img.zarr"
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", no_space_after(1))  # after zarr.json
+
+    args = ["infer", str(weights), str(image), "--probabilities", str(probabilities)]
+    assert cli_main([*args, "--device", "cpu"]) == 2
+
+    line = one_line_error(capsys, "infer")
+    assert re.fullmatch(
+        rf"ctseg infer: error: {re.escape(str(probabilities))}: no space left on the device "
+        r"while trying to write the probabilities of img\.zarr \(No space left on device; \d+ "
+        r"bytes free now\); the partial output was removed: free some space and rerun",
+        line,
+    ), line
+    assert not probabilities.exists() and beside(probabilities) == []
+
+
+@pytest.mark.parametrize(
+    ("raised", "problem"),
+    [
+        pytest.param(
+            lambda: OSError("110592 requested and 40704 written"),
+            f"{os.strerror(errno.ENOSPC)} (a write of 110592 bytes stopped after 40704: the disk "
+            "or the quota is full)",
+            id="short-write",
+        ),
+        pytest.param(
+            lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+            os.strerror(errno.ENOSPC),
+            id="enospc",
+        ),
+    ],
+)
+def test_a_mask_written_on_a_full_disk_is_one_line_naming_it(
+    tmp_path, monkeypatch, capsys, raised, problem
+):
+    """tifffile (numpy's tofile) reports a full disk as a short write with no errno and no file,
+    zarr and the OS with no file: either way the line names the mask, and none is left."""
+    from ctseg.postprocess import write
+
+    probabilities = tmp_path / "p.zarr"
+    create_volume(probabilities, (8, 16, 16), np.float16, (8, 16, 16))[...] = 0.75
+    mask = tmp_path / "masks" / "a.tif"
+
+    def imwrite_then_fill(path, *args, **kwargs):
+        Path(path).write_bytes(bytes(40704))
+        raise raised()
+
+    monkeypatch.setattr(write.tifffile, "imwrite", imwrite_then_fill)
+    assert cli_main(["postprocess", str(probabilities), str(mask)]) == 2
+    assert one_line_error(capsys, "postprocess") == (
+        f"ctseg postprocess: error: {mask}: {problem}; free some space there and rerun"
+    )
+    assert not mask.exists() and beside(mask) == []
+
+
+def test_the_innermost_output_is_named_and_an_os_error_s_own_file_comes_first(tmp_path):
+    from ctseg.io import os_error_line
+
+    outer, inner = tmp_path / "run", tmp_path / "run" / "a.json"
+    with pytest.raises(OSError) as info, atomic_path(outer), atomic_path(inner):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    assert os_error_line(info.value) == (
+        f"{inner}: {os.strerror(errno.EDQUOT)}; free some space there and rerun"
+    )
+    with pytest.raises(OSError) as info, atomic_path(inner):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/data/ro")
+    assert os_error_line(info.value).startswith(f"/data/ro: {os.strerror(errno.EACCES)}; ")

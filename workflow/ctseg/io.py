@@ -32,6 +32,9 @@ ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 TEMP_NAME = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}$")
 # A full disk and a full quota: both are fixed by freeing space, not by a plain rerun.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# numpy's tofile, which tifffile writes pages with, reports a full disk as a short write
+# without an errno ("110592 requested and 40704 written").
+SHORT_WRITE = re.compile(r"^(\d+) requested and (\d+) written$")
 
 
 class CtsegError(Exception):
@@ -74,10 +77,50 @@ def atomic_path(final: str | Path, *, record_chunks: bool = True) -> Iterator[Pa
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _output_lock(final):
+    with _output_lock(final), _naming_the_output(final):
         _remove_stale_temporaries(final)
         with _renamed_into_place(final, record_chunks) as tmp:
             yield tmp
+
+
+@contextlib.contextmanager
+def _naming_the_output(final: Path) -> Iterator[None]:
+    """An error leaving the block carries `final`, as does each exception it was raised from
+    (`output_of`): the operating system's error of a write names no file (zarr's, tifffile's),
+    and the user must know which disk filled. An inner output, written within, keeps its own."""
+    try:
+        yield
+    except Exception as exc:
+        for current in _chain(exc):
+            if getattr(current, "ctseg_output", None) is None:
+                with contextlib.suppress(AttributeError):
+                    current.ctseg_output = final  # type: ignore[attr-defined]
+        raise
+
+
+def output_of(exc: BaseException) -> Path | None:
+    """The output `atomic_path` was writing when `exc` (or an exception it was raised from)
+    left it, if any."""
+    for current in _chain(exc):
+        output = getattr(current, "ctseg_output", None)
+        if output is not None:
+            return Path(output)
+    return None
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, its causes and contexts, and the members of exception groups, each once."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(current.exceptions)
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
 
 
 @contextlib.contextmanager
@@ -158,20 +201,16 @@ def disk_full(exc: BaseException) -> OSError | None:
     """The out-of-space OSError behind `exc` (itself, a cause or a member of a group), if any.
 
     zarr and thread or process pools re-raise a write error from where it happened, sometimes
-    as the cause of another exception; the errno is what tells a full disk from a bad input.
+    as the cause of another exception; the errno is what tells a full disk from a bad input,
+    and a short write (`SHORT_WRITE`) is one too: a regular file takes fewer bytes than written
+    only when its disk or quota is full.
     """
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        current = todo.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+    for current in _chain(exc):
+        if isinstance(current, OSError) and (
+            current.errno in DISK_FULL_ERRNOS
+            or (current.errno is None and SHORT_WRITE.match(str(current)))
+        ):
             return current
-        if isinstance(current, BaseExceptionGroup):
-            todo.extend(current.exceptions)
-        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
     return None
 
 
@@ -192,19 +231,40 @@ _OS_ERROR_FIXES = {
 
 
 def os_error_line(exc: BaseException) -> str | None:
-    """One line for the operating-system error behind `exc` (itself, or its explicit cause,
-    `raise ... from`): the path, the problem and the fix; None when there is no such error."""
+    """One line for the operating-system error behind `exc`: a full disk found anywhere in its
+    chain (`disk_full`), else the error itself or its explicit cause (`raise ... from`). The
+    path is the error's own file, or else the output being written (`output_of`), then the
+    problem and the fix; None when there is no such error."""
+    error = disk_full(exc) or _explicit_os_error(exc)
+    if error is None:
+        return None
+    names = [str(f) for f in (error.filename, error.filename2) if f is not None]
+    output = output_of(exc)
+    if not names and output is not None:
+        names = [str(output)]
+    where = " -> ".join(names)
+    short = SHORT_WRITE.match(str(error)) if error.errno is None else None
+    if short is not None:
+        code = errno.ENOSPC
+        problem = (
+            f"{os.strerror(code)} (a write of {short[1]} bytes stopped after {short[2]}: "
+            "the disk or the quota is full)"
+        )
+    else:
+        code = error.errno
+        problem = error.strerror or os.strerror(code)
+    fix = _OS_ERROR_FIXES.get(code)
+    return f"{where + ': ' if where else ''}{problem}" + (f"; {fix}" if fix else "")
+
+
+def _explicit_os_error(exc: BaseException) -> OSError | None:
+    """`exc`, or the first of its explicit causes, that is an OSError with an errno."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno is not None:
-            where = " -> ".join(
-                str(f) for f in (current.filename, current.filename2) if f is not None
-            )
-            problem = current.strerror or os.strerror(current.errno)
-            fix = _OS_ERROR_FIXES.get(current.errno)
-            return f"{where + ': ' if where else ''}{problem}" + (f"; {fix}" if fix else "")
+            return current
         current = current.__cause__
     return None
 

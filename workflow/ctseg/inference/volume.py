@@ -66,7 +66,7 @@ from ctseg.inference.windows import (
     weight_norms,
     window_starts,
 )
-from ctseg.io import CtsegError, atomic_path
+from ctseg.io import CtsegError, fresh_output
 from ctseg.postprocess.write import open_checked
 from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume
 
@@ -376,7 +376,12 @@ def infer_volume(
     t0 = time.perf_counter()
     bar = tqdm(total=n_windows, unit="window", desc=f"infer {image_store.name}", file=sys.stderr)
     try:
-        with atomic_path(prob_store) as tmp, torch.inference_mode():
+        # fresh_output: a full disk is one line naming the store, and zarr's writes still in
+        # flight are waited for before the partial store is removed.
+        with (
+            fresh_output(prob_store, what=f"write the probabilities of {image_store.name}") as tmp,
+            torch.inference_mode(),
+        ):
             out = create_volume(tmp, shape, np.float16, image.chunks, attributes=attributes)
             if resident:
                 out[...] = _blend_resident(model, image, low, high, starts, settings, dev, bar)
