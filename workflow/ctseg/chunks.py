@@ -8,14 +8,22 @@ error. So every array a ctseg step writes carries, in its attributes under `RECO
 grid, how many chunks were written and which were left unwritten on purpose (all fill value),
 as runs of linear chunk indices in C order, and the total bytes of its chunk files with a
 digest of each one's size (`sizes`), so that a chunk file of another size is found too.
+It also holds the crc32c of every chunk file's bytes, by position (`DIGESTS`: 8 hex digits per
+chunk of the grid, in C order), so that a chunk file of the right size is checked too: bytes
+flipped in place, a damaged compressed chunk, or another chunk's file in its place (two files
+of one size swapped). The readers check each chunk's bytes against the digest of its own
+position as they read it (`ctseg.store.CheckedStore`, `digest_problem`), before a decompressor
+sees them.
 `ctseg.io.atomic_path` writes the record (`record_stores`) once the step's block has finished,
 just before the store is renamed into place, so it describes exactly what the step wrote.
 Readers (`ctseg.store`'s open functions; `ctseg.preprocess.stage` for a source, local or
 s3://) list the chunk files present with their sizes and compare (`problem`).
 
-A store without the record (made by another tool, or by ctseg before the record existed), or
+A store whose record has no digests (written by ctseg before they were recorded) is refused
+with the command that writes it again. A store without any record (made by another tool), or
 whose record describes another grid, is read only when every chunk of its grid is present:
-there a lost chunk cannot be told from one left empty on purpose.
+there a lost chunk cannot be told from one left empty on purpose, and its chunks' bytes cannot
+be checked.
 
 A chunk here is a storage object: with sharding, a shard (``chunk_grid`` in zarr v3 metadata
 is the shard grid). Pure metadata and file names, so `ctseg.io` can use it without zarr.
@@ -29,11 +37,19 @@ import json
 import math
 import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import google_crc32c
+
 RECORD = "chunks_written"
+DIGESTS = "crc32c"
 METADATA = "zarr.json"
+DIGEST_CHARS = 8  # a crc32c in hex
+ABSENT_DIGEST = "-" * DIGEST_CHARS  # a position the writer left unwritten
+# The stores of a staged record (`ctseg.layout`'s zarr scratch format): copies, made again by
+# staging, not by the step that wrote their source.
+SCRATCH_STORES = ("image.zarr", "targets.zarr")
 
 
 def grid_shape(meta: Mapping[str, Any]) -> tuple[int, ...]:
@@ -72,9 +88,11 @@ def _runs(indices: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def record_for(meta: Mapping[str, Any], present: Mapping[str, int]) -> dict[str, Any]:
+def record_for(
+    meta: Mapping[str, Any], present: Mapping[str, int], digests: Mapping[str, str]
+) -> dict[str, Any]:
     """The record of an array whose chunk files are `present` (keys relative to the array,
-    and their sizes in bytes)."""
+    and their sizes in bytes), with `digests` the crc32c (`chunk_digest`) of each one."""
     absent = [i for i, key in enumerate(_keys(meta)) if key not in present]
     grid = grid_shape(meta)
     sizes = _chunk_sizes(meta, present)
@@ -84,7 +102,61 @@ def record_for(meta: Mapping[str, Any], present: Mapping[str, int]) -> dict[str,
         "absent": _runs(absent),
         "bytes": sum(sizes.values()),
         "sizes": sizes_digest(sizes),
+        DIGESTS: "".join(digests[key] if key in sizes else ABSENT_DIGEST for key in _keys(meta)),
     }
+
+
+def chunk_digest(data: bytes | memoryview | Any) -> str:
+    """The crc32c of a chunk file's bytes (anything with the buffer protocol), as 8 hex digits:
+    hardware crc32c, several GB/s, so checking every chunk read costs little beside decoding.
+    google_crc32c takes only read-only buffers: others are copied, at memory speed."""
+    return f"{google_crc32c.value(data if isinstance(data, bytes) else bytes(data)):08x}"
+
+
+def expected_digests(meta: Mapping[str, Any], node: str = "") -> dict[str, str | None] | None:
+    """{chunk key relative to the store: its recorded crc32c, or None where the writer left the
+    position unwritten}, for the array at `node`; None when the record holds no digests (or
+    describes another grid)."""
+    record = (meta.get("attributes") or {}).get(RECORD) or {}
+    digests = record.get(DIGESTS) if _valid_record(meta) else None
+    if not isinstance(digests, str) or len(digests) != DIGEST_CHARS * math.prod(grid_shape(meta)):
+        return None
+    prefix = f"{node}/" if node else ""
+    expected: dict[str, str | None] = {}
+    for i, key in enumerate(_keys(meta)):
+        digest = digests[i * DIGEST_CHARS : (i + 1) * DIGEST_CHARS]
+        expected[prefix + key] = None if digest == ABSENT_DIGEST else digest
+    return expected
+
+
+def recreate_fix(store: str) -> str:
+    """How to write `store` again: a staged copy by staging, any other by its own step."""
+    if PurePosixPath(str(store).rstrip("/")).name in SCRATCH_STORES:
+        return (
+            "stage the records again (snakemake -R stage; with stage: per_job, rerun the "
+            "training job)"
+        )
+    return f"re-create the store: snakemake --force {store} (or rerun the ctseg step that wrote it)"
+
+
+def digest_problem(store: str, key: str, expected: str | None, data: Any) -> str | None:
+    """One line when chunk `key`'s bytes `data` (None: no file) are not those its writer wrote
+    at that position (`expected`, None: it wrote none there), else None."""
+    if data is None and expected is None:
+        return None
+    if data is None:
+        found = "is missing (zarr would read it as zeros)"
+    elif expected is None:
+        found = "holds data where its writer wrote none (another chunk's file put there?)"
+    else:
+        got = chunk_digest(data)
+        if got == expected:
+            return None
+        found = (
+            f"does not hold the bytes written there (crc32c {got}, {expected} recorded): "
+            "damaged, or another chunk's file in its place"
+        )
+    return f"{store}: chunk {key} {found}; {recreate_fix(store)}"
 
 
 def _chunk_sizes(meta: Mapping[str, Any], present: Mapping[str, int]) -> dict[str, int]:
@@ -135,7 +207,7 @@ def problem(store: str, node: str, meta: Mapping[str, Any], present: Collection[
     its chunk files, relative to the array."""
     missing, recorded = missing_chunks(meta, present)
     if not missing:
-        return _size_problem(store, meta, present)
+        return _size_problem(store, meta, present) or undigested_problem(store, meta)
     chunk = f"{node}/{missing[0]}" if node else missing[0]
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
     if recorded:
@@ -167,6 +239,18 @@ def _size_problem(store: str, meta: Mapping[str, Any], present: Collection[str])
         f"{store}: its chunk files hold {found} bytes where {written} were written: a chunk "
         "file was cut short or replaced (a partial copy or sync?), and zarr would read it as "
         "garbage; copy the store again, or rerun the step that writes it"
+    )
+
+
+def undigested_problem(store: str, meta: Mapping[str, Any]) -> str | None:
+    """One line for a store whose record holds no chunk digests (a ctseg store written before
+    they were recorded), whose chunks' bytes could not be checked as they are read."""
+    if _valid_record(meta) is None or expected_digests(meta) is not None:
+        return None
+    return (
+        f"{store}: written by an older ctseg that recorded no digest of each chunk "
+        f"('{DIGESTS}' in '{RECORD}'), so a damaged or misplaced chunk could not be found as it "
+        f"is read; {recreate_fix(store)}"
     )
 
 
@@ -214,7 +298,12 @@ def record_stores(root: Path) -> int:
     files = list_files(root)
     nodes = arrays_in(files, lambda rel: (root / rel).read_bytes())
     for node, meta in nodes.items():
-        meta.setdefault("attributes", {})[RECORD] = record_for(meta, chunk_files(files, node))
+        present = chunk_files(files, node)
+        folder = root / node if node else root
+        digests = {
+            key: chunk_digest((folder / key).read_bytes()) for key in _chunk_sizes(meta, present)
+        }
+        meta.setdefault("attributes", {})[RECORD] = record_for(meta, present, digests)
         path = root / node / METADATA if node else root / METADATA
         path.write_text(json.dumps(meta, indent=2))
     return len(nodes)

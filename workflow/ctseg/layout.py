@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ctseg.io import CtsegError, strict_json
-from ctseg.store import MASK_BITS, pack_masks
+from ctseg.store import MASK_BITS, open_checked, pack_masks
 
 RESULTS = "results"
 # The generated dataset: its runs keep results/<run>/ (any other: results/<dataset>/<run>/).
@@ -274,11 +274,11 @@ def _open_raw(path: Path) -> tuple[ScratchRecord, list[tuple[int, ...]]]:
 
 
 def _open_zarr(path: Path) -> tuple[ScratchRecord, list[tuple[int, ...]]]:
-    import zarr  # only the zarr format needs it
-
     try:
-        image = zarr.open_array(str(path / "image.zarr"), mode="r")
-        targets = zarr.open_group(str(path / "targets.zarr"), mode="r")
+        # Each chunk's bytes checked as it is read, against the record copied with the store
+        # (staging verified the copy: no listing per worker).
+        image = open_checked(path / "image.zarr", listed=False)
+        targets = open_checked(path / "targets.zarr", listed=False)
         planes = {k: targets[k] for k in MASK_PLANES}
         sdt = targets["sdt"]
         fg = np.asarray(targets["fg_locations"][...], np.int64).reshape(-1, 3)

@@ -12,7 +12,10 @@ Layout (the results contract), under one root per dataset, ``results/preprocesse
   z/y/x of sampled foreground voxels).
 
 Every array a step writes carries the record of the chunks written to it (``chunks_written``,
-see `ctseg.chunks`), and the open functions here refuse a store that lacks one of them.
+see `ctseg.chunks`), and the open functions here refuse a store that lacks one of them. They
+read through `CheckedStore`, which checks each chunk's bytes against the crc32c recorded for its
+position as zarr reads them: a damaged chunk, or another chunk's file in its place, is a
+`CtsegError` naming the store and the chunk, never data.
 
 The scratch formats a staged record takes (raw .npy or zarr), and the results paths, are
 `ctseg.layout`'s: each format's writer beside its reader.
@@ -20,7 +23,7 @@ The scratch formats a staged record takes (raw .npy or zarr), and the results pa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,9 @@ import fsspec
 import numpy as np
 import zarr
 import zarr.codecs
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
 from ctseg import chunks
 from ctseg.io import CtsegError
@@ -130,38 +136,138 @@ def create_in_group(
     )
 
 
+class CheckedStore(WrapperStore[Store]):
+    """A store whose chunk reads are checked against the crc32c its writer recorded for each
+    chunk's position (`ctseg.chunks.expected_digests`): bytes flipped in place, a damaged
+    compressed chunk, or another chunk's file of the same size swapped in are a `CtsegError`
+    naming the store (`label`) and the chunk, raised before a decompressor sees the bytes.
+
+    Keys without a recorded digest (metadata, a store without a record) pass through. A read of
+    part of a chunk file (a shard's index or one of its inner chunks) checks the whole file the
+    first time this store reads it; later partial reads of it are not checked again.
+    """
+
+    def __init__(
+        self, store: Store, label: str, expected: Mapping[str, str | None] | None = None
+    ) -> None:
+        super().__init__(store)
+        self.label = label
+        self._expected: dict[str, str | None] = dict(expected or {})
+        self._checked_whole: set[str] = set()
+
+    def _with_store(self, store: Store) -> CheckedStore:
+        return type(self)(store, self.label, self._expected)
+
+    def expect(self, expected: Mapping[str, str | None]) -> None:
+        """Check the chunks at these keys (relative to the store) against these digests."""
+        self._expected.update(expected)
+
+    def _check(self, key: str, data: Buffer | None) -> None:
+        found = None if data is None else data.as_numpy_array()
+        problem = chunks.digest_problem(self.label, key, self._expected[key], found)
+        if problem is not None:
+            raise CtsegError(problem)
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        if key not in self._expected:
+            return await self._store.get(key, prototype, byte_range)
+        if byte_range is None:
+            data = await self._store.get(key, prototype)
+            self._check(key, data)
+            return data
+        if key not in self._checked_whole:
+            self._check(key, await self._store.get(key, prototype))
+            self._checked_whole.add(key)
+        return await self._store.get(key, prototype, byte_range)
+
+    async def get_partial_values(
+        self,
+        prototype: BufferPrototype,
+        key_ranges: Iterable[tuple[str, ByteRequest | None]],
+    ) -> list[Buffer | None]:
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
+
+    async def _get_many(
+        self, requests: Iterable[tuple[str, BufferPrototype, ByteRequest | None]]
+    ) -> AsyncGenerator[tuple[str, Buffer | None], None]:
+        for key, prototype, byte_range in requests:
+            yield key, await self.get(key, prototype, byte_range)
+
+
+def open_checked(
+    path: str | Path, storage_options: Mapping[str, Any] | None = None, *, listed: bool = True
+) -> zarr.Array | zarr.Group:
+    """The array or group at `path` (a directory or an fsspec URL such as s3://...), once every
+    chunk its writer wrote is found there (`check_complete`), read through a `CheckedStore`
+    that checks each chunk's bytes as zarr reads them.
+
+    Without `listed`, the store is not listed up front (a copy verified another way, opened
+    once per loader worker): a recorded chunk found missing is then refused as it is read, and
+    a store without a record is read as it is."""
+    text = str(path)
+    if "://" in text:
+        inner: Store = FsspecStore.from_url(
+            text, storage_options=dict(storage_options or {}), read_only=True
+        )
+    else:
+        inner = LocalStore(text, read_only=True)
+    store = CheckedStore(inner, text)
+    node = zarr.open(store=store, mode="r")
+    if isinstance(node, zarr.Array):
+        arrays = {"": node.metadata.to_dict()}
+    else:
+        arrays = {name: array.metadata.to_dict() for name, array in node.arrays()}
+    if listed:
+        check_complete(path, arrays, storage_options)
+    for name, meta in arrays.items():
+        problem = chunks.undigested_problem(text, meta)
+        if problem is not None:
+            raise CtsegError(problem)
+        store.expect(chunks.expected_digests(meta, name) or {})
+    return node
+
+
 def open_volume(path: str | Path) -> zarr.Array:
-    """The array at `path` (a directory or an fsspec URL such as s3://...), once every chunk its
-    writer wrote is found there (`check_complete`)."""
-    array = zarr.open_array(str(path), mode="r")
-    check_complete(path, {"": array.metadata.to_dict()})
+    """The array at `path` (`open_checked`)."""
+    array = open_checked(path)
+    if not isinstance(array, zarr.Array):
+        raise CtsegError(f"{path}: a zarr group, where an array is expected")
     return array
 
 
 def open_targets(path: str | Path) -> zarr.Group:
-    """The targets group at `path`, once every chunk of each of its arrays is found there."""
-    group = zarr.open_group(str(path), mode="r")
-    check_complete(path, {name: array.metadata.to_dict() for name, array in group.arrays()})
+    """The targets group at `path` (`open_checked`), every one of its arrays checked."""
+    group = open_checked(path)
+    if not isinstance(group, zarr.Group):
+        raise CtsegError(f"{path}: a zarr array, where a group of target arrays is expected")
     return group
 
 
-def check_complete(path: str | Path, arrays: Mapping[str, Mapping[str, Any]]) -> None:
+def check_complete(
+    path: str | Path,
+    arrays: Mapping[str, Mapping[str, Any]],
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
     """Refuse a store that lacks a chunk its writer wrote (`ctseg.chunks`): zarr would read it as
     zeros. `arrays` maps each array's path inside the store ("" for the store itself) to its
     metadata. Costs one listing of the store's files."""
-    files = _stored_files(path)
+    files = _stored_files(path, storage_options)
     for node, meta in arrays.items():
         problem = chunks.problem(str(path), node, meta, chunks.chunk_files(files, node))
         if problem is not None:
             raise CtsegError(problem)
 
 
-def _stored_files(path: str | Path) -> dict[str, int]:
+def _stored_files(
+    path: str | Path, storage_options: Mapping[str, Any] | None = None
+) -> dict[str, int]:
     """Every file of the store, relative to it, and its size."""
     text = str(path)
     if "://" not in text:
         return chunks.list_files(Path(text))
-    fs, root = fsspec.core.url_to_fs(text)
+    fs, root = fsspec.core.url_to_fs(text, **dict(storage_options or {}))
     root = root.rstrip("/")
     fs.invalidate_cache(root)  # a long-lived process may hold a listing from before a change
     return {

@@ -60,9 +60,7 @@ from typing import Any, Literal
 
 import fsspec
 import numpy as np
-import zarr
 from tqdm import tqdm
-from zarr.storage import FsspecStore
 
 from ctseg import chunks
 from ctseg.io import (
@@ -77,7 +75,7 @@ from ctseg.io import (
     strict_json,
 )
 from ctseg.layout import SCRATCH_FORMATS, RawFile, npy_header, raw_files, raw_meta
-from ctseg.store import TARGET_VOLUMES
+from ctseg.store import TARGET_VOLUMES, open_checked
 
 VERIFY_MODES = ("size", "sha256")
 MANIFEST = "manifest.json"
@@ -400,8 +398,8 @@ def _batches(files: Sequence[SourceFile]) -> Iterator[list[SourceFile]]:
 
 
 def _open_zarr(url: str, storage_options: Mapping) -> Any:
-    store = FsspecStore.from_url(url, storage_options=dict(storage_options), read_only=True)
-    return zarr.open(store=store, mode="r")
+    # Each chunk's bytes are checked against the source's record as they are decoded.
+    return open_checked(url, storage_options)
 
 
 def _slab_depth(shape: Sequence[int], chunk0: int, bytes_per_item: int) -> int:

@@ -448,7 +448,8 @@ def _opened(path: str, mode: str = "r") -> zarr.Array:
     """Open an array once per process and run (forked workers must not reuse parent handles)."""
     key = (os.getpid(), path)
     if key not in _ARRAYS:
-        _ARRAYS[key] = zarr.open_array(path, mode=mode)
+        # The label is read with each chunk's bytes checked; the outputs are being written.
+        _ARRAYS[key] = open_volume(path) if mode == "r" else zarr.open_array(path, mode=mode)
     return _ARRAYS[key]
 
 
