@@ -11,8 +11,10 @@ trained runs built as tests/test_infer.py builds weights (`save_checkpoint` of a
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -142,7 +144,7 @@ def predict(project: Path, run: str, folder: Path, out: Path, *extra: object) ->
     ctseg("predict", "--run", project / "results" / run, "-i", folder, "-o", out,
           "--experiments-dir", project / "config" / "experiments", "--ensembles-dir",
           project / "config" / "ensembles", "--device", "cpu", *extra)  # fmt: skip
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.tif"))}
 
 
 @pytest.mark.parametrize("run", list(MEMBERS))
@@ -168,16 +170,25 @@ def test_predict_gives_the_workflows_masks_byte_for_byte(project, tmp_path, run,
         mask = tifffile.imread(tmp_path / "workflow" / f"{rid}.tif")
         assert mask.dtype == np.uint8 and 0.02 < mask.mean() < 0.98  # not a trivial mask
 
-    summary = json.loads(log.out)
-    assert [v["id"] for v in summary["volumes"]] == ["vol_a", "vol_b"]
+    # The console ends with one line; the figures are in the folder's predict.json.
+    summary_file = tmp_path / "masks" / "predict.json"
+    label = "t>0.45 min 3 fill" if run == "tiny" else "t>0.5"
+    assert log.out.splitlines() == [
+        f"ctseg predict: wrote 2 mask(s) to {tmp_path / 'masks'} by {run}, post-processing "
+        f"{label} (figures: {summary_file})"
+    ]
+    rows = json.loads(summary_file.read_text())["volumes"]
+    assert list(rows) == ["vol_a", "vol_b"]
+    assert rows["vol_b"]["shape"] == [36, 18, 22]
+    assert rows["vol_a"]["mask"] == str(tmp_path / "masks" / "vol_a.tif")
     tuned = project / "results" / "tiny" / "postprocess" / "tuned.json"
     if run == "tiny":
-        assert summary["postprocess"]["from"] == str(tuned)
-        assert summary["postprocess"]["min_component_voxels"] == 3
+        assert rows["vol_a"]["postprocess"]["from"] == str(tuned)
+        assert rows["vol_a"]["postprocess"]["min_component_voxels"] == 3
         assert f"post-processing t>0.45 min 3 fill: {tuned}" in log.err
     else:
-        assert summary["members"] == list(MEMBERS[run])
-        assert summary["postprocess"]["from"].startswith("the fixed defaults (")
+        assert rows["vol_a"]["members"] == list(MEMBERS[run])
+        assert rows["vol_a"]["postprocess"]["from"].startswith("the fixed defaults (")
         assert "tuned.json does not exist" in log.err
 
 
@@ -187,7 +198,14 @@ def test_fixed_options_and_only(project, tmp_path):
         write_volume(volumes / f"{rid}.tif", volume((20, 20, 20), seed=i))
     out = tmp_path / "out"
     predict(project, "tiny", volumes, out, "--only", "b", "--threshold", "0.7")
-    assert sorted(p.name for p in out.iterdir()) == ["b.tif"]
+    assert sorted(p.name for p in out.iterdir()) == ["b.tif", "predict.json"]
+    # A second predict into the folder adds its volume's row to the figures.
+    predict(project, "tiny", volumes, out, "--only", "a", "--threshold", "0.6")
+    rows = json.loads((out / "predict.json").read_text())["volumes"]
+    assert {rid: row["postprocess"]["threshold"] for rid, row in rows.items()} == {
+        "a": 0.6,
+        "b": 0.7,
+    }
     assert main(["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes),
                  "-o", str(out), "--settings", "t.json", "--threshold", "0.7"]) == 2  # fmt: skip
 
@@ -321,10 +339,10 @@ def test_a_killed_predicts_work_folder_is_removed_by_the_next_one(project, tmp_p
     assert killed.returncode == -signal.SIGKILL
     left = [p for p in scratch.iterdir() if p.name.startswith("ctseg-predict-") and p != other]
     assert len(left) == 1 and (left[0] / "images" / "a.zarr").is_dir()
-    assert not out.exists() or not any(out.iterdir())
+    assert [p.name for p in out.iterdir()] == [".a.tif.predict.lock"]  # the killed one's claim
     predict(project, "tiny", volumes, out, "--scratch", scratch)
     assert sorted(p.name for p in scratch.iterdir()) == [other.name]
-    assert sorted(p.name for p in out.iterdir()) == ["a.tif"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.tif", "predict.json"]
 
 
 def test_a_device_this_machine_lacks_and_an_unwritable_output_are_one_line(
@@ -366,20 +384,90 @@ def test_settings_tuned_for_other_weights_are_refused(project, tmp_path, capsys)
 
 
 def test_a_second_predict_into_the_same_output_is_refused(project, tmp_path, capsys):
-    """While one predict writes into -o (it holds the lock on its work folder), another into
-    the same folder is refused with one line naming it, and takes nothing of the first's."""
-    from ctseg.inference.predict import _work_folder
+    """While one predict writes a volume into -o (it holds the lock on that mask in -o), another
+    predict of it into the same folder is refused with one line naming it, whatever its scratch
+    folder (two cluster jobs); a predict of another volume into the folder runs (the workflow's
+    one job per volume)."""
+    from ctseg.inference.predict import _claimed, _work_folder
 
     volumes = tmp_path / "in"
     write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
-    out, scratch = tmp_path / "masks", tmp_path / "scratch"
+    write_volume(volumes / "b.tif", volume((20, 20, 20), seed=1))
+    out = tmp_path / "masks"
+    out.mkdir()
     args = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes), "-o",
-            str(out), "--scratch", str(scratch), "--device", "cpu"]  # fmt: skip
-    with _work_folder(scratch, out) as work:  # the first predict, still running
+            str(out), "--scratch", str(tmp_path / "scratch_2"), "--device", "cpu"]  # fmt: skip
+    # The first predict, still running, with a scratch folder of its own.
+    with _claimed(out, ["a"]), _work_folder(tmp_path / "scratch_1", out, ["a"]) as work:
         (work / "images").mkdir()
         line = cli_error(args, capsys)
         assert line == (
-            f"ctseg predict: error: {out}: another ctseg predict is writing into this folder "
-            "now; wait for it to finish, or choose another --out"
+            f"ctseg predict: error: {out}: another ctseg predict is writing a.tif into this "
+            "folder now; wait for it to finish, or choose another --output"
         )
         assert (work / "images").is_dir()
+        assert not (out / "b.tif").exists()  # refused before anything was written
+        assert main([*args, "--only", "b", "--summary", str(tmp_path / "b.json")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["b.tif"]  # the figures where asked
+    assert list(json.loads((tmp_path / "b.json").read_text())["volumes"]) == ["b"]
+
+
+def test_damaged_weights_are_named_before_the_settings_tuned_for_them(project, tmp_path, capsys):
+    """A last.pt cut short (a partial copy), with the tuned.json of the whole file beside it:
+    the weights file is named as damaged, not taken for retrained weights."""
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    run_dir = project / "results" / "tiny"
+    weights = run_dir / "last.pt"
+    tuned_file = run_dir / "postprocess" / "tuned.json"
+    made = {"weights_sha256": [stored_digest(weights)], "ensemble_weights": None}
+    tuned_file.write_text(json.dumps({**json.loads(tuned_file.read_text()), "made_with": made}))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    args = ["predict", "--run", str(run_dir), "-i", str(volumes), "-o", str(tmp_path / "o"),
+            "--device", "cpu"]  # fmt: skip
+    assert cli_error(args, capsys) == (
+        f"ctseg predict: error: {weights}: damaged weights file: it has no checksum trailer (cut "
+        "short, or not written by ctseg train); copy it again from where the run trained, or "
+        "retrain the run"
+    )
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        pytest.param(lambda: OSError("110592 requested and 40704 written"), id="short-write"),
+        pytest.param(lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), id="enospc"),
+    ],
+)
+def test_a_disk_that_fills_while_a_mask_is_written_is_one_line_naming_it(
+    project, tmp_path, monkeypatch, capsys, raised
+):
+    """tifffile reports a short write on a full disk without an errno; either way, one line
+    naming the mask, and no partial mask left."""
+    from ctseg.inference import predict as predict_module
+    from ctseg.postprocess import write
+
+    volumes = tmp_path / "in"
+    write_volume(volumes / "a.tif", volume((20, 20, 20), seed=0))
+    out = tmp_path / "out"
+
+    def imwrite_then_fill(path, *args, **kwargs):
+        Path(path).write_bytes(bytes(40704))
+        raise raised()
+
+    monkeypatch.setattr(write.tifffile, "imwrite", imwrite_then_fill)
+    monkeypatch.setattr(predict_module, "free_bytes", lambda path: 1000)
+    args = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes), "-o",
+            str(out), "--device", "cpu"]  # fmt: skip
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err  # the progress of the steps before, then one line
+    assert "Traceback" not in err and err.count("error") == 1
+    line = err.strip().splitlines()[-1]
+    assert line == (
+        f"ctseg predict: error: {out / 'a.tif'}: no space left on the device while writing this "
+        f"mask ({raised()}; 1000 bytes free now, the mask takes 8000); the partial mask was "
+        "removed: free some space there and rerun"
+    )
+    assert sorted(p.name for p in out.iterdir()) == []

@@ -328,11 +328,21 @@ def cmd_infer(args: argparse.Namespace) -> None:
 
 
 def cmd_predict(args: argparse.Namespace) -> None:
-    from ctseg.inference.predict import predict_folder, resolve_run, run_postprocess
+    from ctseg.inference.predict import (
+        SUMMARY_FILE,
+        load_models,
+        predict_folder,
+        resolve_run,
+        run_postprocess,
+        write_summary,
+    )
     from ctseg.postprocess.tuning import load_tuned
 
     inference = _inference_settings(args)
     run = resolve_run(Path(args.run), Path(args.experiments_dir), Path(args.ensembles_dir))
+    # The weights first: a damaged file is named as such, not taken for retrained weights by
+    # the check of the settings tuned for them.
+    models = load_models(run, inference.torch_device())
     if args.settings:
         if _fixed_given(args):
             raise CtsegError(
@@ -346,6 +356,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
         )
     summary = predict_folder(
         run,
+        models,
         Path(args.input),
         Path(args.output),
         inference,
@@ -355,7 +366,11 @@ def cmd_predict(args: argparse.Namespace) -> None:
         scratch=Path(args.scratch) if args.scratch else None,
         postprocess_from=source,
     )
-    print(strict_json(summary, indent=1))
+    figures = write_summary(Path(args.summary or Path(args.output) / SUMMARY_FILE), summary)
+    print(
+        f"ctseg predict: wrote {len(summary['volumes'])} mask(s) to {args.output} by "
+        f"{run.name}, post-processing {postprocess.label()} (figures: {figures})"
+    )
 
 
 def cmd_tune_postprocess(args: argparse.Namespace) -> None:
@@ -731,6 +746,11 @@ def _predict_parser(add_parser: AddParser) -> None:
     )
     p.add_argument(
         "--scratch", default=None, help="folder for the temporary stores (default: $TMPDIR)"
+    )
+    p.add_argument(
+        "--summary",
+        default=None,
+        help="JSON file the figures of each mask are added to (default: <output>/predict.json)",
     )
     _inference_options(p)
     _postprocess_options(p)

@@ -25,9 +25,20 @@ temporary Zarr store (streamed in slabs under the convert budget),
 `ctseg.postprocess.write.write_mask` to ``<out>/<id>.tif`` (uint8 0/1, the submission layout).
 Memory stays bounded by the settings' budgets, as in each step; the temporary stores are removed
 as each volume is done, from a work folder under ``scratch`` (the system's temporary folder by
-default) that a killed predict leaves behind and the next predict into the same ``out`` removes.
-With ``probabilities``, ``<probabilities>/<id>.zarr`` is kept as well. No output folder may be
-the input folder or lie inside it.
+default) that a killed predict leaves behind and the next predict of the same volumes into the
+same ``out`` removes. With ``probabilities``, ``<probabilities>/<id>.zarr`` is kept as well. No
+output folder may be the input folder or lie inside it.
+
+The run's weights files are loaded (`load_models`, each checked against its checksum) before
+anything else reads them, so a damaged one is named as such, not taken for retrained weights by
+the check of its tuned settings (`run_postprocess`).
+
+Each volume's mask is claimed in ``out`` itself for the whole predict (a lock file
+``.<id>.tif.predict.lock`` there, `_claimed`), so a second predict of the same volume into the same
+folder is refused whatever its scratch folder, while the workflow's one job per volume into one
+folder run side by side. A disk that fills while a mask is written is one line naming the mask.
+The figures of every mask in ``out`` are kept in one JSON file (`SUMMARY_FILE` there, unless
+another path is given; `write_summary`), to which each predict adds its volumes' rows.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +64,17 @@ from ctseg.inference.inputs import input_volumes
 from ctseg.inference.run import load_model
 from ctseg.inference.settings import InferenceSettings
 from ctseg.inference.volume import infer_volume
-from ctseg.io import CtsegError, OutputBusy, remove_path, work_folder
+from ctseg.io import (
+    DISK_FULL_ERRNOS,
+    CtsegError,
+    OutputBusy,
+    _output_lock,
+    atomic_path,
+    free_bytes,
+    remove_path,
+    strict_json,
+    work_folder,
+)
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
 from ctseg.postprocess.write import write_mask
@@ -66,6 +88,8 @@ ENSEMBLES_DIR = Path("config/ensembles")
 WEIGHTS_FILE = "last.pt"
 TUNED_FILE = Path("postprocess") / "tuned.json"
 ENSEMBLE_WEIGHTS = Path("ensemble") / "weights.json"
+SUMMARY_FILE = "predict.json"  # in the output folder, unless another path is given
+SUMMARY_WAIT_S = 60.0  # how long a predict waits for another one writing the summary
 
 
 # ----------------------------------------------------------------------------- the run
@@ -210,25 +234,44 @@ def _check_outside(folder: Path, outputs: dict[str, Path | None]) -> None:
             )
 
 
+def load_models(run: PredictRun, device: torch.device) -> list[tuple[torch.nn.Module, Any]]:
+    """Each member's model and training patch, its weights file checked against its checksum
+    first (`ctseg.inference.run.load_model`): a damaged file is named as damaged."""
+    return [load_model(f, device) for f in run.weight_files]
+
+
 @contextlib.contextmanager
-def _work_folder(scratch: Path | None, out_dir: Path) -> Iterator[Path]:
-    """``<scratch>/ctseg-predict-<digest of out_dir>``: the temporary stores of one predict into
-    `out_dir`. A predict killed on the way leaves it behind; the next one into the same folder
-    removes it first (`ctseg.io.work_folder`)."""
+def _claimed(out_dir: Path, ids: Sequence[str]) -> Iterator[None]:
+    """Hold ``<out_dir>/.<id>.tif.predict.lock`` of every volume while this predict runs: a
+    second predict of one of them into the same folder is refused, whatever its scratch."""
+    with contextlib.ExitStack() as held:
+        for rid in ids:
+            try:
+                held.enter_context(_output_lock(out_dir / f"{rid}.tif.predict"))
+            except OutputBusy as exc:
+                raise CtsegError(
+                    f"{out_dir}: another ctseg predict is writing {rid}.tif into this folder "
+                    "now; wait for it to finish, or choose another --output"
+                ) from exc
+        yield
+
+
+@contextlib.contextmanager
+def _work_folder(scratch: Path | None, out_dir: Path, ids: Sequence[str]) -> Iterator[Path]:
+    """``<scratch>/ctseg-predict-<digest of out_dir and ids>``: the temporary stores of one
+    predict of `ids` into `out_dir` (the workflow's jobs, one volume each into one folder, get
+    one each). A predict killed on the way leaves it behind; the next one of the same volumes
+    into the same folder removes it first (`ctseg.io.work_folder`)."""
     root = Path(scratch) if scratch is not None else Path(tempfile.gettempdir())
-    digest = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:12]
-    try:
-        with work_folder(root / f"ctseg-predict-{digest}") as work:
-            yield work
-    except OutputBusy as exc:
-        raise CtsegError(
-            f"{out_dir}: another ctseg predict is writing into this folder now; wait for it to "
-            "finish, or choose another --out"
-        ) from exc
+    key = "\0".join([str(out_dir.resolve()), *sorted(ids)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    with work_folder(root / f"ctseg-predict-{digest}") as work:
+        yield work
 
 
 def predict_folder(
     run: PredictRun,
+    models: Sequence[tuple[torch.nn.Module, Any]],
     folder: Path,
     out_dir: Path,
     inference: InferenceSettings,
@@ -239,24 +282,24 @@ def predict_folder(
     scratch: Path | None = None,
     postprocess_from: str = "given",
 ) -> dict[str, Any]:
-    """``<out_dir>/<id>.tif`` of every volume of `folder` (or of the ids in `only`) by `run`;
-    returns what was done, one row per volume (module docstring). The log (stderr) names the
-    run, its models and weights, and the post-processing with `postprocess_from`, its source."""
+    """``<out_dir>/<id>.tif`` of every volume of `folder` (or of the ids in `only`) by `run`,
+    whose `models` are `load_models`'; returns what was done, one row per volume (module
+    docstring). The log (stderr) names the run, its models and weights, and the
+    post-processing with `postprocess_from`, its source."""
     folder, out_dir = Path(folder), Path(out_dir)
-    outputs = {"--out": out_dir, "--probabilities": probabilities_dir, "--scratch": scratch}
+    outputs = {"--output": out_dir, "--probabilities": probabilities_dir, "--scratch": scratch}
     _check_outside(folder, outputs)
     volumes = input_volumes(folder)
     ids = _selected(volumes, only, folder)
     for rid in ids:
         read_header(volumes[rid])  # convert's checks, before any long step
     device = inference.torch_device()
-    models = [load_model(f, device) for f in run.weight_files]
     digests = [stored_digest(f) for f in run.weight_files]  # kept with each probability store
     for where in (out_dir, probabilities_dir):
         if where is not None:
             Path(where).mkdir(parents=True, exist_ok=True)  # a folder in the way: now
     rows = []
-    with _work_folder(scratch, out_dir) as work:
+    with _claimed(out_dir, ids), _work_folder(scratch, out_dir, ids) as work:
         print(
             f"predict: {len(ids)} volume(s) of {folder} by {run.describe()} on {device}\n"
             f"predict: post-processing {postprocess.label()}: {postprocess_from}",
@@ -320,7 +363,7 @@ def _predict_volume(
         )
         for member_prob in member_probs:
             remove_path(member_prob)
-    mask = write_mask(prob, out_dir / f"{rid}.tif", postprocess)
+    mask = _write_mask(prob, out_dir / f"{rid}.tif", postprocess, info["shape"])
     remove_path(image)
     if not probabilities_dir:
         remove_path(prob)
@@ -332,3 +375,54 @@ def _predict_volume(
         "shape": info["shape"],
         **{k: v for k, v in mask.items() if k.endswith("_voxels")},
     }
+
+
+def _write_mask(
+    prob: Path, mask: Path, postprocess: PostprocessSettings, shape: Sequence[int]
+) -> dict[str, Any]:
+    """`write_mask`, with a disk that fills on the way one line naming the mask. tifffile says
+    a short write without an errno ("110592 requested and 40704 written"): with less room
+    left than the mask takes, that is a full disk too."""
+    try:
+        return write_mask(prob, mask, postprocess)
+    except OSError as exc:
+        free, needed = free_bytes(mask.parent), math.prod(shape)
+        short_write = exc.errno is None and free < needed
+        if exc.errno not in DISK_FULL_ERRNOS and not short_write:
+            raise
+        raise CtsegError(
+            f"{mask}: no space left on the device while writing this mask ({exc}; {free} bytes "
+            f"free now, the mask takes {needed}); the partial mask was removed: free some space "
+            "there and rerun"
+        ) from exc
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> Path:
+    """Add `summary`'s volumes to the JSON file at `path` ({"volumes": {id: row}}), each row
+    with the run and the post-processing that made it; rows of masks no longer in their folder
+    are dropped. Written atomically; a predict writing it meanwhile is waited for."""
+    run_keys = ("run", "kind", "members", "weights", "input", "postprocess")
+    rows = {v["id"]: {**v, **{k: summary[k] for k in run_keys}} for v in summary["volumes"]}
+    deadline = time.monotonic() + SUMMARY_WAIT_S
+    while True:
+        try:
+            with atomic_path(path) as tmp:
+                kept = {**_summary_rows(path), **rows}
+                kept = {rid: row for rid, row in kept.items() if Path(row["mask"]).is_file()}
+                tmp.write_text(strict_json({"volumes": dict(sorted(kept.items()))}, indent=1))
+            return path
+        except OutputBusy:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _summary_rows(path: Path) -> dict[str, Any]:
+    """The rows of an existing summary file; none from one that is not ours (or damaged)."""
+    try:
+        volumes = json.loads(path.read_text()).get("volumes")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(volumes, dict):
+        return {}
+    return {k: v for k, v in volumes.items() if isinstance(v, dict) and "mask" in v}
