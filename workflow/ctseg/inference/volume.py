@@ -31,7 +31,10 @@ remainder. If even one row of windows exceeds ``memory_budget_mb``, the result r
 Speed
 -----
 ``batch_size`` windows go through the model per call, under ``torch.inference_mode``; ``amp``
-(default: on CUDA only) runs the forward under bf16 autocast while the blending stays float32.
+(default: on CUDA only) runs the forward under bf16 autocast while the blending stays float32,
+and ``channels_last`` (default: on CUDA only) holds the weights in channels_last_3d for the
+forwards, as training does (cuDNN's 3D convolutions are about 1.5x faster in it on a GPU;
+BENCHMARKS.md), and gives the model back in the layout it came in.
 On a CPU the gain over one window at a time comes from batching (PyTorch sends every
 convolution of a batch of two or more to oneDNN) and from keeping freed activation buffers in
 the heap (`ctseg.data.heap.tune_malloc`); bench/infer.py measures both.
@@ -50,7 +53,6 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
-from tqdm import tqdm
 
 from ctseg.data.heap import tune_malloc
 from ctseg.inference.settings import InferenceSettings, Shape3
@@ -68,6 +70,7 @@ from ctseg.inference.windows import (
 )
 from ctseg.io import CtsegError, fresh_output
 from ctseg.postprocess.write import open_checked
+from ctseg.progress import Progress
 from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume
 
 
@@ -209,7 +212,7 @@ def _blend_streamed(
     out: zarr.Array,
     settings: InferenceSettings,
     device: torch.device,
-    progress: tqdm,
+    progress: Progress,
 ) -> int:
     """Slab by slab into `out`; returns the accumulator's peak bytes."""
     shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
@@ -252,7 +255,7 @@ def _blend_resident(
     starts: Sequence[Sequence[int]],
     settings: InferenceSettings,
     device: torch.device,
-    progress: tqdm | None = None,
+    progress: Progress | None = None,
 ) -> np.ndarray:
     """Blended probabilities of the whole volume, computed on `device`, as a float16 host array.
 
@@ -298,6 +301,17 @@ def _blend_resident(
 
 
 # ----------------------------------------------------------------------------- volumes
+def _weights_layout(model: torch.nn.Module) -> torch.memory_format:
+    """The memory format of the model's 3D convolution weights: restored after inference, so
+    that the caller's model is left as it came."""
+    for param in model.parameters():
+        if param.ndim == 5 and param.shape[1] > 1 and param.shape[2:].numel() > 1:
+            if param.is_contiguous(memory_format=torch.channels_last_3d):
+                return torch.channels_last_3d
+            return torch.contiguous_format
+    return torch.contiguous_format
+
+
 def _starts(shape: Sequence[int], settings: InferenceSettings) -> list[list[int]]:
     win = settings.checked_window()
     return [window_starts(int(s), w, settings.overlap) for s, w in zip(shape, win, strict=True)]
@@ -315,13 +329,13 @@ def predict_volume(
     starts = _starts(image.shape, settings)
     dev = settings.torch_device()
     tune_malloc()
-    was_training = model.training
-    model.to(dev).eval()
+    was_training, layout = model.training, _weights_layout(model)
+    model.to(dev, memory_format=settings.memory_format(dev)).eval()
     try:
         with torch.inference_mode():
             return _blend_resident(model, image, low, high, starts, settings, dev)
     finally:
-        model.train(was_training)
+        model.to(memory_format=layout).train(was_training)
 
 
 def infer_volume(
@@ -371,10 +385,12 @@ def infer_volume(
     # batch of four 48^3 windows at 16 channels); glibc would hand them back to the OS and
     # page-fault them in again every batch, a third of the CPU time in bench/infer.py.
     tune_malloc()
-    was_training = model.training
-    model.to(dev).eval()
+    was_training, layout = model.training, _weights_layout(model)
+    model.to(dev, memory_format=settings.memory_format(dev)).eval()
     t0 = time.perf_counter()
-    bar = tqdm(total=n_windows, unit="window", desc=f"infer {image_store.name}", file=sys.stderr)
+    bar = Progress(
+        total=n_windows, unit="window", desc=f"infer {image_store.name}", file=sys.stderr
+    )
     try:
         # fresh_output: a full disk is one line naming the store, and zarr's writes still in
         # flight are waited for before the partial store is removed.
@@ -392,7 +408,7 @@ def infer_volume(
                 )
     finally:
         bar.close()
-        model.train(was_training)
+        model.to(memory_format=layout).train(was_training)
     seconds = time.perf_counter() - t0
     return {
         "shape": list(shape),

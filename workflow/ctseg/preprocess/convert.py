@@ -40,9 +40,9 @@ from typing import Any, Literal
 import numpy as np
 import tifffile
 import zarr
-from tqdm import tqdm
 
 from ctseg.io import CtsegError, bytes_on_disk, fresh_output, sha256_file, sha256_files
+from ctseg.progress import Progress
 from ctseg.store import create_volume, make_compressors
 
 Shape3 = tuple[int, int, int]
@@ -814,7 +814,7 @@ def _convert(
         with (
             _SlabWriter(arr) as writer,
             _open_reader(src) as read,
-            tqdm(total=nz, unit="slice", desc=f"convert {src.path.name}") as progress,
+            Progress(total=nz, unit="slice", desc=f"convert {src.path.name}") as progress,
         ):
             for i, z0 in enumerate(range(0, nz, depth)):
                 z1 = min(z0 + depth, nz)
