@@ -122,6 +122,17 @@ def set_training_budget(exp: dict[str, Any], steps: int, val_batches: int) -> No
     tcfg["log_every"] = max(1, min(int(tcfg["log_every"]), steps // 10 or 1))
 
 
+# --smoke (bench/train.py, quality.py, postprocess.py): a two-level model on 16^3 patches of
+# volumes of SMOKE_SIZE^3, so that every step runs in seconds for CI; its figures mean nothing.
+SMOKE_SIZE = 32
+
+
+def shrink_for_smoke(exp: dict[str, Any]) -> None:
+    """`exp` with the smoke run's model and patch, in place."""
+    exp["model"]["filters"] = [4, 8]
+    exp["data"]["patch_size"] = [16, 16, 16]
+
+
 def shape_arg(values: Iterable[int]) -> str:
     return ",".join(str(v) for v in values)
 

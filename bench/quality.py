@@ -1,6 +1,8 @@
 """Learning quality: the competition score a fixed training budget reaches, against a threshold.
 
     python bench/quality.py --quick    # exp001 on the CPU: 4+2 volumes of 96^3, 80 steps
+    python bench/quality.py --smoke    # a 2-level model, 2+1 volumes of 32^3, 2 steps: every
+                                       # step in seconds (CI); its scores mean nothing
     python bench/quality.py            # exp001_full on a GPU: 8+2 volumes of 128^3, 1000 steps
 
 Through the `ctseg` CLI, as the rules run them: demo data -> convert -> targets -> split ->
@@ -38,24 +40,29 @@ import tifffile
 from pipeline import REPO, Prepared, Runner, StepFailed
 
 PERCENTILES = (70.0, 75.0, 80.0, 84.0, 87.0, 90.0, 93.0, 96.0)
+SMOKE_PERCENTILES = (80.0, 90.0)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="exp001, under 5 min on 2 CPU cores")
-    parser.add_argument("--experiment", default=None, help="default exp001_full (quick: exp001)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="exp001, under 5 min on 2 CPU cores")
+    size.add_argument("--smoke", action="store_true", help="toy model and volumes: seconds (CI)")
+    parser.add_argument(
+        "--experiment", default=None, help="default exp001_full (quick, smoke: exp001)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps (1000; quick 80)")
     parser.add_argument("--phase", type=int, default=None, help="loader phase (6; quick 2)")
     parser.add_argument("--records", type=int, default=None, help="training volumes (8; quick 4)")
-    parser.add_argument("--test-records", type=int, default=2, help="held-out test volumes")
+    parser.add_argument(
+        "--test-records", type=int, default=None, help="held-out test volumes (2; smoke 1)"
+    )
     parser.add_argument("--size", type=int, default=None, help="volume edge (128; quick 96)")
     parser.add_argument("--seed", type=int, default=0, help="demo data seed")
     parser.add_argument(
         "--preset", default=None, help="demo-data preset (default: config demo.preset)"
     )
-    parser.add_argument(
-        "--percentiles", type=float, nargs="+", default=list(PERCENTILES), help="baseline grid"
-    )
+    parser.add_argument("--percentiles", type=float, nargs="+", default=None, help="baseline grid")
     parser.add_argument("--device", default=None, help="default: cuda if any")
     parser.add_argument("--jobs", type=int, default=None, help="per-record steps side by side")
     parser.add_argument("--workdir", type=Path, default=None, help="kept; default a temp dir")
@@ -115,16 +122,22 @@ def baseline(runner: Runner, data: Prepared, percentiles: list[float]) -> dict[s
 
 
 def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None:
-    quick = args.quick
-    exp = pipeline.load_experiment(args.experiment or ("exp001" if quick else "exp001_full"))
-    steps = args.steps or (80 if quick else 1000)
-    phase = args.phase if args.phase is not None else (2 if quick else 6)
+    quick, smoke = args.quick, args.smoke
+    exp = pipeline.load_experiment(
+        args.experiment or ("exp001" if quick or smoke else "exp001_full")
+    )
+    if smoke:
+        pipeline.shrink_for_smoke(exp)
+    steps = args.steps or (2 if smoke else 80 if quick else 1000)
+    phase = args.phase if args.phase is not None else (0 if smoke else 2 if quick else 6)
     phases = pipeline.load_phases()
     if phase not in phases:
         raise SystemExit(f"--phase {phase}: not in config/phases.yaml")
-    pipeline.set_training_budget(exp, steps, val_batches=4 if quick else 20)
-    n_train = args.records or (4 if quick else 8)
-    size = args.size or (96 if quick else 128)
+    pipeline.set_training_budget(exp, steps, val_batches=1 if smoke else 4 if quick else 20)
+    n_train = args.records or (2 if smoke else 4 if quick else 8)
+    n_test = args.test_records or (1 if smoke else 2)
+    size = args.size or (pipeline.SMOKE_SIZE if smoke else 96 if quick else 128)
+    percentiles = args.percentiles or list(SMOKE_PERCENTILES if smoke else PERCENTILES)
     preset = args.preset or pipeline.load_config()["demo"]["preset"]
     record.update(
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -133,12 +146,12 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
         filters=exp["model"]["filters"],
         phase=phase,
         steps=steps,
-        volumes={"train": n_train, "test": args.test_records, "size": size},
+        volumes={"train": n_train, "test": n_test, "size": size},
         preset=preset,
     )
     print(
         f"experiment {exp['name']}: patch {exp['data']['patch_size']}, filters "
-        f"{exp['model']['filters']}; {n_train}+{args.test_records} volumes of {size}^3"
+        f"{exp['model']['filters']}; {n_train}+{n_test} volumes of {size}^3"
         f" (demo preset {preset}); {steps} steps under phase "
         f"{phase}; work dir {workdir}",
         flush=True,
@@ -149,7 +162,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
             runner,
             exp,
             n_train=n_train,
-            n_test=args.test_records,
+            n_test=n_test,
             shape=(size,) * 3,
             seed=args.seed,
             preset=preset,
@@ -162,7 +175,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
         record["model"] = model
         record["train"] = pipeline.last_epoch(data, exp)
         record["train_s"] = runner.seconds["train"]
-        record["baseline"] = baseline(runner, data, args.percentiles)
+        record["baseline"] = baseline(runner, data, percentiles)
     finally:
         record["step_seconds"] = {k: round(v, 2) for k, v in runner.seconds.items()}
         record["total_s"] = round(runner.elapsed(), 1)
@@ -201,7 +214,7 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(
         f"RESULT quality score={model['mean_score']:.3f} baseline={test['mean_score']:.3f} "
-        f"dice={model['mean_dice']:.3f} train_s={record['train_s']:.1f} steps={record['steps']}"
+        f"dice={model['mean_dice']:.3f} train_s={record['train_s']:.3g} steps={record['steps']}"
     )
     return 0
 

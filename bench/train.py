@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pipeline  # bench/pipeline.py, beside this script
 import torch
 import yaml
 
@@ -113,11 +114,16 @@ def main() -> None:
         exp["trial"].update(steps=8, warmup_steps=2, ceiling_steps=4)
     if args.smoke:
         exp["trial"].update(steps=3, warmup_steps=1, ceiling_steps=2)
-        exp["model"]["filters"] = [4, 8]
-        exp["data"]["patch_size"] = [16, 16, 16]
+        pipeline.shrink_for_smoke(exp)
     if args.steps:
         exp["trial"]["steps"] = args.steps
-    default_size = 32 if args.smoke else 96 if args.quick else max(160, *exp["data"]["patch_size"])
+    default_size = (
+        pipeline.SMOKE_SIZE
+        if args.smoke
+        else 96
+        if args.quick
+        else max(160, *exp["data"]["patch_size"])
+    )
     size = args.size or default_size
     n_records = args.records or (2 if args.quick or args.smoke else 4)
     clip = 8.0
