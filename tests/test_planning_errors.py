@@ -19,7 +19,7 @@ from ctseg.config import (
     load_phases,
     read_yaml,
 )
-from ctseg.io import CtsegError
+from ctseg.io import CtsegError, check_writable_folder
 from ctseg.records import read_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,3 +225,53 @@ def test_an_error_in_the_config_file_says_with_config_only_when_given(tmp_path: 
     assert line == "config/config.yaml: dataset: 5 is not of type 'string'"
     given = refusal(workdir, "--config", "phase=1")
     assert given.startswith("config/config.yaml with --config: dataset: 5 is not of type")
+
+
+# ----------------------------------------------------------------------------- results/
+RESULTS_FOLDER = "the workflow's runs, logs and report"
+
+
+def test_a_file_where_results_should_be_is_one_line_before_any_job(tmp_path: Path) -> None:
+    workdir = copy_workflow(tmp_path, {**TINY_CONFIG, "experiment": "tiny"})
+    (workdir / "results").write_text("")
+    line = refusal(workdir)
+    assert line == f"results: a file, where {RESULTS_FOLDER} need a folder: move the file aside"
+
+
+def test_a_read_only_results_folder_is_one_line_before_any_job(tmp_path: Path) -> None:
+    """Before, the plan was printed and the first job stopped with Snakemake's 18-frame
+    traceback (`Failed to create output directory results/logs`)."""
+    workdir = copy_workflow(tmp_path, {**TINY_CONFIG, "experiment": "tiny"})
+    results = workdir / "results"
+    results.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(results)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        line = refusal(workdir)
+    finally:
+        subprocess.run(["umount", "-l", str(results)], check=False)
+    assert line == (
+        f"results: on a read-only filesystem, and {RESULTS_FOLDER} are written there: mount it "
+        "read-write, or work in a copy of the project on a writable disk"
+    )
+
+
+def test_a_folder_this_user_may_not_write_names_the_fix(tmp_path: Path, monkeypatch) -> None:
+    from ctseg import io
+
+    results = tmp_path / "results"
+    results.mkdir()
+    check_writable_folder(results / "mine" / "exp001", RESULTS_FOLDER)  # writable: no error
+    # What access(2) answers another user for a folder of 0o555 (root may write anywhere).
+    monkeypatch.setattr(io.os, "access", lambda path, mode: Path(path) != results)
+    with pytest.raises(CtsegError) as info:
+        check_writable_folder(results / "mine" / "exp001", RESULTS_FOLDER)
+    assert str(info.value) == (
+        f"{results}: not writable by this user, and {RESULTS_FOLDER} are written there: change "
+        f"its permissions (chmod u+w {results}), or run as its owner"
+    )

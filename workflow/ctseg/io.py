@@ -179,6 +179,25 @@ def free_bytes(path: str | Path) -> int:
     return shutil.disk_usage(_existing(path)).free
 
 
+def check_writable_folder(folder: str | Path, what: str) -> None:
+    """`folder` (or, while it does not exist, the nearest folder above it that does) is a folder
+    this process may create files in; else one line naming it, the problem and the fix, said
+    before anything tries to write there. `what` names what is written there."""
+    existing = _existing(folder)
+    shown = existing if str(existing) != "." else Path.cwd()
+    if not existing.is_dir():
+        raise CtsegError(f"{shown}: a file, where {what} need a folder: move the file aside")
+    if os.access(existing, os.W_OK | os.X_OK):
+        return
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        problem = "on a read-only filesystem"
+        fix = "mount it read-write, or work in a copy of the project on a writable disk"
+    else:
+        problem = "not writable by this user"
+        fix = f"change its permissions (chmod u+w {shown}), or run as its owner"
+    raise CtsegError(f"{shown}: {problem}, and {what} are written there: {fix}")
+
+
 def bytes_on_disk(path: str | Path, file_size: int, count: int = 1) -> int:
     """What `count` files of `file_size` bytes take on the filesystem of `path`: each file
     fills whole blocks, which for small chunk files (4 KiB of data) can double the size."""
