@@ -13,7 +13,9 @@ from conftest import REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
 from ctseg.cli import _codec
 from ctseg.config import (
+    LazyFolds,
     check_trial_phases,
+    load_ensemble,
     load_experiment,
     load_phases,
     select_phase,
@@ -190,3 +192,34 @@ def test_an_unrelated_edit_reruns_nothing_and_a_used_setting_reruns_the_job(
     text = used.stdout + used.stderr
     assert "rule split:" in text and "Params have changed" in text
     shutil.rmtree(work / "results", ignore_errors=True)
+
+
+def test_an_ensemble_loads_only_the_experiments_it_names(tmp_path: Path) -> None:
+    """A broken experiment file that an ensemble does not name is no concern of the ensemble's."""
+    asked: list[str] = []
+
+    def folds_of(name: str) -> int | None:
+        asked.append(name)
+        if name == "broken":
+            raise CtsegError("config/experiments/broken.yaml: data.patch_sise: unknown key")
+        return {"a": None, "b": 3}[name]
+
+    known = LazyFolds(["a", "b", "broken"], folds_of)
+    path = write(
+        tmp_path / "ens.yaml", {"name": "ens", "members": ["a", "b.fold2"], "weights": [1, 1]}
+    )
+    assert [m.name for m in load_ensemble(path, known).members] == ["a", "b.fold2"]
+    assert "broken" not in asked
+    write(path, {"name": "ens", "members": ["a", "c"], "weights": [1, 1]})
+    with pytest.raises(CtsegError, match=r"unknown member 'c': no experiment 'c' \(experiments: "):
+        load_ensemble(path, known)
+    assert "a, b, broken)" in str(load_ensemble_error(path, known)) and "broken" not in asked
+    write(path, {"name": "ens", "members": ["a", "broken"], "weights": [1, 1]})
+    with pytest.raises(CtsegError, match="broken.yaml: data.patch_sise: unknown key"):
+        load_ensemble(path, known)
+
+
+def load_ensemble_error(path: Path, known: LazyFolds) -> CtsegError:
+    with pytest.raises(CtsegError) as info:
+        load_ensemble(path, known)
+    return info.value

@@ -305,7 +305,7 @@ class Phase(_Readable):
     compile: bool
     accumulate: int = 1
     compile_mode: str = "default"
-    fused_optimizer: bool = False
+    fused_optimizer: bool = True
     gpus: int | None = None
 
     def _keys(self) -> tuple[str, ...]:
@@ -515,6 +515,27 @@ FOLD_MEMBER = re.compile(r"(?P<experiment>[A-Za-z0-9_-]+)\.fold(?P<fold>[0-9]+)"
 # Which runs exist: experiment name -> its split.folds (None: no folds), a set of names (none
 # with folds), or a callable giving the folds and raising KeyError for an unknown name.
 KnownRuns = Mapping[str, int | None] | Collection[str] | Callable[[str], int | None]
+
+
+class LazyFolds(Mapping[str, int | None]):
+    """`KnownRuns` for experiments loaded only when asked: name -> its split.folds, through
+    `folds_of`. An ensemble is then checked against the experiments it names, and a broken
+    file of an experiment it does not name is no concern of its."""
+
+    def __init__(self, names: Collection[str], folds_of: Callable[[str], int | None]) -> None:
+        self.names = sorted(names)
+        self.folds_of = folds_of
+
+    def __getitem__(self, name: str) -> int | None:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.folds_of(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 @dataclass(frozen=True)
