@@ -1,13 +1,15 @@
-"""Load an HTML report in headless Chromium, check that its images render and that every
-table fits a 1400 px window, save a screenshot.
+"""Load an HTML report in headless Chromium at 900 and 1400 px, check that its images render,
+that every table fits the window and breaks no word across lines, save a screenshot of each.
 
 Usage: python tests/browser_check.py report.html screenshot.png
 
 The report carries a tiny inline script that, once the page has loaded, draws each image onto
 a canvas and writes how many rendered onto ``<body data-images-ok data-images-total>``;
 ``--dump-dom`` prints the DOM after scripts ran, so the counts come back without DevTools. The
-same script writes how many tables reach past the page's width (``data-tables-wide``), which
-`table_widths` reads in a window of `WINDOW_WIDTH` px.
+same script writes how many tables reach past the page's width (``data-tables-wide``), how many
+words in table cells break across lines (``data-words-broken``) and where the headline is
+(``data-headline-top`` ...), which `page_facts` reads back with a screenshot from one launch
+(``--dump-dom`` and ``--screenshot`` together) per window width.
 
 Chromium is Debian's ``chromium`` package; see `INSTALL_HINT` (a font package too, since
 without recommends none may come with it). Set ``CHROMIUM`` to use another binary.
@@ -76,18 +78,34 @@ def _run(chromium: str, args: list[str], timeout: float) -> str:
     return done.stdout
 
 
-WINDOW_WIDTH = 1400  # the window every table must fit (issue 25: a laptop's browser)
+WINDOW_WIDTH = 1400  # the widest window checked (issue 25: a laptop's browser)
+NARROW_WIDTH = 900  # the narrowest (issue 34: a half-screen window)
+WIDTHS = (NARROW_WIDTH, WINDOW_WIDTH)
+SHOT_HEIGHT = 2000  # px of the page's top in each screenshot
 
 
-def _body_attrs(chromium: str, page: Path, timeout: float, width: int) -> dict[str, str]:
-    """The data-* attributes the page's script wrote on <body>, in a window `width` px wide."""
+def page_facts(
+    chromium: str,
+    page: Path,
+    width: int = WINDOW_WIDTH,
+    png: Path | None = None,
+    timeout: float = 120,
+) -> dict[str, str]:
+    """The data-* attributes the page's script wrote on <body>, in a window `width` px wide,
+    and with `png` a screenshot of the page's top from the same load: one Chromium launch."""
+    shot = []
+    if png is not None:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        png.unlink(missing_ok=True)
+        shot = [f"--screenshot={png.resolve()}"]
     # Virtual time lets the load event run before the DOM dump, however busy the machine.
     dom = _run(
         chromium,
         [
-            f"--window-size={width},900",
+            f"--window-size={width},{SHOT_HEIGHT}",
             "--virtual-time-budget=15000",
             "--dump-dom",
+            *shot,
             page.resolve().as_uri(),
         ],
         timeout,
@@ -100,48 +118,29 @@ def _body_attrs(chromium: str, page: Path, timeout: float, width: int) -> dict[s
         raise BrowserCheckError(
             f"{page}: the page's image check did not run (body tag: {body.group(0)[:300]})"
         )
+    if png is not None and not png.exists():
+        raise BrowserCheckError(f"chromium wrote no screenshot to {png}")
+    attrs["dom"] = dom
     return attrs
 
 
 def image_counts(chromium: str, page: Path, timeout: float = 120) -> tuple[int, int]:
     """(images that rendered, images in the page), as the page's own check recorded them."""
-    attrs = _body_attrs(chromium, page, timeout, WINDOW_WIDTH)
+    attrs = page_facts(chromium, page, timeout=timeout)
     return int(attrs["images-ok"]), int(attrs["images-total"])
 
 
-def table_widths(
-    chromium: str, page: Path, width: int = WINDOW_WIDTH, timeout: float = 120
-) -> dict[str, Any]:
-    """In a window `width` px wide: the page's width, its tables, how many reach past the page
-    and the right edge of the widest, as the page's script measured them."""
-    attrs = _body_attrs(chromium, page, timeout, width)
-    keys = ("page-width", "tables-total", "tables-wide", "tables-widest")
+def table_widths(attrs: dict[str, str], page: Path) -> dict[str, Any]:
+    """From `page_facts`: the page's width, its tables, how many reach past the page and the
+    right edge of the widest, and how many words in table cells broke across lines."""
+    keys = ("page-width", "tables-total", "tables-wide", "tables-widest", "words-broken")
     if not all(k in attrs for k in keys):
         raise BrowserCheckError(f"{page}: the page's table check did not run ({attrs})")
     widths: dict[str, Any] = {k.replace("-", "_"): int(attrs[k]) for k in keys}
     if "tables-first-wide" in attrs:  # the first header cell of the first table too wide
         widths["first_wide"] = attrs["tables-first-wide"]
+    widths["words_broken_first"] = attrs.get("words-broken-first", "")
     return widths
-
-
-def screenshot(
-    chromium: str, page: Path, png: Path, size: tuple[int, int] = (1200, 3000), timeout: float = 120
-) -> Path:
-    png.parent.mkdir(parents=True, exist_ok=True)
-    png.unlink(missing_ok=True)
-    _run(
-        chromium,
-        [
-            f"--screenshot={png.resolve()}",
-            f"--window-size={size[0]},{size[1]}",
-            "--virtual-time-budget=15000",
-            page.resolve().as_uri(),
-        ],
-        timeout,
-    )
-    if not png.exists():
-        raise BrowserCheckError(f"chromium wrote no screenshot to {png}")
-    return png
 
 
 def check_screenshot(png: Path) -> dict[str, Any]:
@@ -157,36 +156,43 @@ def check_screenshot(png: Path) -> dict[str, Any]:
 
 
 def check_page(page: Path, png: Path, timeout: float = 120) -> dict[str, Any]:
-    """Run both checks; raise BrowserCheckError unless every image decoded and the shot is real."""
+    """At each of `WIDTHS`: every image decoded, every table fits the page, no word in a table
+    cell broke across lines, and the screenshot is real; raise BrowserCheckError otherwise.
+    The screenshot of width W is `png` with ``_W`` before its suffix."""
     chromium = find_chromium()
     if chromium is None:
         raise BrowserCheckError(f"chromium is not on PATH; install it with: {INSTALL_HINT}")
-    start = time.perf_counter()
-    ok, total = image_counts(chromium, page, timeout)
-    dom_s = time.perf_counter() - start
-    if total == 0 or ok != total:
-        raise BrowserCheckError(f"{page}: {ok} of {total} images decoded in chromium")
-    widths = table_widths(chromium, page, timeout=timeout)
-    if widths["tables_wide"]:
-        raise BrowserCheckError(
-            f"{page}: {widths['tables_wide']} of {widths['tables_total']} tables are wider than "
-            f"the page in a {WINDOW_WIDTH} px window (widest ends at "
-            f"{widths['tables_widest']} px of {widths['page_width']}; the first is headed "
-            f"{widths.get('first_wide')!r})"
-        )
-    start = time.perf_counter()
-    screenshot(chromium, page, png, timeout=timeout)
-    shot_s = time.perf_counter() - start
-    return {
-        "chromium": chromium,
-        "images_ok": ok,
-        "images_total": total,
-        **widths,
-        "dump_dom_s": round(dom_s, 2),
-        "screenshot_s": round(shot_s, 2),
-        "screenshot": str(png),
-        **check_screenshot(png),
-    }
+    result: dict[str, Any] = {"chromium": chromium}
+    for width in WIDTHS:
+        shot = png.with_name(f"{png.stem}_{width}{png.suffix}")
+        start = time.perf_counter()
+        attrs = page_facts(chromium, page, width, shot, timeout)
+        seconds = time.perf_counter() - start
+        ok, total = int(attrs["images-ok"]), int(attrs["images-total"])
+        if total == 0 or ok != total:
+            raise BrowserCheckError(f"{page}: {ok} of {total} images decoded in chromium")
+        widths = table_widths(attrs, page)
+        if widths["tables_wide"]:
+            raise BrowserCheckError(
+                f"{page}: {widths['tables_wide']} of {widths['tables_total']} tables are wider "
+                f"than the page in a {width} px window (widest ends at "
+                f"{widths['tables_widest']} px of {widths['page_width']}; the first is headed "
+                f"{widths.get('first_wide')!r})"
+            )
+        if widths["words_broken"]:
+            raise BrowserCheckError(
+                f"{page}: {widths['words_broken']} words in table cells break across lines in "
+                f"a {width} px window, e.g. {widths['words_broken_first']!r}"
+            )
+        result[width] = {
+            "images_ok": ok,
+            "images_total": total,
+            **widths,
+            "seconds": round(seconds, 2),
+            "screenshot": str(shot),
+            **check_screenshot(shot),
+        }
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrowserCheckError as exc:
         print(f"browser check FAILED: {exc}", file=sys.stderr)
         return 1
-    print(" ".join(f"{k}={v}" for k, v in result.items()))
+    for key, value in result.items():
+        shown = " ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
+        print(f"{key}: {shown}")
     return 0
 
 

@@ -12,11 +12,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from training_setup import CLIP, EXPERIMENT, PHASE, TRAIN_IDS, VAL_IDS, build_scratch, torch_globals
 
 from ctseg.network.losses import TERMS
-from ctseg.training.live_view import EVENTS_DIR, PROGRESS_PNG, event_files
+from ctseg.training.live_view import (
+    EVENTS_DIR,
+    PROGRESS_PNG,
+    _rows,
+    event_files,
+    progress_figure,
+)
 from ctseg.training.train import train
 
 STEP_TAGS = {
@@ -89,6 +97,31 @@ def test_progress_png_is_drawn_in_the_run_folder(reference: Path) -> None:
     png = reference / PROGRESS_PNG
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+def legends_over_plots(fig: Figure) -> list[str]:
+    """Legends of a panel that cover part of its plotting area (or its twin's)."""
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    covering = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        if any(box.overlaps(other.get_window_extent(renderer)) for other in fig.axes):
+            covering.append(ax.get_title() or legend.get_title().get_text())
+    return covering
+
+
+def test_progress_png_legends_sit_outside_the_curves(reference: Path) -> None:
+    train = reference / "train"
+    fig = progress_figure(_rows(train / "steps.csv"), _rows(train / "epochs.csv"))
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    assert len(legends) == 4  # one per panel, a twin axis's curves in its panel's legend
+    assert legends_over_plots(fig) == []
+    assert "val Dice" in [t.get_text() for t in legends[1].get_texts()]
 
 
 def test_resume_cuts_the_event_files_back_to_the_checkpoint(

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
-from browser_check import INSTALL_HINT, check_page, find_chromium, image_counts
+from browser_check import INSTALL_HINT, WIDTHS, check_page, find_chromium, image_counts
 from conftest import copy_workflow, run_snakemake
 from matplotlib import image as mpimg
 
@@ -347,9 +347,19 @@ def has_row(html: str, *start: str) -> bool:
 
 
 def section(page: str, anchor: str) -> str:
+    """The section's HTML, without the <wbr> line-break hints of table cells."""
     start = page.index(f'id="{anchor}"')
     end = page.find("<h2", start)
-    return page[start : end if end > 0 else len(page)]
+    return page[start : end if end > 0 else len(page)].replace("<wbr>", "")
+
+
+def phase_column(phases: str, phase: str) -> list[str]:
+    """One phase's cells of the phase table (a column per phase): its number, then each
+    figure in the table's order."""
+    table = re.search(r"<table>.*?</table>", phases, re.S).group(0)
+    rows = table_rows(table)
+    at = rows[0].index(phase)
+    return [row[at] for row in rows]
 
 
 # --------------------------------------------------------------------------- the page
@@ -376,7 +386,9 @@ def test_every_image_is_an_embedded_valid_png(report):
 def test_phase_table_shows_the_summaries_numbers(report):
     _, page, _ = report
     phases = section(page, "phases")
-    assert has_row(phases, "0", "1", "1", "1", "no", "fp32", "ok", "2.44", "0.410", "62%", "3%")
+    assert phase_column(phases, "0")[:11] == [
+        *("0", "1", "1", "1", "no", "fp32", "ok", "2.44", "0.410", "62%", "3%")
+    ]
     for text in (
         "2.44",  # phase 0 median step s (2.4375)
         "0.410",  # phase 0 samples/s (0.41026)
@@ -401,14 +413,14 @@ def test_phase_table_shows_the_summaries_numbers(report):
 def test_phase_table_shows_tflops_mfu_and_the_kernel_profile(report):
     _, page, _ = report
     phases = section(page, "phases")
-    row = next(r for r in table_rows(phases) if r[:1] == ["1"] and len(r) > 12)
+    row = phase_column(phases, "1")
     # TFLOP/s, the padding share and the useful MFU (padding left out: 3.6% x 0.803) with the
     # peak it is a fraction of, after the feed efficiency.
     at = row.index("0.97 ± 0.020") + 1
     assert row[at : at + 3] == ["5.62", "20% (72×136×136 at 80×144×144)", "2.9% (156 tf32, A100)"]
     assert "useful MFU (peak TFLOP/s)" in phases
     # Summaries without the figures say so: phase 0 is version 2 (not recorded).
-    row0 = next(r for r in table_rows(phases) if r[:1] == ["0"] and len(r) > 12)
+    row0 = phase_column(phases, "0")
     assert "not recorded" in row0
     # The profile table: phase 1's shares per class, largest and knob, as recorded.
     assert "Kernel profile" in phases
@@ -548,8 +560,8 @@ def test_verdicts_are_the_ones_the_trials_recorded(report):
         phases
     )
     # The verdict and machine facts are table columns too.
-    assert has_row(phases, "1", "4", "2", "2", "no", "fp32", "ok")
-    row = next(r for r in table_rows(phases) if r[:1] == ["1"])
+    row = phase_column(phases, "1")
+    assert row[:7] == ["1", "4", "2", "2", "no", "fp32", "ok"]
     assert row[-3:] == ["8", "cuda:0", "compute-bound"]
 
 
@@ -557,7 +569,7 @@ def test_an_older_summary_shows_not_recorded_rather_than_a_computed_verdict(repo
     _, page, _ = report
     phases = section(page, "phases")
     assert verdict_items(page)["phase 4"].startswith("verdict not recorded: this summary.json")
-    row = next(r for r in table_rows(phases) if r[:1] == ["4"])
+    row = phase_column(phases, "4")
     assert row[-3:] == ["not recorded"] * 3  # CPU cores, device, verdict
     assert "70%" in row and "0.30" in row  # its figures are shown as they are
     assert has_row(phases, "4", "real", "not recorded")  # no step-time spread recorded
@@ -650,8 +662,10 @@ def test_report_renders_in_headless_chromium(report, chromium, tmp_path):
     """The issue's acceptance: a real headless browser renders every image; a screenshot."""
     out, page, _ = report
     result = check_page(out, tmp_path / "report_screenshot.png")
-    assert result["images_ok"] == result["images_total"] == page.count("<img")
-    assert result["bytes"] > 10_000 and result["pixel_std"] > 0.01
+    for width in WIDTHS:  # check_page raises on a table too wide or a word broken
+        assert result[width]["images_ok"] == result[width]["images_total"] == page.count("<img")
+        assert result[width]["bytes"] > 10_000 and result[width]["pixel_std"] > 0.01
+        assert result[width]["page_width"] <= width
 
 
 def test_browser_check_counts_a_broken_image(report, chromium, tmp_path):

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import tifffile
-from browser_check import INSTALL_HINT, check_page, find_chromium
+from browser_check import INSTALL_HINT, WIDTHS, check_page, find_chromium
 from matplotlib import image as mpimg
 
 from ctseg.cli import main
@@ -245,9 +245,10 @@ def table_rows(html: str) -> list[list[str]]:
 
 
 def block(page: str, anchor: str, until: str = "<h2") -> str:
+    """The block's HTML, without the <wbr> line-break hints of table cells."""
     start = page.index(f'id="{anchor}"')
     end = page.find(until, start + 1)
-    return page[start : end if end > 0 else len(page)]
+    return page[start : end if end > 0 else len(page)].replace("<wbr>", "")
 
 
 def comparison(page: str) -> dict[str, dict[str, str]]:
@@ -269,7 +270,7 @@ def test_comparison_table_is_the_files_numbers(rendered):
     results = made["results"]
     for run in table:
         scores = pd.read_csv(results / run / "evaluation" / "scores.csv")
-        assert table[run]["n volumes"] == str(len(scores))
+        assert table[run]["scored split (n volumes)"].endswith(f" ({len(scores)})")
         for column, header in (
             ("score", "score"),
             ("surface_dice", "SurfaceDice"),
@@ -289,25 +290,28 @@ def test_comparison_table_is_the_files_numbers(rendered):
     assert exp["steps"] == "40" == str(len(steps))
     assert exp["val Dice (patches, last epoch)"] == "0.655"
     assert exp["samples/s (mean)"] == fmt(steps["samples_per_s"].mean())  # 5.05
-    assert exp["phase"] == "1 (auto)" and exp["train device"] == "cuda:0"  # as printed
+    assert exp["phase, train device"] == "1 (auto), cuda:0"  # as printed
     # Job hours: 3600 + 1800 + 360 + 720 s. GPU-hours: train x 2 GPUs (world_size in its log)
     # + train_trial + infer; evaluate holds no GPU.
     assert exp["job hours (with members)"] == "1.80"
-    assert exp["GPU-hours (with members)"] == fmt((2 * 3600 + 1800 + 360) / 3600)
+    hours = "GPU- or CPU-hours (with members)"
+    assert exp[hours] == f"{fmt((2 * 3600 + 1800 + 360) / 3600)} GPU-hours"  # cuda:0
     full = table["exp001_full"]
     assert full["steps"] == "60" and full["val Dice (patches, last epoch)"] == "0.700"
-    assert full["phase"] == full["train device"] == "not recorded"  # no train log
-    assert full["GPU-hours (with members)"] == fmt((7200 + 180) / 3600)
+    assert full["phase, train device"] == "not recorded"  # no train log
+    assert full[hours] == f"{fmt((7200 + 180) / 3600)} device hours (device not recorded)"
     # The ensemble's row counts its members' training: its own 90 s, then theirs.
     ens = table["ens1"]
     trained = "2 members trained"
-    assert ens["steps"] == ens["phase"] == ens["val Dice (patches, last epoch)"] == trained
+    assert ens["steps"] == ens["phase, train device"] == trained
+    assert ens["val Dice (patches, last epoch)"] == trained
     job_s = 90 + (3600 + 1800 + 360 + 720) + (7200 + 180)
     gpu_s = (2 * 3600 + 1800 + 360) + (7200 + 180)
     assert ens["job hours (with members)"] == (
         f"{fmt(job_s / 3600)} (own {fmt(90 / 3600)} + 2 members)"
     )
-    assert ens["GPU-hours (with members)"] == f"{fmt(gpu_s / 3600)} (own 0 + 2 members)"
+    # Its members trained on cuda:0 and on a device not recorded: GPU-hours.
+    assert ens[hours] == f"{fmt(gpu_s / 3600)} GPU-hours (own 0 + 2 members)"
 
 
 def test_each_row_names_its_files(rendered):
@@ -344,9 +348,9 @@ def test_each_row_names_its_files(rendered):
 def test_provenance_says_which_volumes_and_what_was_fitted(rendered):
     _, page, _ = rendered
     table = comparison(page)
-    assert table["exp001"]["scored split"] == "test"
+    assert table["exp001"]["scored split (n volumes)"] == "test (2)"
     assert table["exp001"]["fitted on them"] == "no"
-    assert table["exp001_full"]["scored split"] == "val"
+    assert table["exp001_full"]["scored split (n volumes)"] == "val (3)"
     assert table["exp001_full"]["fitted on them"] == "yes"
     assert table["ens1"]["fitted on them"] == "no"
     exp = block(page, "exp001-provenance", "<h3")
@@ -480,7 +484,8 @@ def chromium() -> str:
 def test_several_run_report_renders_in_headless_chromium(rendered, chromium, tmp_path):
     out, page, _ = rendered
     result = check_page(out, tmp_path / "compare_screenshot.png")
-    assert result["images_ok"] == result["images_total"] == page.count("<img")
+    for width in WIDTHS:  # check_page raises on a table too wide or a word broken
+        assert result[width]["images_ok"] == result[width]["images_total"] == page.count("<img")
 
 
 def test_fitted_is_yes_only_on_evidence_and_no_only_when_checked():
@@ -528,7 +533,8 @@ def test_a_run_without_results_says_what_is_missing(tmp_path):
     build_runs_report(out, [tmp_path / "results" / "bare"], root=tmp_path)
     page = out.read_text()
     row = comparison(page)["bare"]
-    assert row["n volumes"] == row["score (mean ± std)"] == row["job hours (with members)"] == "n/a"
+    assert row["scored split (n volumes)"] == "not recorded (n/a)"
+    assert row["score (mean ± std)"] == row["job hours (with members)"] == "n/a"
     assert row["fitted on them"] == "not recorded"
     assert "Scored volumes: not found (<code>results/bare/evaluation/scores.csv</code>)" in page
     assert "Evaluation means: not found (<code>results/bare/evaluation/summary.json" in page

@@ -48,9 +48,10 @@ def test_an_ensemble_shows_its_members_weights_and_hours(rendered) -> None:  # n
     _, page, _ = rendered
     members = block(page, "ens1-members", until="<h3")
     rows = table_rows(members)
-    assert rows[0] == ["member", "weight", "results folder", "job hours", "GPU-hours"]
+    assert rows[0] == ["member", "weight", "results folder", "job hours", "GPU- or CPU-hours"]
     assert rows[1][:3] == ["exp001", "2", "yes"] and rows[2][:3] == ["exp001_full", "1", "yes"]
     assert rows[1][3] == "1.80"  # exp001's own hours, as its row has them
+    assert rows[1][4].endswith(" GPU-hours")  # exp001 trained on cuda:0
     assert "weighted mean" in members
 
 
@@ -119,6 +120,6 @@ def test_a_baseline_row_sits_under_its_run(rendered, tmp_path: Path) -> None:  #
     rows = table_rows(block(out.read_text(), "comparison"))
     assert rows[1][0] == "exp"
     reference = rows[2]
-    assert reference[:4] == ["↳ baseline: image &gt; 132", "test", "2", "no"]
-    assert reference[4] == "0.2700 ± 0.09192"  # (0.205 + 0.335) / 2, and the sample spread
+    assert reference[:3] == ["↳ baseline: image &gt; 132", "test (2)", "no"]
+    assert reference[3] == "0.2700 ± 0.09192"  # (0.205 + 0.335) / 2, and the sample spread
     assert "what a trivial rule scores on the same volumes" in out.read_text()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ctseg.io import CtsegError, atomic_path
 from ctseg.report.compare import RunFacts, comparison_section, members_block, read_run
+from ctseg.report.headline import headline_section
 from ctseg.report.markup import Sources, esc
 from ctseg.report.overlays import Overlay, Volume, overlay_section, runs_overlay_section
 from ctseg.report.page import anchor, nest, page, sources_section
@@ -117,6 +118,7 @@ def build_runs_report(
         raise CtsegError(f"report: a run is named twice ({', '.join(map(str, runs))})")
     src = Sources(Path(root) if root is not None else Path.cwd())
     facts = [read_run(run, src) for run in loaded]
+    headline = headline_section(facts, src)
     sections = [
         comparison_section(facts),
         settings_section(loaded, src),
@@ -125,4 +127,4 @@ def build_runs_report(
         timing_section(benchmarks_dir, src, "Shared timings (jobs of no run: preprocessing)"),
         sources_section(src),
     ]
-    _write(out_html, page(title, "", sections, runs=names))
+    _write(out_html, page(title, "", sections, runs=names, headline=headline))

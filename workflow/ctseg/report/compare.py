@@ -9,10 +9,12 @@ Each cell is read from the run's own files (named under the table, run by run):
 - val Dice: the last row of ``train/epochs.csv``; steps: the rows of ``train/steps.csv`` (one
   per optimizer step); samples/s: their mean;
 - phase and device: what ``ctseg train`` printed into its log (`runs.train_log_facts`);
-- job hours and GPU-hours: the run's Snakemake benchmark TSVs (`timings.run_hours`); a
+- job hours and device hours: the run's Snakemake benchmark TSVs (`timings.run_hours`); a
   cross-validation's or an ensemble's row adds those of its members (its folds, or the runs it
   averages), named by the ``members`` of its ``evaluation/summary.json`` provenance (the
   workflow records them) and read from their own folders beside it, ``results/<member>/``.
+  Device hours are GPU-hours or CPU-hours by the device the training printed (`hours_unit`):
+  the jobs of the GPU rules run on the CPU on a machine without a GPU.
 
 `members_block` shows a combined run's members, each one's weight (the provenance's
 ``weights``, or ``ensemble/weights.json`` for tuned weights) and hours.
@@ -78,6 +80,7 @@ class Member:
     directory: Path
     weight: str = "not recorded"
     hours: RunHours = RunHours(None, None, 0, ())
+    device: str | None = None  # as its training printed it
 
 
 def _read_scores(path: Path) -> pd.DataFrame:
@@ -88,7 +91,7 @@ def _read_scores(path: Path) -> pd.DataFrame:
     return scores
 
 
-def _read_steps(path: Path) -> pd.DataFrame:
+def read_steps(path: Path) -> pd.DataFrame:
     steps = read_table(path)
     needed = set(STEP_REQUIRED) - set(steps.columns)
     if needed or steps.empty:
@@ -106,7 +109,7 @@ def read_run(run: Run, src: Sources) -> RunFacts:
     if run.train_dir is not None:
         steps_csv, epochs_csv = run.train_dir / "steps.csv", run.train_dir / "epochs.csv"
         if steps_csv.exists():
-            facts.steps = _read_steps(steps_csv)
+            facts.steps = read_steps(steps_csv)
             facts.files.append(src.use(steps_csv))
         if epochs_csv.exists():
             facts.epochs = read_table(epochs_csv)
@@ -143,11 +146,10 @@ def baseline_row(facts: RunFacts) -> list[str]:
     name = f"↳ baseline: image > {fmt(summary.get('threshold'))}"
     return [
         name,
-        facts.provenance.scored_split,
-        str(len(scores)),
+        f"{facts.provenance.scored_split} ({len(scores)})",
         fitted,
         *(_spread(scores, column) for column in SCORE_TERMS),
-        *["reference"] * 4,
+        *["reference"] * 3,
         "n/a",
         "n/a",
         "n/a",
@@ -186,6 +188,7 @@ def _read_members(facts: RunFacts, src: Sources) -> None:
             if log and log_path is not None:
                 facts.files.append(src.use(log_path))
             gpus = int(num(log.get("world_size")) or 1)
+            member.device = log.get("device")
             member.hours = run_hours(member_run.benchmarks_dir, src, train_gpus=gpus)
             facts.files += member.hours.files
         facts.members.append(member)
@@ -207,19 +210,39 @@ def _last(frame: pd.DataFrame | None, column: str) -> Any:
 
 
 def _phase(log: dict[str, Any]) -> str:
-    if "phase" not in log:
+    """The phase and device the training printed."""
+    if "phase" not in log and "device" not in log:
         return "not recorded"
-    return f"{fmt(log['phase'])} (auto)" if log.get("phase_auto") else fmt(log["phase"])
+    phase = "phase not recorded"
+    if "phase" in log:
+        phase = f"{fmt(log['phase'])} (auto)" if log.get("phase_auto") else fmt(log["phase"])
+    return f"{phase}, {log.get('device', 'device not recorded')}"
 
 
 def _hours(seconds: float | None) -> str:
     return fmt(None if seconds is None else seconds / 3600)
 
 
-def _total(total: float | None, own: float | None, members: int) -> str:
+def _total(total: float | None, own: float | None, members: int, unit: str = "") -> str:
+    shown = f"{_hours(total if members else own)} {unit}".rstrip()
     if not members:
-        return _hours(own)
-    return f"{_hours(total)} (own {_hours(own)} + {members} members)"
+        return shown
+    return f"{shown} (own {_hours(own)} + {members} members)"
+
+
+def hours_unit(devices: Sequence[str | None]) -> str:
+    """What the GPU rules' hours were on: the devices the trainings printed (``cpu``,
+    ``cuda:0``, ...). A machine without a GPU runs those jobs on its CPU."""
+    kinds = sorted({"CPU" if str(d).startswith("cpu") else "GPU" for d in devices if d})
+    if not kinds:
+        return "device hours (device not recorded)"
+    return " and ".join(kinds) + "-hours"
+
+
+def run_devices(facts: RunFacts) -> list[str | None]:
+    """The devices the run's own training and its members' printed."""
+    own = [facts.log.get("device")] if facts.run.trained else []
+    return own + [m.device for m in facts.members]
 
 
 def comparison_row(facts: RunFacts) -> list[str]:
@@ -232,33 +255,29 @@ def comparison_row(facts: RunFacts) -> list[str]:
     untrained = f"{members} members trained" if members else "no training"
     return [
         facts.run.name,
-        facts.provenance.scored_split,
-        n,
+        f"{facts.provenance.scored_split} ({n})",
         verdict,
         *(_spread(facts.scores, column) for column in SCORE_TERMS),
         fmt(_last(facts.epochs, "val_dice"), 3) if trained else untrained,
         fmt(len(steps)) if steps is not None else ("n/a" if trained else untrained),
         _phase(facts.log) if trained else untrained,
-        str(facts.log.get("device", "not recorded")) if trained else untrained,
         fmt(steps["samples_per_s"].mean()) if steps is not None else "n/a",
         _total(job_s, facts.hours.job_s, members),
-        _total(gpu_s, facts.hours.gpu_s, members),
+        _total(gpu_s, facts.hours.gpu_s, members, hours_unit(run_devices(facts))),
     ]
 
 
 HEADER = [
     "run",
-    "scored split",
-    "n volumes",
+    "scored split (n volumes)",
     "fitted on them",
     *(f"{name} (mean ± std)" for name in SCORE_TERMS.values()),
     "val Dice (patches, last epoch)",
     "steps",
-    "phase",
-    "train device",
+    "phase, train device",
     "samples/s (mean)",
     "job hours (with members)",
-    "GPU-hours (with members)",
+    "GPU- or CPU-hours (with members)",
 ]
 
 
@@ -356,17 +375,18 @@ def comparison_section(facts: Sequence[RunFacts]) -> str:
         "n volumes of the run's <code>evaluation/scores.csv</code> (one volume: the mean "
         "alone). <em>fitted on them</em>: whether training or tuning saw the scored volumes "
         "(see each run's provenance). <em>steps</em>: rows of <code>train/steps.csv</code>, "
-        "one per optimizer step; samples/s: their mean. <em>phase</em>, <em>train "
+        "one per optimizer step; samples/s: their mean. <em>phase, train "
         "device</em>: as <code>ctseg train</code> printed them into its log. "
         "<em>job hours</em>: the wall seconds of every job in the run's "
         "<code>benchmarks/</code> TSVs, summed (jobs that ran at once each count)."
-        f" <em>GPU-hours</em>: the same for the jobs of rules "
+        f" <em>GPU- or CPU-hours</em>: the same for the jobs of rules "
         f"{esc(gpu_rules)} (those that request a GPU), times the job's GPUs: the train job's "
-        "<code>world_size</code> from its log, one for every other job; on a machine without "
-        "a GPU these jobs ran on the CPU. A cross-validation's or an ensemble's row adds "
-        "the hours of its members (folds, or averaged runs: see the run's members), so it "
-        "reads what the whole result cost; a member that is also a row of its own is counted "
-        "in both rows.</p>"
+        "<code>world_size</code> from its log, one for every other job. They are CPU-hours "
+        "where the training printed device <code>cpu</code> (a machine without a GPU runs "
+        "these jobs on its CPU), and say so where no training log tells. A cross-validation's "
+        "or an ensemble's row adds the hours of its members (folds, or averaged runs: see "
+        "the run's members), so it reads what the whole result cost; a member that is also a "
+        "row of its own is counted in both rows.</p>"
     )
     out.append(DICE_NOTE)
     if any(f.baseline is not None for f in facts):
@@ -400,7 +420,7 @@ def members_block(facts: RunFacts) -> str:
             m.weight,
             "yes" if m.directory.is_dir() else "no folder",
             _hours(m.hours.job_s),
-            _hours(m.hours.gpu_s),
+            f"{_hours(m.hours.gpu_s)} {hours_unit([m.device])}",
         ]
         for m in facts.members
     ]
@@ -414,7 +434,7 @@ def members_block(facts: RunFacts) -> str:
             "The ensemble's probabilities are the members' weighted mean (weights divided by "
             f"their sum); weights: {esc(facts.weights_note or 'not recorded')}."
         )
-    header = ["member", "weight", "results folder", "job hours", "GPU-hours"]
+    header = ["member", "weight", "results folder", "job hours", "GPU- or CPU-hours"]
     return (
         '<h2 id="members">Members, their weights and hours</h2>'
         + table(header, rows)

@@ -12,23 +12,30 @@ CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1500px;
        padding: 0 1em; color: #222; }
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; margin-top: 2em; }
+.headline { background: #eef4fb; border: 1px solid #9bb8d8; border-radius: 4px;
+            padding: 0.3em 1em; margin: 0.6em 0 1em; }
+.headline ul { margin: 0.3em 0; padding-left: 1.2em; } .headline li { margin: 0.3em 0; }
+.headline .smoke { background: #fbe3c4; padding: 0 4px; font-weight: bold; }
+li.hl-better b:first-child { color: #1c6b2d; } li.hl-worse b:first-child { color: #a33; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 11px; max-width: 100%; }
-/* Cells wrap at spaces (a number's ± band or remark goes below it), text cells anywhere (a
-   verdict, a file path, a JSON setting), so that every table fits the window. */
+/* Cells wrap at spaces (a number's ± band or remark goes below it) and at the <wbr> a text
+   cell has after each / _ , = : (a file path, a run name, a JSON setting), never inside a word
+   or a number: so that every table fits the window from 900 px on and still reads. */
 th, td { border: 1px solid #ccc; padding: 2px 3px; text-align: right; }
 th { background: #f0f0f0; vertical-align: bottom; min-width: 2em; }
-.t { text-align: left; } td.t { overflow-wrap: anywhere; min-width: 3em; }
+.t { text-align: left; } td.t { overflow-wrap: normal; min-width: 3em; }
 div.scroll { overflow-x: auto; }
 tr.baseline td { color: #555; font-style: italic; }
-tr.st-oom td, tr.st-failed td { background: #fbeaea; } tr.st-over_memory td { background: #fdf2e6; }
 img { max-width: 100%; display: block; margin: 0.6em 0; }
-code { background: #f4f4f4; padding: 0 3px; } .source { color: #555; font-size: 12.5px; }
+code { background: #f4f4f4; padding: 0 3px; overflow-wrap: anywhere; }
+.source { color: #555; font-size: 12.5px; }
 .missing { color: #a33; font-style: italic; } .note { color: #555; font-size: 12.5px; }
 ul.verdicts li { margin-bottom: 0.35em; } nav a { margin-right: 1em; }
 """
 
-# Inert for readers: records how many images rendered, and how many tables reach past the
-# page's width, for the headless-browser check. Drawing
+# Inert for readers: records how many images rendered, how many tables reach past the page's
+# width, how many words in table cells are broken across lines and where the headline is, for
+# the headless-browser check. Drawing
 # each image onto a canvas decodes it synchronously at load, so the count is final before
 # chromium's --dump-dom (img.decode() promises may still be pending then). An image counts as
 # rendered when it has a size and its pixels are not all one value.
@@ -61,6 +68,36 @@ window.addEventListener("load", function () {
   if (wide.length) {
     var head = wide[0].querySelector("th");
     document.body.dataset.tablesFirstWide = head ? head.textContent.slice(0, 60) : "";
+  }
+  // Words broken across lines inside a table cell: a word is letters, digits and points (a
+  // number stays whole); a line may break at a space or after - / _ , = : only.
+  var broken = [];
+  Array.prototype.forEach.call(document.querySelectorAll("td, th"), function (cell) {
+    var walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    for (var node = walker.nextNode(); node; node = walker.nextNode()) {
+      var word = /[A-Za-z0-9.\u00b1\u00d7%]+/g, match;
+      while ((match = word.exec(node.data))) {
+        var range = document.createRange();
+        range.setStart(node, match.index);
+        range.setEnd(node, match.index + match[0].length);
+        var tops = {};
+        Array.prototype.forEach.call(range.getClientRects(), function (r) {
+          if (r.width > 0) tops[Math.round(r.top)] = true;
+        });
+        if (Object.keys(tops).length > 1) broken.push(match[0]);
+      }
+    }
+  });
+  document.body.dataset.wordsBroken = String(broken.length);
+  document.body.dataset.wordsBrokenFirst = broken.slice(0, 5).join(" ");
+  // Where the headline is, for the screenshot check (page coordinates, CSS px).
+  var headline = document.getElementById("headline");
+  if (headline) {
+    var box = headline.getBoundingClientRect();
+    document.body.dataset.headlineTop = String(Math.round(box.top + window.scrollY));
+    document.body.dataset.headlineBottom = String(Math.round(box.bottom + window.scrollY));
+    document.body.dataset.headlineLeft = String(Math.round(box.left));
+    document.body.dataset.headlineRight = String(Math.round(box.right));
   }
   var imgs = Array.prototype.slice.call(document.images);
   document.body.dataset.imagesTotal = String(imgs.length);
@@ -110,8 +147,10 @@ def page(
     sections: Sequence[str],
     *,
     runs: Sequence[str] = (),
+    headline: str = "",
 ) -> str:
-    """The page; with `runs`, the header and navigation name the runs (several-run report)."""
+    """The page; with `runs`, the header and navigation name the runs (several-run report).
+    `headline` comes first, under the title."""
     if runs:
         links = [("comparison", "Comparison"), ("settings", "Settings"), ("overlays", "Overlays")]
         links += [(f"run-{anchor(r)}", r) for r in runs]
@@ -126,6 +165,6 @@ def page(
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>"
-        f"<h1>{esc(title)}</h1>{heading}<nav>{nav}</nav>\n"
+        f"<h1>{esc(title)}</h1>{headline}{heading}<nav>{nav}</nav>\n"
         f"{body}\n<script>{IMAGE_CHECK_SCRIPT}</script></body></html>\n"
     )

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
-from matplotlib.ticker import ScalarFormatter
+from matplotlib.ticker import LogFormatter
 
 from ctseg.formatting import fmt, num, pct
 from ctseg.io import CtsegError
@@ -45,6 +45,9 @@ SETTING_LABELS = {
     "drop_last": "drop last",
 }
 SETTING_ORDER = tuple(SETTING_LABELS)
+# The verdict of a trial whose timings carry no signal (ctseg.trials.diagnosis.LABELS): no speed
+# ratio is taken from it.
+NOT_MEASURABLE = "not measurable"
 STATUS_COLOURS = {"ok": "#4c72b0", "oom": "#c44e52", "over_memory": "#dd8452", "failed": "#8c8c8c"}
 THRESHOLD_LABELS = {
     "data_wait_fraction": ("data wait above", pct),
@@ -76,11 +79,36 @@ def _phase_columns(summaries: Sequence[TrialSummary]) -> tuple[list[str], dict[s
     return shown, constant
 
 
+def _unmeasured(*summaries: TrialSummary | None) -> bool:
+    return any(s is not None and s.verdict == NOT_MEASURABLE for s in summaries)
+
+
 def _speedup(summary: TrialSummary, base: TrialSummary | None) -> str:
     if base is None or summary.status != "ok" or base.status != "ok":
         return "n/a"
+    if _unmeasured(summary, base):
+        return NOT_MEASURABLE
     now, then = num(summary.samples_per_s), num(base.samples_per_s)
     return f"{now / then:.2f}×" if now and then else "n/a"
+
+
+def _previous_speedup(summary: TrialSummary, by_phase: Mapping[Any, TrialSummary]) -> str:
+    """The trial's recorded ratio to the phase before it, unless either is not measurable."""
+    checks = summary.checks
+    previous = num(checks.get("speedup_vs_previous"))
+    if previous is None:
+        return "n/a"
+    if _unmeasured(summary, by_phase.get(checks.get("previous_phase"))):
+        return NOT_MEASURABLE
+    return f"{previous:.2f}× (vs {checks.get('previous_phase')})"
+
+
+def _on_gpu(summaries: Sequence[TrialSummary]) -> bool:
+    """Whether any trial recorded a GPU's figures (utilisation, peak VRAM): a CPU has none, so
+    their columns and plot are left out of a CPU run's page."""
+    return any(
+        num(s.peak_vram_gb) is not None or num(s.gpu_util_mean) is not None for s in summaries
+    )
 
 
 def _maths_short(summary: TrialSummary) -> str:
@@ -182,22 +210,31 @@ def _phase_rows(
     summaries: Sequence[TrialSummary], shown: Sequence[str]
 ) -> tuple[list[str], list[list[str]]]:
     base = summaries[0]
+    gpu = _on_gpu(summaries)
+    by_phase = {s.phase: s for s in summaries}
     header = (
         ["phase"]
         + [SETTING_LABELS.get(k, k) for k in shown]
         + ["status", "median step s", "samples/s", "data wait", "h2d", "feed eff. ± band"]
         + ["TFLOP/s", "padding (patch at computed)", "useful MFU (peak TFLOP/s)"]
-        + ["GPU util %", "peak VRAM GB (limit)", "peak RSS GB (limit)"]
+        + (["GPU util %", "peak VRAM GB (limit)"] if gpu else [])
+        + ["peak RSS GB (limit)"]
         + [f"× phase {base.phase}", "× previous", "maths: batch×accum."]
         + ["CPU cores", "device", "verdict"]
     )
     rows = []
     for summary in summaries:
-        checks = summary.checks
-        previous = num(checks.get("speedup_vs_previous"))
         maths = _maths_short(summary)
         if summary.maths != base.maths:
             maths += f" (≠ {base.phase})"
+        device = (
+            [
+                fmt(summary.gpu_util_mean),
+                f"{fmt(summary.peak_vram_gb)} ({fmt(summary.vram_limit_gb)})",
+            ]
+            if gpu
+            else []
+        )
         rows.append(
             [fmt(summary.phase)]
             + [setting(summary.settings.get(k)) for k in shown]
@@ -211,13 +248,10 @@ def _phase_rows(
                 fmt(summary.tflops),
                 _padding(summary),
                 _mfu(summary),
-                fmt(summary.gpu_util_mean),
-                f"{fmt(summary.peak_vram_gb)} ({fmt(summary.vram_limit_gb)})",
+                *device,
                 f"{fmt(summary.peak_host_rss_gb)} ({fmt(summary.host_ram_limit_gb)})",
                 _speedup(summary, base),
-                "n/a"
-                if previous is None
-                else f"{previous:.2f}× (vs {checks.get('previous_phase')})",
+                _previous_speedup(summary, by_phase),
                 maths,
                 _recorded(summary.cpu_count),
                 _recorded(summary.device),
@@ -269,6 +303,7 @@ def _bar(ax: Any, summaries: Sequence[TrialSummary], key: str, title: str) -> li
 
 
 def _phase_figure(summaries: Sequence[TrialSummary], thresholds: Mapping[str, float]) -> Figure:
+    gpu = _on_gpu(summaries)
     fig = Figure(figsize=(13, 7), layout="constrained")
     axes = fig.subplots(2, 3).ravel()
     _bar(axes[0], summaries, "samples_per_s", "samples/s")
@@ -293,13 +328,18 @@ def _phase_figure(summaries: Sequence[TrialSummary], thresholds: Mapping[str, fl
     if "feed_efficiency" in thresholds:
         limit = thresholds["feed_efficiency"]
         axes[2].axhline(limit, color="k", ls="--", lw=1, label="data-bound below")
-    _bar(axes[3], summaries, "peak_vram_gb", "peak VRAM GB")
-    _bar(axes[4], summaries, "peak_host_rss_gb", "peak host RSS GB (with workers)")
-    for ax, key in ((axes[3], "vram_limit_gb"), (axes[4], "host_ram_limit_gb")):
-        limits = {num(getattr(s, key)) for s in summaries} - {None}
+    # Peak VRAM only where a trial recorded one: a CPU has no VRAM, so no empty panel.
+    memory = [("peak_host_rss_gb", "host_ram_limit_gb", "peak host RSS GB (with workers)")]
+    if gpu:
+        memory.insert(0, ("peak_vram_gb", "vram_limit_gb", "peak VRAM GB"))
+    for ax, (key, limit_key, title) in zip(axes[3:], memory, strict=False):
+        _bar(ax, summaries, key, title)
+        limits = {num(getattr(s, limit_key)) for s in summaries} - {None}
         if len(limits) == 1:
             ax.axhline(limits.pop(), color="k", ls="--", lw=1, label="limit")
-    _split_bars(axes[5], summaries)
+    _split_bars(axes[3 + len(memory)], summaries)
+    for ax in axes[4 + len(memory) :]:
+        ax.set_visible(False)
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
@@ -321,6 +361,13 @@ def _split_bars(ax: Any, summaries: Sequence[TrialSummary]) -> None:
     ax.set_xlabel("phase")
 
 
+class PlainLogLabels(LogFormatter):
+    """The ticks `LogFormatter` labels, written as plain numbers (0.1, not 1e-01)."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
 def _trial_steps_figure(steps: Sequence[tuple[int, pd.DataFrame]]) -> Figure:
     fig = Figure(figsize=(13, 3.2), layout="constrained")
     ax_step, ax_wait = fig.subplots(1, 2)
@@ -329,9 +376,12 @@ def _trial_steps_figure(steps: Sequence[tuple[int, pd.DataFrame]]) -> Figure:
         fraction = frame["data_wait_s"] / frame["step_s"]
         ax_wait.plot(frame["step"], fraction, marker=".", lw=1, label=f"phase {phase}")
     ax_step.set(title="step time per trial step (s, log scale)", xlabel="step", yscale="log")
-    # Plain numbers on the log axis: phases differ by up to 10x, so decades are rarely crossed.
-    ax_step.yaxis.set_major_formatter(ScalarFormatter())
-    ax_step.yaxis.set_minor_formatter(ScalarFormatter())
+    # Plain numbers on the log axis (0.3, not 3×10⁻¹). Phases may differ by 10x or 100x (a CPU
+    # trial): minor ticks are labelled only where the axis spans under a decade, and then only
+    # as many as fit (matplotlib's minor thresholds), so labels never overlap.
+    ax_step.yaxis.set_major_formatter(PlainLogLabels())
+    minor = PlainLogLabels(labelOnlyBase=False, minor_thresholds=(1, 0.4))
+    ax_step.yaxis.set_minor_formatter(minor)
     ax_wait.set(title="data-wait fraction per trial step", xlabel="step", ylim=(0, 1))
     ax_step.legend(fontsize=7, ncols=2)
     return fig
@@ -370,7 +420,10 @@ def phase_section(paths: Sequence[Path], src: Sources) -> str:
     names = [name for _, name, _ in loaded]
     shown, constant = _phase_columns(summaries)
     header, rows = _phase_rows(summaries, shown)
-    out.append(table(header, rows, row_classes=[f"st-{s.status}" for s in summaries]))
+    # One column per phase, one row per figure: the figures outnumber the phases three to one,
+    # and a row per phase would not fit a 900 px window without breaking words.
+    by_figure = [[name, *(row[i] for row in rows)] for i, name in enumerate(header) if i]
+    out.append(table([header[0], *(row[0] for row in rows)], by_figure))
     if constant:
         same = ", ".join(f"{k} = {setting(v)}" for k, v in constant.items())
         out.append(f"<p>Same in every phase: {esc(same)}.</p>")

@@ -109,6 +109,9 @@ def _training_table(steps: pd.DataFrame) -> str:
         ["peak host RSS MB", fmt(steps["host_rss_mb"].max())],
         ["final loss (last step)", fmt(steps["loss"].iloc[-1])],
     ]
+    # A training on the CPU logs no GPU utilisation or VRAM (empty cells): no rows for them.
+    if steps["gpu_util"].isna().all() and steps["vram_peak_mb"].isna().all():
+        rows = [r for r in rows if r[0] not in ("mean GPU util %", "peak VRAM MB")]
     return table(["steps.csv", "value"], rows)
 
 

@@ -207,22 +207,20 @@ def _column(rows: list[dict[str, str]], name: str) -> list[float]:
     return out
 
 
-def draw_progress(steps_csv: Path, epochs_csv: Path, folder: Path) -> Path | None:
-    """``progress.png`` in `folder`: loss terms, validation, learning rate and speed."""
+def progress_figure(steps: list[dict[str, str]], epochs: list[dict[str, str]]) -> Any:
+    """The figure of ``progress.png`` from the rows of steps.csv and epochs.csv. Each panel's
+    legend sits above its plotting area, under the panel's title, so no curve is hidden."""
     from matplotlib.figure import Figure
 
-    steps, epochs = _rows(steps_csv), _rows(epochs_csv)
-    if not steps:
-        return None
     x = _column(steps, "step")
-    fig = Figure(figsize=(12, 7), layout="constrained")
+    fig = Figure(figsize=(12, 7.5), layout="constrained")
     (loss_ax, val_ax), (lr_ax, speed_ax) = fig.subplots(2, 2)
     terms = loss_terms(steps[0])
     loss_ax.plot(x, _column(steps, "loss"), color="k", lw=1.2, label="total")
     for term in terms:
         loss_ax.plot(x, _column(steps, term), lw=0.8, label=term)
-    loss_ax.set(title="training loss per step", xlabel="optimizer step")
-    loss_ax.legend(fontsize=7, ncols=2)
+    loss_ax.set(xlabel="optimizer step")
+    _legend_above(loss_ax, "training loss per step")
     if epochs:
         ex = _column(epochs, "step")
         val_ax.plot(ex, _column(epochs, "train_loss"), marker="o", label="train loss (epoch mean)")
@@ -230,21 +228,49 @@ def draw_progress(steps_csv: Path, epochs_csv: Path, folder: Path) -> Path | Non
         dice = val_ax.twinx()
         dice.plot(ex, _column(epochs, "val_dice"), marker="s", color="C3", label="val Dice")
         dice.set_ylabel("val Dice (patches)")
-        dice.legend(fontsize=7, loc="upper right")
-        val_ax.legend(fontsize=7, loc="upper left")
-    val_ax.set(title="per epoch", xlabel="optimizer step")
+        _legend_above(val_ax, "per epoch", dice)
+    else:
+        val_ax.set_title("per epoch")
+    val_ax.set(xlabel="optimizer step")
     lr_ax.plot(x, _column(steps, "lr"), color="C0", label="learning rate")
-    lr_ax.set(title="learning rate and gradient norm", xlabel="optimizer step")
+    lr_ax.set(xlabel="optimizer step")
     norm = lr_ax.twinx()
     norm.plot(x, _column(steps, "grad_norm"), color="C1", lw=0.8, label="grad norm")
-    lr_ax.legend(fontsize=7, loc="upper left")
-    norm.legend(fontsize=7, loc="upper right")
+    _legend_above(lr_ax, "learning rate and gradient norm", norm)
     speed_ax.plot(x, _column(steps, "samples_per_s"), color="C2", label="samples/s")
-    speed_ax.set(title="speed and data wait", xlabel="optimizer step")
+    speed_ax.set(xlabel="optimizer step")
     wait = speed_ax.twinx()
     wait.plot(x, _column(steps, "data_wait_s"), color="C3", lw=0.8, label="data wait s")
-    speed_ax.legend(fontsize=7, loc="upper left")
-    wait.legend(fontsize=7, loc="upper right")
+    _legend_above(speed_ax, "speed and data wait", wait)
+    return fig
+
+
+def _legend_above(ax: Any, title: str, twin: Any = None) -> None:
+    """One legend for a panel (and its twin axis) above its plotting area, headed by the
+    panel's title: constrained layout makes room for it there."""
+    handles, labels = ax.get_legend_handles_labels()
+    if twin is not None:
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(
+        handles,
+        labels,
+        fontsize=7,
+        title=title,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncols=min(len(labels), 4),
+        frameon=False,
+        borderaxespad=0.2,
+    )
+
+
+def draw_progress(steps_csv: Path, epochs_csv: Path, folder: Path) -> Path | None:
+    """``progress.png`` in `folder`: loss terms, validation, learning rate and speed."""
+    steps, epochs = _rows(steps_csv), _rows(epochs_csv)
+    if not steps:
+        return None
+    fig = progress_figure(steps, epochs)
     out = folder / PROGRESS_PNG
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=80)
