@@ -1,6 +1,8 @@
 """Tuned post-processing against the default threshold 0.5, on the realistic demo's test volumes.
 
     python bench/postprocess.py --quick    # exp001 on the CPU: 4+2 volumes of 96^3, 200 steps
+    python bench/postprocess.py --smoke    # a 2-level model, 2+1 volumes of 32^3, 2 steps: every
+                                           # step in seconds (CI); its scores mean nothing
     python bench/postprocess.py            # exp001_full on a GPU: 8+2 volumes of 128^3
 
 Through the `ctseg` CLI, as the rules run them: demo data (preset realistic) -> convert ->
@@ -38,12 +40,18 @@ from pipeline import REPO, Prepared, Runner, StepFailed
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="exp001 on 2 CPU cores")
-    parser.add_argument("--experiment", default=None, help="default exp001_full (quick: exp001)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="exp001 on 2 CPU cores")
+    size.add_argument("--smoke", action="store_true", help="toy model and volumes: seconds (CI)")
+    parser.add_argument(
+        "--experiment", default=None, help="default exp001_full (quick, smoke: exp001)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps (1000; quick 200)")
     parser.add_argument("--phase", type=int, default=None, help="loader phase (6; quick 2)")
     parser.add_argument("--records", type=int, default=None, help="training volumes (8; quick 4)")
-    parser.add_argument("--test-records", type=int, default=2, help="held-out test volumes")
+    parser.add_argument(
+        "--test-records", type=int, default=None, help="held-out test volumes (2; smoke 1)"
+    )
     parser.add_argument("--size", type=int, default=None, help="volume edge (128; quick 96)")
     parser.add_argument("--seed", type=int, default=0, help="demo data seed")
     parser.add_argument("--preset", default="realistic", help="demo-data preset")
@@ -125,23 +133,30 @@ def masks(
 
 
 def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None:
-    quick = args.quick
-    exp = pipeline.load_experiment(args.experiment or ("exp001" if quick else "exp001_full"))
-    steps = args.steps or (200 if quick else 1000)
-    phase = args.phase if args.phase is not None else (2 if quick else 6)
+    quick, smoke = args.quick, args.smoke
+    exp = pipeline.load_experiment(
+        args.experiment or ("exp001" if quick or smoke else "exp001_full")
+    )
+    if smoke:
+        pipeline.shrink_for_smoke(exp)
+    steps = args.steps or (2 if smoke else 200 if quick else 1000)
+    phase = args.phase if args.phase is not None else (0 if smoke else 2 if quick else 6)
     phases = pipeline.load_phases()
-    pipeline.set_training_budget(exp, steps, val_batches=4 if quick else 20)
-    n_train, size = args.records or (4 if quick else 8), args.size or (96 if quick else 128)
+    pipeline.set_training_budget(exp, steps, val_batches=1 if smoke else 4 if quick else 20)
+    n_train = args.records or (2 if smoke else 4 if quick else 8)
+    n_test = args.test_records or (1 if smoke else 2)
+    size = args.size or (pipeline.SMOKE_SIZE if smoke else 96 if quick else 128)
+    percentiles = quality.SMOKE_PERCENTILES if smoke else quality.PERCENTILES
     record.update(
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         experiment=exp["name"],
         steps=steps,
         phase=phase,
-        volumes={"train": n_train, "test": args.test_records, "size": size},
+        volumes={"train": n_train, "test": n_test, "size": size},
         preset=args.preset,
     )
     print(
-        f"experiment {exp['name']}: {n_train}+{args.test_records} volumes of {size}^3 (preset "
+        f"experiment {exp['name']}: {n_train}+{n_test} volumes of {size}^3 (preset "
         f"{args.preset}); {steps} steps under phase {phase}; work dir {workdir}",
         flush=True,
     )
@@ -151,7 +166,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
             runner,
             exp,
             n_train=n_train,
-            n_test=args.test_records,
+            n_test=n_test,
             shape=(size,) * 3,
             seed=args.seed,
             preset=args.preset,
@@ -176,7 +191,7 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> None
         record["test_default"] = pipeline.evaluate(
             runner, default_masks, labels, out / "evaluation_default", "default"
         )
-        record["baseline"] = quality.baseline(runner, data, list(quality.PERCENTILES))
+        record["baseline"] = quality.baseline(runner, data, list(percentiles))
     finally:
         record["step_seconds"] = {k: round(v, 2) for k, v in runner.seconds.items()}
         record["total_s"] = round(runner.elapsed(), 1)
