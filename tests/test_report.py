@@ -586,9 +586,12 @@ def test_precision_is_shown_as_recorded(report):
 
 def test_the_report_computes_no_verdict(tmp_path):
     """Nothing in ctseg.report imports the diagnosis; a summary's verdict is never redone."""
-    code = "import sys, ctseg.report; print('ctseg.trials.diagnosis' in sys.modules)"
+    code = (  # the builders import every section of the page
+        "import sys; from ctseg.report import build_report, build_runs_report; "
+        "print('ctseg.report.phases' in sys.modules, 'ctseg.trials.diagnosis' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.stdout.strip() == "False", proc.stderr
+    assert proc.stdout.strip() == "True False", proc.stderr
     # A recorded verdict that its figures would not give stays as recorded.
     odd = summary(0, verdict="not measurable", verdict_reason="as the trial saw it")
     path = tmp_path / "phase0" / "summary.json"
