@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 import tifffile
 
 from ctseg.io import CtsegError, check_id
-from ctseg.records import read_records, select_records, write_split
+from ctseg.records import RECORDED_SPLIT, read_records, select_records, write_split
 
 
 def make_dataset(root: Path, ids: list[str], test_ids: tuple[str, ...] = ()) -> Path:
@@ -225,4 +226,85 @@ def test_write_split_writes_csv_atomically(tmp_path: Path) -> None:
     write_split(table, path)
     back = pd.read_csv(path, dtype={"id": str})
     pd.testing.assert_frame_equal(back, table)
-    assert os.listdir(path.parent) == ["split.csv"]
+    assert sorted(os.listdir(path.parent)) == ["split.csv", RECORDED_SPLIT]
+
+
+# --------------------------------------------------------------------------- a stable split
+
+
+def test_added_records_leave_the_recorded_val_and_test_ids_where_they_were(tmp_path) -> None:
+    split = {**SPLIT, "val_fraction": 0.25, "test_fraction": 0.2}
+    path = tmp_path / "exp" / "split.csv"
+    before = write_split(select_records(records_table(12), SUBSET, split), path)
+    assert sorted(os.listdir(path.parent)) == ["split.csv", RECORDED_SPLIT]
+    held = before.loc[before["split"] != "train", ["id", "split"]]
+    # Drawn afresh, one more record moves the split (the permutation is over n records)...
+    fresh = select_records(records_table(13), SUBSET, split)
+    moved = fresh.set_index("id").loc[held["id"], "split"]
+    assert list(moved) != list(held["split"]), "the fresh draw must move some held-out id"
+    # ...and kept: every recorded id where it was, the new record in its fresh part.
+    after = write_split(fresh, path)
+    kept = after.set_index("id")["split"]
+    assert list(kept.loc[before["id"]]) == list(before["split"])
+    assert kept["id12"] == fresh.set_index("id").loc["id12", "split"]
+    assert pd.read_csv(path, dtype={"id": str})["split"].tolist() == list(after["split"])
+
+
+def test_a_recorded_split_keeps_whole_scrolls_together(tmp_path) -> None:
+    split = {**SPLIT, "val_fraction": 0.3, "group_by": "scroll"}
+    records = pd.DataFrame(
+        {"id": [f"r{i}" for i in range(9)], "scroll_id": [str(i % 3) for i in range(9)]}
+    )
+    path = tmp_path / "split.csv"
+    before = write_split(select_records(records, SUBSET, split), path)
+    more = pd.concat([records, pd.DataFrame({"id": ["r9", "r10"], "scroll_id": ["0", "1"]})])
+    after = write_split(select_records(more, SUBSET, split), path)
+    for scroll, rows in after.groupby("scroll_id"):
+        assert rows["split"].nunique() == 1, f"scroll {scroll} spans two sides"
+    kept = after.set_index("id")["split"]
+    assert list(kept.loc[before["id"]]) == list(before["split"])
+
+
+def test_a_change_that_moves_recorded_held_out_ids_is_refused_with_the_way_to_accept_it(
+    tmp_path,
+) -> None:
+    path = tmp_path / "exp" / "split.csv"
+    recorded = path.parent / RECORDED_SPLIT
+    write_split(select_records(records_table(), SUBSET, SPLIT), path)
+    other_seed = select_records(records_table(), SUBSET, {**SPLIT, "seed": 5})
+    with pytest.raises(CtsegError) as refused:
+        write_split(other_seed, path)
+    message = str(refused.value)
+    assert message.startswith(f"{recorded}: its selection settings changed, and the new split ")
+    assert message.endswith(
+        "; scores before and after would be on different volumes. To accept the new split, "
+        f"delete {recorded}"
+    )
+    assert "(val -> train)" in message
+    # Nothing was written; deleting the record accepts the new split.
+    assert json.loads(recorded.read_text())["selection"]["split"]["seed"] == 0
+    recorded.unlink()
+    assert list(write_split(other_seed, path)["split"]) == list(other_seed["split"])
+
+
+def test_a_recorded_val_id_no_longer_selected_is_refused(tmp_path) -> None:
+    path = tmp_path / "split.csv"
+    subset = {**SUBSET, "fraction": 0.6}
+    before = write_split(select_records(records_table(10), subset, SPLIT), path)
+    val = before.loc[before["split"] == "val", "id"].tolist()
+    for n in range(11, 20):  # added records redraw the subset until a val id drops out
+        fresh = select_records(records_table(n), subset, SPLIT)
+        if not set(val) <= set(fresh["id"]):
+            break
+    else:
+        pytest.fail("no added record redrew the subset without a val id")
+    with pytest.raises(CtsegError, match=r"the records changed, .*-> not selected\)"):
+        write_split(fresh, path)
+
+
+def test_an_unreadable_recorded_split_names_the_fix(tmp_path) -> None:
+    (tmp_path / RECORDED_SPLIT).write_text("{not json")
+    with pytest.raises(
+        CtsegError, match=r"split.recorded.json: unreadable recorded split .*delete it"
+    ):
+        write_split(select_records(records_table(), SUBSET, SPLIT), tmp_path / "split.csv")

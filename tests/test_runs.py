@@ -12,7 +12,17 @@ import yaml
 from ctseg import layout
 from ctseg.config import load_phases
 from ctseg.io import CtsegError
-from ctseg.runs import Runs, TrainingPlan, alternatives, auto_phase, base_of, cv_base, fold_of
+from ctseg.records import RECORDED_SPLIT, read_recorded_split, write_split
+from ctseg.runs import (
+    Runs,
+    TrainingPlan,
+    alternatives,
+    auto_phase,
+    base_of,
+    cv_base,
+    fold_of,
+    forced_on_command_line,
+)
 from ctseg.summaries import TrialSummary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -296,13 +306,16 @@ def test_a_fixed_phase_keeps_a_model_and_declares_the_trials_its_training_did(co
     assert plan_of(runs, 3, record) == TrainingPlan(False, 3, None)
     kept = (
         f"exp001: keeps its last.pt, trained under phase 3 (config phase 0): {KEEPS}; "
-        "--forcerun train_model retrains it under phase 0"
+        "--forcerun train_model retrains it from step 0 under phase 0"
     )
-    assert plan_of(runs, 0, record) == TrainingPlan(False, 0, kept)
+    # Should its job run (--forcerun), it trains from step 0, not resumed at its last step.
+    assert plan_of(runs, 0, record) == TrainingPlan(False, 0, kept, restart_from="phase 3")
     # Trained under auto: the job waited on the trials, so it still does under a fixed phase
     # (another set of inputs would retrain it).
     trials = [trial(0, 1.0), trial(3, 2.0)]
-    assert plan_of(runs, 0, record, after_trials=True, trials=trials) == TrainingPlan(True, 0, kept)
+    assert plan_of(runs, 0, record, after_trials=True, trials=trials) == TrainingPlan(
+        True, 0, kept, restart_from="phase 3"
+    )
     # Its trials gone: a changed set of inputs either way, so it retrains (under a fixed phase
     # without waiting on trials it does not need).
     gone = (
@@ -324,7 +337,9 @@ def test_auto_keeps_a_model_trained_after_its_trials(config_dirs) -> None:
         True,
         "auto",
         f"exp001: keeps its last.pt, trained under phase 3 (config phase auto; its trials "
-        f"choose phase 0): {KEEPS}; --forcerun train_model retrains it under phase auto",
+        f"choose phase 0): {KEEPS}; --forcerun train_model retrains it from step 0 under "
+        "phase auto",
+        restart_from="phase 3",
     )
     failed = [trial(0, None, "oom")]
     assert "(config phase auto; none of its trials finished ok)" in str(
@@ -404,3 +419,50 @@ def test_a_combined_run_records_its_members_and_weights(config_dirs) -> None:
     assert recorded["members"] == ",".join(runs.fold_runs("exp001_cv"))
     assert "weights" not in recorded
     assert "members" not in runs.provenance("exp001", "tuned")
+
+
+@pytest.mark.parametrize(
+    ("argv", "forced"),
+    [
+        (
+            ["snakemake", "train", "--forcerun", "train_model", "--config", "phase=1"],
+            (False, {"train_model"}),
+        ),
+        (
+            ["snakemake", "-R", "train_model", "results/x/last.pt", "-n"],
+            (False, {"train_model", "results/x/last.pt"}),
+        ),
+        (["snakemake", "--forcerun=train_model"], (False, {"train_model"})),
+        (["snakemake", "-F", "train"], (True, set())),
+        (["snakemake", "train", "--config", "phase=1"], (False, set())),
+    ],
+)
+def test_the_command_line_s_forced_jobs_are_read_for_the_plan_s_line(argv, forced) -> None:
+    assert forced_on_command_line(argv) == forced
+
+
+def test_the_plan_s_split_keeps_a_recorded_split_when_a_record_is_added(
+    config_dirs, tmp_path, monkeypatch
+) -> None:
+    # The plan reads the split the split job recorded (results/mine/exp001/), as the job does.
+    monkeypatch.chdir(tmp_path)
+    recorded = Path("results/mine/exp001") / RECORDED_SPLIT
+    before = write_split(make_runs(config_dirs).split_table("exp001"), recorded.parent / "s.csv")
+    for n in range(9, 20):  # records added until a fresh draw would move the split
+        more = records(n_train=n)
+        fresh = make_runs(config_dirs, more).split_table("exp001").set_index("id")["split"]
+        if list(fresh.loc[before["id"]]) != list(before["split"]):
+            break
+    else:
+        pytest.fail("no added record moved the fresh split")
+    plan = Runs(
+        more,
+        dataset="mine",
+        experiments_dir=config_dirs[0],
+        ensembles_dir=config_dirs[1],
+        phases=load_phases(REPO / "config" / "phases.yaml"),
+        demo=False,
+        recorded_split=read_recorded_split,
+    )
+    kept = plan.split_table("exp001").set_index("id")["split"]
+    assert list(kept.loc[before["id"]]) == list(before["split"])

@@ -1,6 +1,12 @@
 """Read and check a dataset in the Kaggle layout before any work is scheduled, and choose an
 experiment's records from it (`select_records`, written as split.csv by `write_split`).
 
+A run's split stays stable when records are added or removed: `write_split` records it beside
+split.csv (`RECORDED_SPLIT`), and the next selection keeps every recorded id where it was, the
+new ids taking their part from the fresh selection (`keep_recorded`). A change that would move
+an id recorded in val or test (other selection settings, folds redrawn, a record deselected) is
+refused, naming the file whose deletion accepts it.
+
 ``<dataset>/{train,test}.csv`` list ``id,scroll_id``; each id has ``{split}_images/<id>.tif``
 (or ``.tiff``, or a directory of 2D slices) and, for train, ``train_labels/<id>.tif``.
 The Snakefile calls `read_records` while it builds the DAG, so a bad csv fails at once with the
@@ -9,6 +15,7 @@ file and the row named, instead of as a "missing input" deep inside a run.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +27,13 @@ import pandas as pd
 from ctseg.io import CtsegError, atomic_path, check_id
 
 SPLITS = ("train", "test")
+# Beside split.csv: the split as written and the selection settings it was drawn under, so the
+# next selection keeps its ids where they were. Not a Snakemake output: a rerun of the split
+# job (records added) finds it where the job's declared output is deleted first.
+RECORDED_SPLIT = "split.recorded.json"
+HELD_OUT = ("val", "test")
+# The moved ids a refusal names, before "and N more".
+MOVED_SHOWN = 3
 
 
 def find_volume(folder: Path, record_id: str) -> Path | None:
@@ -169,7 +183,12 @@ def select_records(records: pd.DataFrame, subset: Mapping, split: Mapping) -> pd
             f"split: every selected record ({len(table)}) is in val or test; "
             "at least one train record is needed"
         )
-    return table.reset_index(drop=True)
+    table = table.reset_index(drop=True)
+    # What `keep_recorded` compares with a recorded split: the settings and every candidate id
+    # (a recorded val id that is still a candidate but no longer selected has moved).
+    table.attrs["selection"] = selection_settings(subset, split)
+    table.attrs["candidates"] = sorted(records["id"].astype(str))
+    return table
 
 
 def folds_by_scroll(subset: Mapping, split: Mapping) -> bool:
@@ -354,7 +373,105 @@ def _round_half_up(value: float) -> int:
     return math.floor(value + 0.5)
 
 
-def write_split(table: pd.DataFrame, path: Path) -> None:
-    """Write the split table (id, scroll_id, split) as csv, atomically."""
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def selection_settings(subset: Mapping, split: Mapping) -> dict[str, Any]:
+    """The settings a selection is drawn under, as plain JSON values (what a recorded split
+    keeps to tell added records from changed settings)."""
+    return {"subset": _plain(subset), "split": _plain(split)}
+
+
+def read_recorded_split(path: Path) -> dict[str, Any] | None:
+    """The split recorded beside a split.csv (`RECORDED_SPLIT`), or None when there is none."""
+    if not path.exists():
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+        parts = {str(k): str(v) for k, v in recorded["parts"].items()}
+        return {"selection": recorded["selection"], "parts": parts}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CtsegError(
+            f"{path}: unreadable recorded split ({type(exc).__name__}); delete it to draw the "
+            "split afresh (the run's val and test ids may then change)"
+        ) from exc
+
+
+def keep_recorded(
+    fresh: pd.DataFrame, recorded: Mapping[str, Any] | None, where: Path
+) -> pd.DataFrame:
+    """`fresh` (a `select_records` table) with the ids of `recorded` (`read_recorded_split`,
+    read from `where`) kept where they were.
+
+    Under the recorded selection settings, every recorded id still selected keeps its part and
+    a new id takes its part from `fresh` (with split.group_by: scroll, the part of its scroll's
+    recorded ids): added records leave the split as it was. Anything else that would move an
+    id recorded in val or test (other settings, a fold redrawn, a record no longer selected)
+    is refused; deleting `where` accepts the new split."""
+    if recorded is None:
+        return fresh
+    parts = recorded["parts"]
+    now = dict(zip(fresh["id"], fresh["split"], strict=True))
+    candidates = set(fresh.attrs.get("candidates", now))
+    moved = sorted(
+        i
+        for i, part in parts.items()
+        if part in HELD_OUT and i in candidates and now.get(i) != part
+    )
+    selection = fresh.attrs.get("selection")
+    same = selection is not None and selection == recorded["selection"]
+    split = (selection or {}).get("split", {})
+    if same and split.get("fold") is None and all(i in now for i in moved):
+        return _extend(fresh, parts, by_scroll=split.get("group_by") == "scroll")
+    if not moved:
+        return fresh
+    shown = ", ".join(f"{i} ({parts[i]} -> {now.get(i, 'not selected')})" for i in moved[:3])
+    more = len(moved) - MOVED_SHOWN
+    why = "its selection settings changed" if not same else "the records changed"
+    raise CtsegError(
+        f"{where}: {why}, and the new split would move {len(moved)} id(s) recorded in val or "
+        f"test: {shown}{f' and {more} more' if more > 0 else ''}; scores before and after "
+        f"would be on different volumes. To accept the new split, delete {where}"
+    )
+
+
+def _extend(fresh: pd.DataFrame, parts: Mapping[str, str], by_scroll: bool) -> pd.DataFrame:
+    """Recorded ids in their recorded part; new ids in their fresh part, or with `by_scroll`
+    in the part their scroll's recorded ids are in."""
+    scroll_part = {}
+    if by_scroll:
+        for record_id, scroll in zip(fresh["id"], fresh["scroll_id"].astype(str), strict=True):
+            if record_id in parts:
+                scroll_part[scroll] = parts[record_id]
+    table = fresh.copy()
+    table["split"] = [
+        parts.get(i) or scroll_part.get(s) or part
+        for i, s, part in zip(
+            table["id"], table["scroll_id"].astype(str), table["split"], strict=True
+        )
+    ]
+    table.attrs = dict(fresh.attrs)
+    return table
+
+
+def write_split(table: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """Write the split table (id, scroll_id, split) as csv, keeping the ids of the split
+    recorded beside it where they were (`keep_recorded`), and record it; both atomically.
+    Returns the table written."""
+    path = Path(path)
+    recorded_path = path.parent / RECORDED_SPLIT
+    table = keep_recorded(table, read_recorded_split(recorded_path), recorded_path)
+    recorded = {
+        "selection": table.attrs.get("selection"),
+        "parts": dict(zip(table["id"], table["split"], strict=True)),
+    }
     with atomic_path(path) as tmp:
         table[["id", "scroll_id", "split"]].to_csv(tmp, index=False)
+    with atomic_path(recorded_path) as tmp:
+        tmp.write_text(json.dumps(recorded, indent=1, sort_keys=True))
+    return table

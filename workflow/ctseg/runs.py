@@ -18,7 +18,7 @@ Every refusal is a `CtsegError` naming the file or the run.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,13 @@ from ctseg.config import (
     with_fold,
 )
 from ctseg.io import CtsegError
-from ctseg.records import assign_folds, folds_by_scroll, select_records
+from ctseg.records import (
+    RECORDED_SPLIT,
+    assign_folds,
+    folds_by_scroll,
+    keep_recorded,
+    select_records,
+)
 from ctseg.summaries import TrialSummary
 
 # Directories of results/ that are not runs.
@@ -84,6 +90,10 @@ class TrainingPlan:
     trials: bool  # the job waits on its experiment's trials: they are among its inputs
     phase: int | str  # the --phase it is given: a phase number, or auto
     notice: str | None  # the one line the plan prints about it, if any
+    # The phase its last.pt was trained under, when the job trains under another one: should
+    # the job run (--forcerun), it trains from step 0, its finished checkpoints set aside
+    # (`ctseg.training.restart`), not resumed at their last step. None: nothing to set aside.
+    restart_from: str | None = None
 
 
 def yaml_names(folder: Path) -> list[str]:
@@ -117,6 +127,7 @@ class Runs:
         phases: Mapping[int, Mapping[str, Any]],
         demo: bool,
         other_datasets: Sequence[str] = (),
+        recorded_split: Callable[[Path], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.records = records
         self.dataset = dataset
@@ -127,6 +138,9 @@ class Runs:
         # Datasets beside this one (`layout.other_datasets`): their runs are in
         # results/<dataset>/, a folder no run of the demo's may take as its own.
         self.other_datasets = list(other_datasets)
+        # The split a run recorded beside its split.csv (`ctseg.records.read_recorded_split`),
+        # kept by its next selection; None: no run has recorded one.
+        self.recorded_split = recorded_split or (lambda path: None)
         self.root = layout.results_root(dataset)
         self.experiment_names = yaml_names(self.experiments_dir)
         self.ensemble_names = yaml_names(self.ensembles_dir)
@@ -276,14 +290,16 @@ class Runs:
         )
 
     def split_table(self, run: str) -> pd.DataFrame:
-        """The train/val/test table of a trained run (what rule split writes)."""
+        """The train/val/test table of a trained run (what rule split writes): its recorded
+        split's ids where they were (`ctseg.records.keep_recorded`)."""
         if run not in self._splits:
             exp = self.settings(run)
             try:
                 table = select_records(self.training_records(), exp["subset"], exp["split"])
             except CtsegError as exc:
                 raise CtsegError(f"{self.experiment_file(run)}: run {run!r}: {exc}") from exc
-            self._splits[run] = table
+            recorded = Path(layout.run_dir(run, root=self.root)) / RECORDED_SPLIT
+            self._splits[run] = keep_recorded(table, self.recorded_split(recorded), recorded)
         return self._splits[run]
 
     def split_ids(self, run: str, part: str) -> list[str]:
@@ -608,7 +624,8 @@ class Runs:
                 phase,
                 f"{run}: keeps its last.pt, trained under {under} (config phase {phase}): a "
                 "phase changes how a run trains, not its result; --forcerun train_model "
-                f"retrains it under phase {phase}",
+                f"retrains it from step 0 under phase {phase}",
+                restart_from=under,
             )
         if after_trials:
             if chosen_same:
@@ -623,7 +640,8 @@ class Runs:
                 phase,
                 f"{run}: keeps its last.pt, trained under {under} (config phase auto; {choice}): "
                 "a phase changes how a run trains, not its result; --forcerun train_model "
-                "retrains it under phase auto",
+                "retrains it from step 0 under phase auto",
+                restart_from=under,
             )
         if number is None:
             # No phase to stay on: the job needs the trials, and declaring them changes its set
@@ -655,3 +673,23 @@ class Runs:
             before = order[order.index(phase) - 1]
             return [layout.trial_summary(experiment, before, root=self.root)]
         return []
+
+
+def forced_on_command_line(argv: Sequence[str]) -> tuple[bool, frozenset[str]]:
+    """What a snakemake command line forces: (--forceall/-F given, the rules and files given to
+    --forcerun/-R). The plan is made before Snakemake hands its own settings to the workflow,
+    so a forced train job's line comes from here."""
+    forceall, forced, taking = False, set(), False
+    for token in argv[1:]:
+        if token in ("-F", "--forceall"):
+            forceall, taking = True, False
+        elif token in ("-R", "--forcerun"):
+            taking = True
+        elif token.startswith("--forcerun="):
+            forced.add(token.split("=", 1)[1])
+            taking = True
+        elif token.startswith("-"):
+            taking = False
+        elif taking:
+            forced.add(token)
+    return forceall, frozenset(forced)

@@ -8,13 +8,16 @@ from pathlib import Path
 
 from ctseg import layout, rule_args
 from ctseg.config import check_configured_phase, load_phases, settings_used
+from ctseg.dataset_summary import small_volumes_line, store_attributes
 from ctseg.io import CtsegError
+from ctseg.network.estimate import estimate_line
 from ctseg.preprocess.demo_data import demo_dataset
-from ctseg.records import read_records
+from ctseg.records import read_records, read_recorded_split
 from ctseg.report.runs import scored_runs
 from ctseg.run_settings import SETTINGS_JSON, read_run_settings
-from ctseg.runs import Runs, base_of, cv_base, fold_of
+from ctseg.runs import Runs, base_of, cv_base, fold_of, forced_on_command_line
 from ctseg.summaries import TrialSummary
+from ctseg.training.restart import restart_line, set_aside_for_phase, set_aside_line
 
 ID_REGEX = "[A-Za-z0-9_.-]+"
 DATASET_DIR = Path("resources") / config["dataset"]
@@ -71,6 +74,7 @@ RUNS = planning(Runs)(
     phases=PHASES,
     demo=IS_DEMO,
     other_datasets=layout.other_datasets("resources", config["dataset"]),
+    recorded_split=read_recorded_split,
 )
 
 # The run model's answers, as the rules and input functions use them.
@@ -348,9 +352,78 @@ def training_notices():
     retrains for changed settings, before any job runs (ctseg.runs.Runs.training_plan).
     """
     for run in sorted({t for r in DEFAULT_RUNS for t in RUNS.trained_runs(r)}):
-        notice = training_plan(run).notice
+        plan = training_plan(run)
+        notice = plan.notice
+        if plan.restart_from is not None and forced_training(run):
+            notice = restart_line(run, plan.restart_from, plan.phase)
         if notice:
             print(f"ctseg: {notice}", file=sys.stderr)
 
 
+def forced_training(run):
+    """Whether the command line forces the run's train job (--forcerun/-R train_model or its
+    last.pt, --forceall): the plan then says it retrains, not that it keeps its last.pt.
+    """
+    forceall, forced = forced_on_command_line(sys.argv)
+    return forceall or bool({"train_model", f"{run_dir(run)}/last.pt"} & forced)
+
+
 training_notices()
+
+
+def state_dir(run):
+    """A trained run's resumable checkpoints: outside the declared outputs, which Snakemake
+    deletes before a rerun, so that a preempted run resumes rather than starts over."""
+    return f"{run_dir(run)}/checkpoints"
+
+
+def trainings_to_run():
+    """The trained runs whose train_model job this invocation runs, forced reruns included:
+    Snakemake's DAG as it stands when the workflow starts (onstart, train.smk)."""
+    return sorted(
+        {
+            job.wildcards["exp"]
+            for job in workflow.dag.needrun_jobs()
+            if job.rule.name == "train_model"
+        }
+    )
+
+
+def training_start(run):
+    """The lines printed before any job runs, for a training this invocation runs: a last.pt
+    trained under another phase is retrained from step 0, its finished checkpoints set aside
+    (ctseg.training.restart); how long the training takes on this machine
+    (ctseg.network.estimate); the volumes smaller than its patch, once converted."""
+    import torch
+
+    lines = []
+    plan = training_plan(run)
+    if plan.restart_from is not None:
+        aside = set_aside_for_phase(Path(state_dir(run)), plan.restart_from)
+        lines.append(set_aside_line(run, aside) if aside else None)
+    lines.append(
+        estimate_line(
+            run,
+            run_settings(run),
+            PHASES,
+            plan.phase,
+            trials_written(run) or [],
+            "cuda" if torch.cuda.is_available() else "cpu",
+        )
+    )
+    stores = {i: Path(IMAGE_STORE.format(id=i)) for i in split_table(run)["id"]}
+    if all(store.exists() for store in stores.values()):
+        shapes = {i: store_attributes(s)["shape"] for i, s in stores.items()}
+        patch = run_settings(run)["data"]["patch_size"]
+        lines.append(small_volumes_line(run, shapes, patch))
+    return [line for line in lines if line]
+
+
+def dataset_summary_file(run):
+    """The summary of a trained run's volumes, made from its experiment's local stores before it
+    trains (rule dataset_summary); none for an experiment staged from a remote source.
+    """
+    base = base_of(run)
+    if experiment(base)["source"] is not None:
+        return []
+    return f"{run_dir(base)}/dataset_summary.json"

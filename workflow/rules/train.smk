@@ -109,7 +109,7 @@ rule train_model:
         out=lambda wildcards, output: Path(output.steps).parent,
         # Resumable checkpoints live outside the declared outputs: Snakemake deletes those
         # before a rerun, and a preempted run must resume rather than start over.
-        state=lambda wildcards: f"{run_dir(wildcards.exp)}/checkpoints",
+        state=lambda wildcards: state_dir(wildcards.exp),
         init=lambda wildcards, input: rule_args.init_arg(input.init),
         # Every attempt's log, kept in <log>.attempts/: a stopped job is resubmitted.
         keep_log=rule_args.KEEP_ATTEMPT_LOG,
@@ -127,3 +127,51 @@ rule train_model:
 rule train:
     input:
         sorted({f"{run_dir(t)}/last.pt" for r in DEFAULT_RUNS for t in trained_runs(r)}),
+        sorted(
+            {
+                summary
+                for r in DEFAULT_RUNS
+                for t in trained_runs(r)
+                for summary in [dataset_summary_file(t)]
+                if summary
+            }
+        ),
+
+
+# A run's volumes, from its dataset's converted stores: printed on the console as soon as they
+# are converted (its priority puts it before staging and training) and kept for the report. Not
+# an input of train_model: a new input would retrain every trained run.
+rule dataset_summary:
+    input:
+        split=f"{ROOT}/{{exp}}/split.csv",
+        images=lambda wildcards: expand(
+            IMAGE_STORE, id=split_table(wildcards.exp)["id"]
+        ),
+        labels=lambda wildcards: expand(
+            LABEL_STORE, id=split_table(wildcards.exp)["id"]
+        ),
+    output:
+        f"{ROOT}/{{exp}}/dataset_summary.json",
+    log:
+        f"{ROOT}/logs/dataset_summary/{{exp}}.log",
+    wildcard_constraints:
+        exp=BASE_RUN,
+    priority: 50
+    conda:
+        "../../environment.yml"
+    params:
+        patch=lambda wildcards: " ".join(
+            map(str, experiment(wildcards.exp)["data"]["patch_size"])
+        ),
+    shell:
+        "python -m ctseg.dataset_summary --run {wildcards.exp} --split {input.split:q} "
+        "--store {STORE:q} --patch {params.patch} --out {output:q} 2>&1 | tee {log:q}"
+
+
+# Before any job runs (not in a dry run): for each training this invocation runs, the line of a
+# last.pt retrained under another phase (its finished checkpoints set aside), its estimated time
+# on this machine, and the volumes smaller than its patch.
+onstart:
+    for _run in trainings_to_run():
+        for _line in training_start(_run):
+            print(f"ctseg: {_line}", file=sys.stderr)
