@@ -585,7 +585,8 @@ class Runs:
         did, whatever the phase now; phase auto declares them when the run trains anyway. Under
         auto, a run trained without its trials stays on the phase it was trained under (the
         job's --phase) until its training settings change. A change of those settings retrains
-        the run, naming the keys."""
+        the run, naming the keys. A last.pt kept under another phase than the job's is set
+        aside should the job run (`TrainingPlan.restart_from`)."""
         auto = phase == "auto"
         if not last_pt:
             return TrainingPlan(auto, phase, None)
@@ -607,9 +608,7 @@ class Runs:
             under = f"phase {number}"
         chosen = None if trials is None else auto_phase(trials)
         chosen_same = chosen in self.phases and then == thaw(dict(self.phases[chosen]))
-        if after_trials and trials is None:
-            # Its set of inputs changes either way: waiting on trials that must run first, or
-            # (a fixed phase, which needs none) on none.
+        if after_trials and trials is None:  # its set of inputs changes either way
             return TrainingPlan(
                 auto,
                 phase,
@@ -643,9 +642,7 @@ class Runs:
                 "retrains it from step 0 under phase auto",
                 restart_from=under,
             )
-        if number is None:
-            # No phase to stay on: the job needs the trials, and declaring them changes its set
-            # of inputs, which retrains it.
+        if number is None:  # no phase to stay on: declaring the trials retrains it
             return TrainingPlan(
                 True,
                 phase,
