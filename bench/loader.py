@@ -15,6 +15,13 @@ every target (label, ignore, skeleton, tube, sdt). The configurations:
 - zarr scratch against raw scratch, phase 1, precomputed targets;
 - the loader without workers against 2 workers: phase 2 (batch 2) with `workers: 0` against
   phase 2 itself (`workers_vs_main`; below 1, workers cost more than they bring);
+- the chunk check: zarr scratch samples alone (`dataset.packed([i])`, no loader), each chunk's
+  bytes checked against the crc32c recorded for its position (`ctseg.store.CheckedStore`, as
+  every read does) against the same samples read through zarr's own store, unchecked, in
+  alternating rounds of the same process (`chunk_check_ratio`: checked / unchecked CPU
+  ms/sample, the median of the rounds' ratios; the check is meant to cost under 5%), and the
+  check's own CPU time per sample (`chunk_check_own_share`, of the unchecked read). On its
+  own: ``python bench/loader.py --quick --chunk-check-only``;
 - the layout batches travel in: `build_loader`'s packed batches (one uint8 tensor per batch,
   written into buffers the workers reuse, `ctseg.data.PackedBatch`) against the host layout
   that the loader sent before (ten tensors per sample, `default_collate` of
@@ -316,6 +323,90 @@ def time_alone(spec: Mapping[str, Any]) -> dict[str, float]:
     return alone
 
 
+CHECK_ROUNDS = 11  # rounds of the chunk check comparison, each variant once per round
+
+
+def unchecked_open(path: Any, storage_options: Any = None, *, listed: bool = True) -> Any:
+    """The read without the chunk check: zarr's own store, nothing compared, nothing listed."""
+    import zarr
+
+    return zarr.open(str(path), mode="r")
+
+
+def time_chunk_check(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """CPU ms of one zarr scratch sample alone, its chunks checked and unchecked.
+
+    The scratch reader (`ctseg.layout`) opens each store with `open_checked`; unchecked, the
+    same reader opens it with zarr's own store (`unchecked_open`). The variants alternate
+    (their order swapped every round), each on a fresh dataset, so both meet the same page
+    cache and machine load. The figure is the median of the rounds' ratios (each round's pair
+    ran side by side, so load that drifts between rounds cancels); the lowest round of each is
+    kept beside it. The check's own work (`ctseg.chunks.digest_problem`: the crc32c of each
+    chunk read and the comparison) is also timed inside the checked rounds: a figure that
+    other load on the machine hardly moves.
+    """
+    import ctseg.chunks as chunks
+    import ctseg.layout as layout
+
+    checked_open, digest_problem = layout.open_checked, chunks.digest_problem
+    own = {"s": 0.0}
+
+    def timed_digest_problem(*args: Any) -> Any:
+        started = time.thread_time()
+        try:
+            return digest_problem(*args)
+        finally:
+            own["s"] += time.thread_time() - started
+
+    run = spec["runs"]["zarr"]
+    samples = int(run["samples"])
+    rounds: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    own_ms: list[float] = []
+    variants = [("unchecked", unchecked_open), ("checked", checked_open)]
+    chunks.digest_problem = timed_digest_problem
+    try:
+        for round_ in range(CHECK_ROUNDS):
+            for name, opener in variants if round_ % 2 else variants[::-1]:
+                layout.open_checked = opener
+                dataset = make_dataset(spec, run, samples + 1)
+                dataset.packed([0])  # opens the stores
+                own["s"] = 0.0
+                before = time.process_time()
+                for i in range(1, samples + 1):
+                    dataset.packed([i])
+                rounds[name].append(1000 * (time.process_time() - before) / samples)
+                if name == "checked":
+                    own_ms.append(1000 * own["s"] / samples)
+    finally:
+        layout.open_checked, chunks.digest_problem = checked_open, digest_problem
+    ratios = [c / u for c, u in zip(rounds["checked"], rounds["unchecked"], strict=True)]
+    return {
+        "checked": min(rounds["checked"]),
+        "unchecked": min(rounds["unchecked"]),
+        "median_ratio": statistics.median(ratios),
+        "own_ms": statistics.median(own_ms),
+        "samples": samples,
+    }
+
+
+def print_chunk_check(check: Mapping[str, Any]) -> float:
+    """The chunk check's table; returns checked / unchecked (the median of the rounds')."""
+    ratio = check["median_ratio"]
+    print(
+        f"\nchunk check: {check['samples']} zarr scratch samples alone, each chunk's bytes "
+        f"checked against its recorded crc32c vs unchecked ({CHECK_ROUNDS} alternating rounds)"
+    )
+    rows = [["unchecked", check["unchecked"]], ["checked", check["checked"]]]
+    print(table(["read", "CPU ms/sample"], rows))
+    print(
+        f"  checked / unchecked: {ratio:.3f} (median of the rounds' ratios; lowest rounds "
+        f"{check['checked'] / check['unchecked']:.3f}); the check's own work "
+        f"{check['own_ms']:.2f} ms/sample = "
+        f"{100 * check['own_ms'] / check['unchecked']:.1f}% of the unchecked read"
+    )
+    return ratio
+
+
 def child_runs(spec: Mapping[str, Any]) -> dict:
     """Every configuration, `rounds` times; throughput here, memory mostly from the parent.
 
@@ -375,9 +466,11 @@ def child_runs(spec: Mapping[str, Any]) -> dict:
     # Forked, so the main process's heap and malloc settings stay as the loader runs had them.
     with multiprocessing.get_context("fork").Pool(1) as pool:
         alone = pool.apply(time_alone, (spec,))
+        chunk_check = pool.apply(time_chunk_check, (spec,))
     return {
         "runs": results,
         "alone_cpu_ms": alone,
+        "chunk_check_cpu_ms": chunk_check,
         "gpu": torch.cuda.get_device_name(0) if cuda else "none",
         "torch": torch.__version__,
     }
@@ -589,6 +682,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller volumes, fewer batches")
     parser.add_argument("--workdir", type=Path, default=None, help="parent of the temp data dir")
     parser.add_argument("--records", type=int, default=None, help="demo records (default: mode's)")
+    parser.add_argument(
+        "--chunk-check-only",
+        action="store_true",
+        help="build the data and measure only the chunk check (checked vs unchecked reads)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -610,6 +708,11 @@ def main() -> None:
         built = time.perf_counter() - started
         runs = configurations(settings)
         spec = {"scratch": scratch, "ids": ids, "runs": runs, "rounds": settings["rounds"]}
+        if args.chunk_check_only:
+            print(f"machine: {cpu_model()}, {cores} usable cores; load average {load_before}")
+            ratio = print_chunk_check(time_chunk_check(spec))
+            print(f"RESULT loader chunk_check_ratio={ratio:.3f}")
+            return
         results, report = measure(spec)
 
     print(f"machine: {machine(report)}")
@@ -672,6 +775,9 @@ def main() -> None:
         "tensors per sample as before; packed: one per batch."
     )
 
+    check = report["chunk_check_cpu_ms"]
+    check_ratio = print_chunk_check(check)
+
     main_name, two_name = f"phase {MAIN_PHASE}, 0 workers", f"phase {MAIN_PHASE}"
     print(f"\n0 workers vs 2 workers: phase {MAIN_PHASE} (batch 2), raw scratch")
     rows = []
@@ -724,7 +830,9 @@ def main() -> None:
         f"workers_vs_main_cpu_bound={cpu_bound['packed']:.2f} "
         f"handoff_ms_packed={handoff['packed']:.1f} "
         f"handoff_ms_host_layout={handoff['host']:.1f} "
-        f"best_samples_per_s={best:.1f}"
+        f"best_samples_per_s={best:.1f} "
+        f"chunk_check_ratio={check_ratio:.3f} "
+        f"chunk_check_own_share={check['own_ms'] / check['unchecked']:.3f}"
     )
 
 

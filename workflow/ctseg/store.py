@@ -156,7 +156,10 @@ class CheckedStore(WrapperStore[Store]):
         self._checked_whole: set[str] = set()
 
     def _with_store(self, store: Store) -> CheckedStore:
-        return type(self)(store, self.label, self._expected)
+        # zarr may reopen a store (read-only, say): the copy checks what this one checks.
+        copy = type(self)(store, self.label)
+        copy._expected = self._expected
+        return copy
 
     def expect(self, expected: Mapping[str, str | None]) -> None:
         """Check the chunks at these keys (relative to the store) against these digests."""
