@@ -40,6 +40,20 @@ The run ends with
 
 base: rung 1's mean score; best: the highest rung's; gain = best - base; gain_se: its standard
 error (as above); rungs: how many rungs ran. All figures go to --json.
+
+    python bench/recipe.py --quick --batch-rung    # batch 4 against batch 16 at equal samples
+
+The batch rung asks whether a larger batch keeps the score: rung 1's recipe trained at the batch
+of phase 6 (4) and at that of phase 8 (16, --batch-phases), each on the same number of training
+samples (steps = samples / batch, the warm-up the same samples as near as whole steps allow), the
+same data and seeds, and the learning rate the experiment's ``train.lr_scaling`` gives each batch
+from ``train.base_batch_size`` (--lr-scaling tries another rule). Every other phase setting is
+the run's phase (--phase: the CPU's 2, the GPU's 6), so on a GPU the pair is phases 6 and 8.
+The larger batch is within the spread when its delta (larger - smaller, paired as above) is
+within twice its standard error; it ends with
+
+    RESULT recipe_batch batches=<a>,<b> samples=<n> lr_scaling=<rule> score_a=<x> score_b=<x>
+        delta=<x> delta_se=<x> verdict=<within|below|above|too_few>
 """
 
 from __future__ import annotations
@@ -75,6 +89,11 @@ FIXED_THRESHOLD = 0.5
 # conv-norm-act per decoder level. 0.89 M parameters, 2.2 GFLOP a forward at exp001's patch
 # (exp001: 0.35 M, 2.0 GFLOP), so it costs about what the plain U-Net does on the CPU.
 CPU_RESENC = {"block": "residual", "blocks_per_stage": [1, 2, 3, 3], "decoder_convs": 1}
+# The batch rung: phase 6's batch against phase 8's (phase 6 at batch 16).
+BATCH_PHASES = (6, 8)
+# Training samples a model: the GPU size is 500 steps of batch 4 (the ladder's); the CPU size
+# 160 steps of 4 against 40 of 16, as much as fits about 25 minutes of 2 loaded cores.
+BATCH_SAMPLES = {"full": 2000, "quick": 640}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -107,11 +126,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda if any")
     parser.add_argument("--workdir", type=Path, default=None, help="kept; default a temp dir")
     parser.add_argument(
-        "--json", type=Path, default=REPO / "results/bench/recipe.json", help="figures file"
+        "--json", type=Path, default=None, help="figures file (results/bench/recipe[_batch].json)"
+    )
+    parser.add_argument(
+        "--batch-rung",
+        action="store_true",
+        help="instead of the ladder: rung 1 at two batches, equal samples",
+    )
+    parser.add_argument(
+        "--batch-phases",
+        type=int,
+        nargs=2,
+        default=list(BATCH_PHASES),
+        metavar=("SMALL", "LARGE"),
+        help="the phases whose batch_size the batch rung compares (6 8)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help=f"training samples a model in the batch rung ({BATCH_SAMPLES['full']}; "
+        f"quick {BATCH_SAMPLES['quick']}); a multiple of both batches",
+    )
+    parser.add_argument(
+        "--lr-scaling",
+        choices=lr_rules(),
+        default=None,
+        help="the batch rung's lr rule (default: the experiment's train.lr_scaling)",
     )
     args = parser.parse_args(argv)
     if not 1 <= args.rungs <= 6:
         parser.error("--rungs: expected 1 to 6")
+    if args.samples is not None and args.samples < 1:
+        parser.error("--samples: expected a positive number of samples")
+    if args.json is None:
+        args.json = REPO / (
+            "results/bench/recipe_batch.json" if args.batch_rung else "results/bench/recipe.json"
+        )
     return args
 
 
@@ -120,6 +171,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _schema() -> dict[str, Any]:
     return yaml.safe_load((REPO / "workflow/schemas/experiment.schema.yaml").read_text())
+
+
+def lr_rules() -> list[str]:
+    """The experiment schema's `train.lr_scaling` rules."""
+    return list(_schema()["properties"]["train"]["properties"]["lr_scaling"]["enum"])
 
 
 def ema_available() -> str | None:
@@ -232,6 +288,9 @@ def evidence(run_dir: Path) -> dict[str, Any]:
         "seed": exp.get("train", {}).get("seed"),
         "source_weights": ident.get("source_weights"),
         "total_steps": ident.get("total_steps"),
+        "batch_size": ident.get("phase", {}).get("batch_size"),
+        "lr_scaling": exp.get("train", {}).get("lr_scaling"),
+        "warmup_steps": exp.get("train", {}).get("warmup_steps"),
     }
 
 
@@ -293,6 +352,17 @@ def verdict(delta: float, se: float, units: int) -> str:
     return "no clear difference" + (" (does not help)" if delta <= 0 else "")
 
 
+def spread_verdict(delta: float, se: float, units: int) -> str:
+    """The batch rung's verdict: "within" when |delta| is at most twice its SE (the ladder's
+    "no clear difference"), else "below" or "above"; "too_few" with fewer than
+    MIN_UNITS_FOR_VERDICT seeds or volumes behind the SE, or none."""
+    if units < MIN_UNITS_FOR_VERDICT or not math.isfinite(se):
+        return "too_few"
+    if abs(delta) <= 2 * se:
+        return "within"
+    return "above" if delta > 0 else "below"
+
+
 # --- the ladder -------------------------------------------------------------------------------
 
 
@@ -347,12 +417,15 @@ class Ladder:
         exp: dict[str, Any],
         claims: Mapping[str, Callable[[Any], bool]],
         init_from: Path | None = None,
+        phases: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """Train `exp` under the ladder's phase (from `phases` when given, else the ladder's
+        table), check its identity's `claims`, and infer the test volumes."""
         weights = pipeline.train(
             self.runner,
             self.data,
             exp,
-            self.phases,
+            phases if phases is not None else self.phases,
             self.phase,
             [],
             self.args.device,
@@ -658,6 +731,243 @@ def rung_record(rung: Rung) -> dict[str, Any]:
     }
 
 
+# --- the batch rung ---------------------------------------------------------------------------
+
+
+def equal_sample_schedules(
+    samples: int, batches: Sequence[int], warmup_steps: int
+) -> dict[int, dict[str, int]]:
+    """Per batch, the steps and warm-up steps that train on `samples` samples. The warm-up is
+    what set_training_budget gives the smallest batch (`warmup_steps`, at most a tenth of its
+    steps) in samples, as whole steps of each batch (at least 1). A batch that does not divide
+    `samples` raises ValueError: the models would not see the same number of samples."""
+    uneven = [b for b in batches if samples % b]
+    if uneven:
+        lcm = math.lcm(*batches)
+        nearest = max(lcm, round(samples / lcm) * lcm)
+        raise ValueError(
+            f"--samples {samples}: not a multiple of batch {uneven[0]}; give a multiple of "
+            f"{lcm}, e.g. --samples {nearest}"
+        )
+    smallest = min(batches)
+    warmup_samples = min(warmup_steps, max(1, samples // smallest // 10)) * smallest
+    return {
+        b: {"steps": samples // b, "warmup_steps": max(1, round(warmup_samples / b))}
+        for b in batches
+    }
+
+
+def batch_phase(
+    phases: Mapping[int, Mapping[str, Any]], run_phase: int, batch: int
+) -> dict[int, dict[str, Any]]:
+    """The phase table with the run's phase at `batch`: every other setting as it is."""
+    table = {k: dict(v) for k, v in phases.items()}
+    table[run_phase] = {**table[run_phase], "batch_size": int(batch)}
+    return table
+
+
+def scaled_lr(train_cfg: Mapping[str, Any], batch: int) -> float:
+    """The learning rate `ctseg train` gives this batch (ctseg.training.recipe.scaled_lr)."""
+    sys.path.insert(0, str(REPO / "workflow"))
+    from ctseg.training.recipe import scaled_lr as ctseg_scaled_lr
+
+    return ctseg_scaled_lr(train_cfg, batch)
+
+
+def batch_claims(batch: int, schedule: Mapping[str, int], rule: str):
+    return {
+        "ema": lambda v: v is None,
+        "batch_size": lambda v: v == batch,
+        "total_steps": lambda v: v == schedule["steps"],
+        "warmup_steps": lambda v: v == schedule["warmup_steps"],
+        "lr_scaling": lambda v: v == rule,
+    }
+
+
+def run_batch_rung(
+    args: argparse.Namespace, workdir: Path, record: dict[str, Any]
+) -> tuple[Ladder, list[Rung]]:
+    """Rung 1's recipe at each batch of --batch-phases, equal samples; returns its rungs."""
+    exp = pipeline.load_experiment(args.experiment or "exp001")
+    exp["name"] = "b0_data"
+    plan = sizes(args, exp["data"]["patch_size"])
+    phases = pipeline.load_phases()
+    for flag, phase in (
+        ("--phase", plan["phase"]),
+        *(("--batch-phases", p) for p in args.batch_phases),
+    ):
+        if phase not in phases:
+            raise SystemExit(f"{flag} {phase}: not in config/phases.yaml")
+    batches = [int(phases[p]["batch_size"]) for p in args.batch_phases]
+    if batches[0] >= batches[1]:
+        raise SystemExit(
+            f"--batch-phases {args.batch_phases[0]} {args.batch_phases[1]}: batch_size "
+            f"{batches[0]} and {batches[1]}; name the smaller batch's phase first"
+        )
+    try:
+        schedules = equal_sample_schedules(
+            plan["samples"], batches, int(exp["train"]["warmup_steps"])
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    rule = args.lr_scaling or exp["train"]["lr_scaling"]
+    exp["train"]["lr_scaling"] = rule
+    val_patches = (4 if args.quick else 20) * batches[0]  # the same validation samples
+    lrs = {b: scaled_lr(exp["train"], b) for b in batches}
+    record.update(
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        plan={**plan, "batches": batches, "schedules": schedules, "lr_scaling": rule, "lr": lrs},
+        volumes={"train": args.records, "test": args.test_records, "size": plan["size"]},
+        preset=args.preset,
+        spread=spread_method(len(plan["seeds"])),
+    )
+    print(
+        f"batch rung on the {args.preset} demo: {args.records}+{args.test_records} volumes of "
+        f"{plan['size']}^3; {plan['samples']} samples a model; phase {plan['phase']}'s settings "
+        f"at batch {batches[0]} (phase {args.batch_phases[0]}'s) and {batches[1]} (phase "
+        f"{args.batch_phases[1]}'s); lr_scaling {rule} from base batch "
+        f"{exp['train']['base_batch_size']}; seeds {plan['seeds']}; work dir {workdir}",
+        flush=True,
+    )
+    runner = Runner(workdir, jobs=max(2, (os.cpu_count() or 2) // 2))
+    record["load_start"] = os.getloadavg()
+    pipeline.set_training_budget(exp, schedules[batches[0]]["steps"], val_batches=1)
+    data = pipeline.prepare(
+        runner,
+        exp,
+        n_train=args.records,
+        n_test=args.test_records,
+        shape=(plan["size"],) * 3,
+        seed=args.data_seed,
+        preset=args.preset,
+    )
+    lad = Ladder(
+        args=args,
+        runner=runner,
+        data=data,
+        base_exp=exp,
+        phases=phases,
+        phase=plan["phase"],
+        seeds=plan["seeds"],
+        steps=schedules[batches[0]]["steps"],
+        finetune_steps=0,
+        finetune_patch=list(exp["data"]["patch_size"]),
+        ema={},
+    )
+    rungs = []
+    record["rungs"] = []
+    try:
+        for number, batch in enumerate(batches, start=1):
+            schedule = schedules[batch]
+            rung = Rung(number, f"batch{batch}", f"batch {batch}, lr {lrs[batch]:.4g}")
+            rung.settings = {**schedule, "batch_size": batch, "lr": lrs[batch]}
+            table = batch_phase(phases, plan["phase"], batch)
+            start = runner.elapsed()
+            for seed in lad.seeds:
+                exp_b = derived(exp, f"b{batch}_s{seed}", seed)
+                pipeline.set_training_budget(
+                    exp_b, schedule["steps"], val_batches=max(1, val_patches // batch)
+                )
+                exp_b["train"]["warmup_steps"] = schedule["warmup_steps"]
+                claims = batch_claims(batch, schedule, rule)
+                lad.train_and_score(rung, seed, exp_b, claims, phases=table)
+                out = data.results / exp_b["name"] / "ev"
+                lad.evaluate(rung, seed, lad.masks_of(exp_b["name"]), out)
+            rung.status, rung.train_steps = "ran", schedule["steps"]
+            rungs.append(rung)
+            took = runner.elapsed() - start
+            print(f"batch {batch}: {schedule['steps']} steps a model ({took:.0f} s)", flush=True)
+            record["rungs"].append({**rung_record(rung), "seconds": round(took, 1)})
+            pipeline.write_json(args.json, record)
+    finally:
+        record["step_seconds"] = {k: round(v, 2) for k, v in runner.seconds.items()}
+        record["total_s"] = round(runner.elapsed(), 1)
+        record["load_end"] = os.getloadavg()
+        record["cpu_s_children"] = round(sum(os.times()[2:4]), 1)
+    return lad, rungs
+
+
+def batch_figures(small: Rung, large: Rung, method: str) -> dict[str, Any]:
+    """Each batch's mean score and terms with their SE, and the paired delta large - small."""
+    fig: dict[str, Any] = {}
+    for rung in (small, large):
+        for term in TERMS:
+            values = unit_values(rung, term, method)
+            fig[f"{rung.key}_{term}"] = float(np.mean(values))
+            fig[f"{rung.key}_{term}_se"] = standard_error(values, method)
+    diff = unit_values(large, "score", method) - unit_values(small, "score", method)
+    fig["delta"] = float(np.mean(diff))
+    fig["delta_se"] = standard_error(diff, method)
+    fig["units"] = len(diff)
+    fig["verdict"] = spread_verdict(fig["delta"], fig["delta_se"], len(diff))
+    return fig
+
+
+VERDICT_WORDS = {
+    "within": "within the spread (|delta| <= 2 SE): the larger batch keeps the score",
+    "below": "below the spread (delta < -2 SE): the larger batch loses score under this rule",
+    "above": "above the spread (delta > 2 SE): the larger batch changes the score under this rule",
+    "too_few": f"too few seeds or volumes to tell (fewer than {MIN_UNITS_FOR_VERDICT})",
+}
+
+
+def report_batch(rungs: Sequence[Rung], method: str, record: dict[str, Any]) -> dict[str, Any]:
+    small, large = rungs
+    fig = batch_figures(small, large, method)
+    plan = record["plan"]
+    unit = "seeds" if method == "seeds" else "test volumes"
+    print(f"\nspread: {method} over {fig['units']} {unit}; delta paired; mean ± SE")
+    print(
+        f"{'batch':>5} {'steps':>6} {'warm-up':>7} {'lr':>8} " + " ".join(f"{t:>13}" for t in TERMS)
+    )
+    for rung in rungs:
+        s = rung.settings
+        cells = " ".join(
+            f"{fig[f'{rung.key}_{t}']:.3f}±{fig[f'{rung.key}_{t}_se']:.3f}".rjust(13) for t in TERMS
+        )
+        print(
+            f"{s['batch_size']:>5} {s['steps']:>6} {s['warmup_steps']:>7} {s['lr']:>8.4g} {cells}"
+        )
+    print(
+        f"delta (batch {plan['batches'][1]} - batch {plan['batches'][0]}): "
+        f"{fig['delta']:+.4f} ± {fig['delta_se']:.4f} under lr_scaling {plan['lr_scaling']}: "
+        f"{VERDICT_WORDS[fig['verdict']]}"
+    )
+    record["figures"] = fig
+    return fig
+
+
+def main_batch(args: argparse.Namespace) -> int:
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ctseg_recipe_batch_"))
+    record: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        _, rungs = run_batch_rung(args, workdir, record)
+    except (StepFailed, ClaimFailed) as exc:
+        print(f"recipe: {exc}", file=sys.stderr)
+        print(f"recipe: work dir kept for inspection: {workdir}", file=sys.stderr)
+        step = getattr(exc, "step", "claim")
+        record["failed_step"] = step
+        pipeline.write_json(args.json, record)
+        print(f"RESULT recipe_batch failed_step={step.replace(' ', ':')}")
+        return 1
+    fig = report_batch(rungs, record["spread"], record)
+    print(
+        f"total {record['total_s']:.0f} s wall, {record['cpu_s_children']:.0f} s CPU (children); "
+        f"load average {record['load_start'][0]:.1f} at start, {record['load_end'][0]:.1f} at end"
+    )
+    pipeline.write_json(args.json, record)
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    plan, (small, large) = record["plan"], rungs
+    print(
+        f"RESULT recipe_batch batches={plan['batches'][0]},{plan['batches'][1]} "
+        f"samples={plan['samples']} lr_scaling={plan['lr_scaling']} "
+        f"score_a={fig[f'{small.key}_score']:.4f} score_b={fig[f'{large.key}_score']:.4f} "
+        f"delta={fig['delta']:.4f} delta_se={fig['delta_se']:.4f} verdict={fig['verdict']}"
+    )
+    return 0
+
+
 # --- main -------------------------------------------------------------------------------------
 
 
@@ -678,6 +988,7 @@ def sizes(args: argparse.Namespace, base_patch: Sequence[int]) -> dict[str, Any]
         "seeds": list(range(args.seeds or (1 if quick else 3))),
         "phase": args.phase if args.phase is not None else (2 if quick else 6),
         "size": args.size or (96 if quick else 128),
+        "samples": args.samples or BATCH_SAMPLES["quick" if quick else "full"],
     }
 
 
@@ -750,6 +1061,8 @@ def run(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> Ladd
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.batch_rung:
+        return main_batch(args)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ctseg_recipe_"))
     record: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:

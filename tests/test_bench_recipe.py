@@ -113,3 +113,78 @@ def test_report_pairs_the_deltas_and_shows_a_skipped_rung(capsys) -> None:
     assert fig["delta_prev_se"] == pytest.approx(0.0, abs=1e-12)
     assert fig["delta_prev_vs"] == 1 and fig["verdict"] == "hurts"
     assert "skipped: train.ema not available" in out and "bootstrap" in out
+
+
+def test_equal_sample_schedules_give_each_batch_the_same_samples() -> None:
+    got = recipe.equal_sample_schedules(640, [4, 16], warmup_steps=5)
+    assert got == {4: {"steps": 160, "warmup_steps": 5}, 16: {"steps": 40, "warmup_steps": 1}}
+    assert {b * s["steps"] for b, s in got.items()} == {640}
+    # A warm-up longer than a tenth of the smallest batch's steps is cut to it, in samples.
+    short = recipe.equal_sample_schedules(320, [4, 16], warmup_steps=50)
+    assert short[4]["warmup_steps"] == 8 and short[16]["warmup_steps"] == 2
+    with pytest.raises(ValueError, match=r"--samples 600: not a multiple of batch 16; .*608"):
+        recipe.equal_sample_schedules(600, [4, 16], warmup_steps=5)
+
+
+def test_spread_verdict_is_within_up_to_twice_the_se() -> None:
+    assert recipe.spread_verdict(-0.019, 0.01, 4) == "within"
+    assert recipe.spread_verdict(0.02, 0.01, 4) == "within"
+    assert recipe.spread_verdict(-0.021, 0.01, 4) == "below"
+    assert recipe.spread_verdict(0.021, 0.01, 4) == "above"
+    assert recipe.spread_verdict(0.0, 0.01, 2) == "too_few"
+    assert recipe.spread_verdict(0.0, float("nan"), 4) == "too_few"
+
+
+def test_batch_phase_changes_only_the_batch_of_the_run_phase() -> None:
+    phases = pipeline.load_phases()
+    table = recipe.batch_phase(phases, 2, 16)
+    assert table[2] == {**phases[2], "batch_size": 16}
+    assert phases[2]["batch_size"] == 2 and table[6] == phases[6]  # the config is left as it was
+
+
+def test_the_default_batch_phases_differ_in_their_maths_only_by_batch() -> None:
+    """The batch rung trains one phase at both batches: that stands for phases 6 and 8 only
+    while the settings that change the maths (as the run identity has them) agree."""
+    from ctseg.training.checkpoint import run_identity
+
+    phases = pipeline.load_phases()
+    small, large = (phases[p] for p in recipe.BATCH_PHASES)
+    assert (small["batch_size"], large["batch_size"]) == (4, 16)
+    exp = pipeline.load_experiment("exp001")
+    maths = [
+        run_identity(exp, p, data={}, total_steps=1, clip_distance=1.0)["phase"]
+        for p in (small, large)
+    ]
+    assert {**maths[0], "batch_size": 16} == maths[1]
+
+
+def test_sqrt_scaling_gives_batch_16_twice_the_lr_of_batch_4() -> None:
+    train = pipeline.load_experiment("exp001")["train"]
+    assert train["lr_scaling"] == "sqrt" and train["base_batch_size"] == 1
+    assert recipe.scaled_lr(train, 16) == pytest.approx(2 * recipe.scaled_lr(train, 4))
+    assert recipe.scaled_lr({**train, "lr_scaling": "linear"}, 16) == pytest.approx(16 * 0.002)
+    assert "sqrt" in recipe.lr_rules() and "linear" in recipe.lr_rules()
+
+
+def test_batch_report_pairs_the_delta_and_gives_the_verdict(capsys) -> None:
+    small = _rung(1, "batch4", [0.40, 0.50, 0.60, 0.45])
+    large = _rung(2, "batch16", [0.37, 0.47, 0.57, 0.42])  # 0.03 lower on every volume
+    for rung, (batch, steps) in zip((small, large), ((4, 160), (16, 40)), strict=True):
+        rung.settings = {"batch_size": batch, "steps": steps, "warmup_steps": 1, "lr": 0.004}
+    record = {"plan": {"batches": [4, 16], "lr_scaling": "sqrt"}}
+    fig = recipe.report_batch([small, large], "bootstrap", record)
+    out = capsys.readouterr().out
+    assert fig["delta"] == pytest.approx(-0.03) and fig["delta_se"] == pytest.approx(0, abs=1e-12)
+    assert fig["verdict"] == "below" and fig["units"] == 4
+    assert fig["batch4_score"] == pytest.approx(0.4875) and record["figures"] is fig
+    assert "delta (batch 16 - batch 4): -0.0300" in out and "below the spread" in out
+    # The same scores a little noisier per volume: the delta is within twice its SE.
+    large.scores[0]["v0"] = {t: 0.46 for t in recipe.TERMS}
+    assert recipe.report_batch([small, large], "bootstrap", record)["verdict"] == "within"
+
+
+def test_batch_rung_has_its_own_figures_file() -> None:
+    assert recipe.parse_args(["--batch-rung"]).json.name == "recipe_batch.json"
+    assert recipe.parse_args([]).json.name == "recipe.json"
+    plan = recipe.sizes(recipe.parse_args(["--quick", "--batch-rung"]), [32, 48, 48])
+    assert plan["samples"] == recipe.BATCH_SAMPLES["quick"] and plan["phase"] == 2
