@@ -46,8 +46,9 @@ def test_a_finished_store_records_its_chunks_and_a_lost_one_is_named(tmp_path):
     values = np.random.default_rng(0).integers(1, 255, SHAPE, dtype=np.uint8)
     store = written(tmp_path / "a.zarr", values)
     record = metadata(store)["attributes"][RECORD]
-    files = [store / "c" / str(z) / str(y) / str(x)
-             for z in range(3) for y in range(3) for x in range(4)]  # fmt: skip, C order
+    # The chunk files in C order, the order of the record's digests.
+    grid = [(z, y, x) for z in range(3) for y in range(3) for x in range(4)]
+    files = [store / "c" / str(z) / str(y) / str(x) for z, y, x in grid]
     sizes = {p.relative_to(store).as_posix(): p.stat().st_size for p in files}
     assert record == {
         "grid": [3, 3, 4],
@@ -341,3 +342,26 @@ def test_record_stores_records_every_array_under_a_directory(tmp_path):
     assert metadata(tmp_path / "t.zarr" / "b")["attributes"][RECORD]["absent"] == [[0, 2]]
     assert RECORD not in metadata(tmp_path / "t.zarr").get("attributes", {})
     assert open_targets(tmp_path / "t.zarr")["b"][...].tolist() == [0, 0, 0, 0]
+
+
+def test_the_loaders_zarr_scratch_reads_are_checked(tmp_path):
+    """The training loader reads a staged zarr copy (`ctseg.layout.open_record`): a chunk
+    damaged there is refused as it is read, naming the copy and staging as the fix."""
+    from ctseg.layout import MASK_PLANES, open_record
+
+    record = tmp_path / "scratch" / "exp" / "v1"
+    values = np.random.default_rng(9).integers(1, 255, SHAPE, dtype=np.uint8)
+    with atomic_path(record / "image.zarr") as tmp:
+        attrs = {"p0_5": 1.0, "p99_5": 254.0}
+        create_volume(tmp, SHAPE, np.uint8, CHUNKS, attributes=attrs)[...] = values
+    with atomic_path(record / "targets.zarr") as tmp:
+        group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+        group.attrs["clip_distance"] = 4
+        for name in (*MASK_PLANES, "sdt"):
+            group.create_array(name, shape=SHAPE, chunks=CHUNKS, dtype=np.uint8, fill_value=0)
+        group.create_array("fg_locations", shape=(0, 3), chunks=(1, 3), dtype=np.int32)
+    scratch = open_record(record, "zarr")
+    np.testing.assert_array_equal(scratch.image[:8], values[:8])
+    flip(record / "image.zarr" / "c" / "2" / "0" / "0", start=0, count=32)
+    with pytest.raises(CtsegError, match=r"image.zarr: chunk c/2/0/0 does not hold the bytes"):
+        open_record(record, "zarr").image[16:, :8, :8]
