@@ -1,0 +1,160 @@
+"""Every benchmark in bench/ at its smallest size (`--smoke`, or the smallest flags it has), end
+to end, so a change of the package that breaks one shows here rather than on a GPU machine;
+and bench/measure.py's report of a failed child. The figures at these sizes say nothing about
+speed: the checks are that each RESULT line is there and each figure is what it claims to be
+(finite, positive where it must be, a fraction in [0, 1], two implementations agreeing).
+
+bench/gpu_check.py, bench/mfu.py and bench/metrics.py run in test_bench_smoke.py,
+bench/recipe.py in test_bench_recipe.py, bench/postprocess_search.py in test_tuning.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import measure  # noqa: E402
+
+
+def run_bench(script: str, *args: str) -> tuple[str, dict[str, str]]:
+    """Run bench/<script> with `args`; its whole stdout and its RESULT line's fields."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = Path(script).stem
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(f"RESULT {name} ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    fields = dict(item.split("=", 1) for item in lines[0].split()[2:])
+    return proc.stdout, fields
+
+
+def positive(fields: dict[str, str], *keys: str) -> None:
+    for key in keys:
+        value = float(fields[key])
+        assert math.isfinite(value) and value > 0, (key, fields)
+
+
+def fraction(fields: dict[str, str], *keys: str) -> None:
+    for key in keys:
+        assert 0 <= float(fields[key]) <= 1, (key, fields)
+
+
+def test_a_failed_child_shows_its_own_error() -> None:
+    """A measurement's child that fails raises with its own last stderr lines, not only its
+    exit status (bench/infer.py's children once failed as "stream child failed with status 1")."""
+    script = "import sys; print('noise', file=sys.stderr); sys.exit('settings: bad budget')"
+    with pytest.raises(measure.ChildFailed) as info:
+        measure.run_child([sys.executable, "-c", script], "stream")
+    message = str(info.value)
+    assert message.startswith("stream child failed with status 1")
+    assert "settings: bad budget" in message and "noise" in message
+    # A child that exits 0 without its figures is a failure too, with its stderr.
+    with pytest.raises(measure.ChildFailed, match="printed no .* line last") as info:
+        measure.run_child([sys.executable, "-c", "import sys; print('x', file=sys.stderr)"], "c")
+    assert str(info.value).endswith("  x")
+    reported = measure.run_child([sys.executable, "-c", "print('{\"seconds\": 0.25}')"], "ok")
+    assert reported["seconds"] == 0.25 and reported["rss_mb"] >= 0
+
+
+@pytest.mark.slow
+def test_ema_bench_at_its_smallest() -> None:
+    _, fields = run_bench(
+        "ema.py", "--model", '{"filters": [4, 8]}', "--updates", "2", "--repeats", "1"
+    )
+    assert fields["model"] == "model" and int(fields["tensors"]) > 0
+    positive(fields, "params_m", "foreach_ms", "mul_add_ms", "loop_ms", "speedup")
+    # The weights stay put, so the average stays equal to them up to rounding.
+    assert 0 <= float(fields["drift"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_ensemble_bench_quick() -> None:
+    _, fields = run_bench("ensemble.py", "--quick")
+    positive(fields, "streamed_peak_growth", "whole_peak_growth", "time_ratio_vs_whole")
+    # Both take the same weighted mean; the whole-volume way's memory grows with z (4x), the
+    # streamed one's less.
+    assert float(fields["max_diff"]) == 0.0
+    assert float(fields["whole_peak_growth"]) > 3
+    assert float(fields["streamed_peak_growth"]) < float(fields["whole_peak_growth"])
+    assert 0 < float(fields["peak_ratio_vs_whole"]) < 1
+
+
+@pytest.mark.slow
+def test_infer_bench_smoke() -> None:
+    """Resident, streamed and the loop baseline, on a U-Net and a 1x1x1 conv. MONAI is a
+    bench-only extra that CI does not install: its comparison is left out, by flag."""
+    out, fields = run_bench("infer.py", "--smoke", "--skip-monai")
+    positive(fields, "speedup_vs_loop", "rss_growth")
+    assert "monai_ratio" not in fields
+    # The three ways compute the same probabilities (to float16 storage).
+    loop = re.search(r"max \|resident - loop\| probability: ([0-9.]+)", out)
+    streamed = re.search(r"max \|resident - streamed\| probability: ([0-9.]+)", out)
+    assert loop and streamed, out[-2000:]
+    assert float(loop.group(1)) < 2e-3 and float(streamed.group(1)) < 2e-3
+
+
+@pytest.mark.slow
+def test_preprocess_bench_smoke() -> None:
+    _, fields = run_bench("preprocess.py", "--smoke", "--workers", "2")
+    positive(
+        fields,
+        "convert_vs_codec",
+        "convert_vs_zarr_write",
+        "precompute_speedup",
+        "precompute_speedup_medial_surface",
+        "precompute_rss_ratio",
+        "rss_growth",
+    )
+
+
+@pytest.mark.slow
+def test_train_bench_smoke() -> None:
+    out, fields = run_bench("train.py", "--smoke")
+    assert fields["best_phase"] in {"0", "1"}
+    assert re.search(r"^phase 0 \[.*samples/s", out, re.MULTILINE)
+    assert re.search(r"^phase 1 \[.*samples/s", out, re.MULTILINE)
+    positive(fields, "speedup_vs_phase0", "feed_efficiency")
+    fraction(fields, "data_wait_fraction")
+
+
+@pytest.mark.slow
+def test_quality_bench_smoke(tmp_path: Path) -> None:
+    figures = tmp_path / "quality.json"
+    _, fields = run_bench("quality.py", "--smoke", "--json", str(figures))
+    fraction(fields, "score", "baseline", "dice")
+    positive(fields, "train_s")
+    assert fields["steps"] == "2"
+    record = json.loads(figures.read_text())
+    assert record["volumes"] == {"train": 2, "test": 1, "size": 32}
+    assert record["filters"] == [4, 8] and record["patch_size"] == [16, 16, 16]
+    assert record["model"]["volumes"] == 1
+    assert record["baseline"]["percentile"] in (80.0, 90.0)
+
+
+@pytest.mark.slow
+def test_postprocess_bench_smoke(tmp_path: Path) -> None:
+    figures = tmp_path / "postprocess.json"
+    _, fields = run_bench(
+        "postprocess.py", "--smoke", "--workers", "1", "--workdir", str(tmp_path / "work"),
+        "--json", str(figures),
+    )  # fmt: skip
+    fraction(fields, "tuned", "default", "baseline")
+    tuned, default, baseline = (float(fields[k]) for k in ("tuned", "default", "baseline"))
+    assert float(fields["tuned_gain"]) == pytest.approx(tuned - default, abs=2e-4)
+    assert float(fields["gap"]) == pytest.approx(tuned - baseline, abs=2e-4)
+    assert float(fields["ratio"]) == pytest.approx(tuned / default, abs=2e-3)
+    record = json.loads(figures.read_text())
+    assert record["tuned"]["candidates"] > 1
+    assert record["volumes"] == {"train": 2, "test": 1, "size": 32}
