@@ -258,9 +258,10 @@ def comparison_row(facts: RunFacts) -> list[str]:
         f"{facts.provenance.scored_split} ({n})",
         verdict,
         *(_spread(facts.scores, column) for column in SCORE_TERMS),
-        fmt(_last(facts.epochs, "val_dice"), 3) if trained else untrained,
+        # A combined run trained nothing of its own: the steps column says so, once.
+        fmt(_last(facts.epochs, "val_dice"), 3) if trained else "n/a",
         fmt(len(steps)) if steps is not None else ("n/a" if trained else untrained),
-        _phase(facts.log) if trained else untrained,
+        _phase(facts.log) if trained else "n/a",
         fmt(steps["samples_per_s"].mean()) if steps is not None else "n/a",
         _total(job_s, facts.hours.job_s, members),
         _total(gpu_s, facts.hours.gpu_s, members, hours_unit(run_devices(facts))),

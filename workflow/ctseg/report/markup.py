@@ -83,15 +83,9 @@ def table(
 NUMBER_CELL = re.compile(r"^(n/a|[-+]?\d[\d.]*(e[-+]?\d+)?\s*[%×]?)(\s*±\s*\d[\d.]*)?(\s*\(.*\))?$")
 
 
-# Where a cell's text may break besides its spaces: after the separators of file paths, names
-# and JSON settings, so that a narrow window wraps them there and never inside a word.
-BREAK_AFTER = re.compile(r"([/_,=:])")
-
-
 def _cell(content: str, is_text: bool, tag: str = "td") -> str:
     klass = ' class="t"' if is_text else ""
-    text = BREAK_AFTER.sub(r"\1<wbr>", esc(content))
-    return f"<{tag}{klass}>{text}</{tag}>"
+    return f"<{tag}{klass}>{esc(content)}</{tag}>"
 
 
 def source_line(names: Iterable[str]) -> str:

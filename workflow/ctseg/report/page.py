@@ -11,6 +11,7 @@ from ctseg.report.markup import Sources, esc
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1500px;
        padding: 0 1em; color: #222; }
+@media (max-width: 1000px) { body { padding: 0 0.4em; } }  /* the tables' room at 900 px */
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; margin-top: 2em; }
 .headline { background: #eef4fb; border: 1px solid #9bb8d8; border-radius: 4px;
             padding: 0.3em 1em; margin: 0.6em 0 1em; }
@@ -18,9 +19,9 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; margin-top: 2em
 .headline .smoke { background: #fbe3c4; padding: 0 4px; font-weight: bold; }
 li.hl-better b:first-child { color: #1c6b2d; } li.hl-worse b:first-child { color: #a33; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 11px; max-width: 100%; }
-/* Cells wrap at spaces (a number's ± band or remark goes below it) and at the <wbr> a text
-   cell has after each / _ , = : (a file path, a run name, a JSON setting), never inside a word
-   or a number: so that every table fits the window from 900 px on and still reads. */
+/* Cells wrap at spaces (a number's ± band or remark goes below it) and after the / of a file
+   path, never inside a word, a name or a number: every table fits the window from 900 px on
+   and still reads. */
 th, td { border: 1px solid #ccc; padding: 2px 3px; text-align: right; }
 th { background: #f0f0f0; vertical-align: bottom; min-width: 2em; }
 .t { text-align: left; } td.t { overflow-wrap: normal; min-width: 3em; }
@@ -70,7 +71,7 @@ window.addEventListener("load", function () {
     document.body.dataset.tablesFirstWide = head ? head.textContent.slice(0, 60) : "";
   }
   // Words broken across lines inside a table cell: a word is letters, digits and points (a
-  // number stays whole); a line may break at a space or after - / _ , = : only.
+  // number stays whole); a line may break at a space, a hyphen or after a slash only.
   var broken = [];
   Array.prototype.forEach.call(document.querySelectorAll("td, th"), function (cell) {
     var walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);

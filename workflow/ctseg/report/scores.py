@@ -20,22 +20,11 @@ from ctseg.report.markup import (
     table,
 )
 
-SCORE_COLUMNS = (
-    "id",
-    "score",
-    "surface_dice",
-    "voi_score",
-    "voi_split",
-    "voi_merge",
-    "voi_total",
-    "topo_score",
-    "topo_f1_0",
-    "topo_f1_1",
-    "topo_f1_2",
-    "topo_method",
-    "dice",
-    "cldice",
-)
+# scores.csv's columns in two tables, so that each fits a 900 px window: the score with its
+# terms and diagnostics, then the parts of the VOI and TopoScore terms.
+SCORE_COLUMNS = ("id", "score", "surface_dice", "voi_score", "topo_score", "topo_method")
+SCORE_COLUMNS += ("dice", "cldice")
+PART_COLUMNS = ("id", "voi_split", "voi_merge", "voi_total", "topo_f1_0", "topo_f1_1", "topo_f1_2")
 
 
 def evaluation_section(evaluation_dir: Path | None, src: Sources) -> str:
@@ -84,10 +73,12 @@ def _means_block(summary: Mapping[str, Any]) -> str:
 
 
 def _scores_table(scores: pd.DataFrame) -> str:
-    columns = [c for c in SCORE_COLUMNS if c in scores.columns]
-    extra = [c for c in scores.columns if c not in SCORE_COLUMNS]
-    rows = [[fmt(row[c], 4) for c in columns] for row in records(scores)]
-    note = ""
+    shown = ""
+    for names in (SCORE_COLUMNS, PART_COLUMNS):
+        columns = [c for c in names if c in scores.columns]
+        if len(columns) > 1:
+            shown += table(columns, [[fmt(row[c], 4) for c in columns] for row in records(scores)])
+    extra = [c for c in scores.columns if c not in SCORE_COLUMNS + PART_COLUMNS]
     if extra:
-        note = f"<p class='note'>Also in the file, not shown: {esc(', '.join(extra))}.</p>"
-    return table(columns, rows) + note
+        shown += f"<p class='note'>Also in the file, not shown: {esc(', '.join(extra))}.</p>"
+    return shown
