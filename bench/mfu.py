@@ -1,53 +1,58 @@
-"""MFU sweep: the starting point's model at phase 6's settings on one GPU, variant by variant.
+"""MFU sweep: the starting point's model under the shipped compiled phases, then variants of the
+fastest, each measured on one GPU and told apart by what its step spends time on.
 
-    python bench/mfu.py                  # one CUDA GPU; < 12 min on an H200, compilation included
+    python bench/mfu.py                  # one CUDA GPU; about 5 min on an H200, compiling included
     python bench/mfu.py --cpu-smoke      # end to end at toy size on the CPU (CI runs this)
 
-It crosses
-- patch: exp001_full's 72x136x136 (computed at 80x144x144: 19.7% of the FLOPs padding) and the
-  unpadded patch of the same cost, 80x144x144 (exp001_full_unpadded's);
-- norm: ``instance`` (nn.InstanceNorm3d) and ``instance_layout`` (the same maths in the
-  tensor's own memory format, ctseg.network.model.LayoutInstanceNorm3d);
-- memory format: channels_last_3d and contiguous;
-- batch: 4, 8, 16, while memory allows (a batch is skipped once the one before it ran out of
-  memory, or its estimate from the one before it exceeds the card);
-everything else is exp001_full's model, losses and recipe under phase 6 (config/phases.yaml:
-bf16 autocast, torch.compile). The model is built, stepped and measured by the package itself:
-`ctseg.training.train.setup` builds the run (model, optimizer, schedule, losses, counted FLOPs
-and peak) and `ctseg.training.train.train_step` runs each optimizer step on device-resident
-batches (`ctseg.training.feeds.ResidentBatches`: the compute ceiling, no loader, as a trial's
-ceiling run; phase 6's data wait is 0.3% of its step), and `ctseg.trials.kernel_profile`
-profiles the last steps.
+Variants (`VARIANTS`), in the order they run:
+- the shipped phases first, each compiled as config/phases.yaml ships it: phase 6 on exp001_full
+  (the baseline: its 72x136x136 patch is computed at 80x144x144), phase 8 (phase 6 at batch 16)
+  on exp001_full_unpadded (80x144x144, nothing padded: the README's GPU command), phase 7
+  (CUDA graphs) on exp001_full;
+- then one change to phase 8 at a time: CUDA graphs (compile mode reduce-overhead, possible once
+  nothing in the step reads the device), torch's ``nn.InstanceNorm3d`` instead of the
+  layout-keeping norm, the contiguous layout, and exp001_full's padded patch.
+Everything else is the experiment's model, losses and recipe as shipped (filters 32-512, deep
+supervision, all five loss terms). The package builds, compiles and steps the run itself:
+`ctseg.training.train.setup` and `compile_step`, and `train_step` on device-resident batches
+(`ctseg.training.feeds.ResidentBatches`: the compute ceiling, no loader).
 
 Per variant it prints and writes (``--json``, rewritten after every variant, so a cut run keeps
-what it measured): samples/s, useful voxels/s (samples/s x the patch's own voxels), TFLOP/s
-(computed FLOPs), MFU on the computed and on the useful FLOPs (ctseg.network.flops), peak VRAM,
-the first step's seconds (compilation) and the five largest kernel classes with their share of
-the profiled step. The last line is
+what it measured): samples/s and useful voxels/s (samples/s x the patch's own voxels) over
+``--steps`` steps timed as a block (one synchronisation at the end, as training reads the device
+once every log_every steps), TFLOP/s, MFU on the computed and the useful FLOPs
+(ctseg.network.flops), peak VRAM, the first step's seconds (compilation), the profiled step's
+kernel classes (ctseg.trials.kernel_profile: the five largest, the idle and copy shares, the
+largest copy kernels by name), and two counts, made on any device:
 
-    RESULT mfu best=<variant> useful_voxels_per_s=<x> useful_mfu=<x> samples_per_s=<x>
-        baseline_useful_voxels_per_s=<x> speedup_vs_baseline=<x> variants_ok=<k>/<n> total_s=<x>
+- ``layout_copies``: operators in one eager step (forward, losses, backward, optimizer) that
+  write a 5D tensor in another memory format than their inputs'
+  (`ctseg.training.probes.count_layout_changes`); eager, because a compiled graph's operators
+  are not visible one by one (its copies are in the kernel classes);
+- ``host_syncs``: reads of a tensor's value by the host (``item``, ``float``, ``tolist``, ...)
+  and ``torch.cuda.synchronize`` calls per step, over steps between two logged ones
+  (`ctseg.training.probes.count_host_syncs`).
 
-(one line) where the baseline is phase 6 as shipped: 72x136x136, instance, channels_last, batch
-4. The variants run in an order that puts the informative ones first; ``--budget-s`` (660 s)
-stops starting new ones, so the sweep ends inside 12 minutes with what it has.
+The last line is
 
-Compilation: one torch.compile per (patch, norm, memory format), its batch dimension dynamic
-(``torch._dynamo.mark_dynamic``), so the three batches share it: 8 compilations instead of 24.
-``--static-shapes`` compiles every variant afresh with static shapes, as phase 6 itself does
-(fairer, 3x the compilation).
+    RESULT mfu best=<v> useful_voxels_per_s=<x> useful_mfu=<x> samples_per_s=<x>
+        layout_copies=<n> host_syncs=<x> idle=<x> copies=<x> best_shipped=<v>
+        best_shipped_useful_voxels_per_s=<x> best_shipped_layout_copies=<n>
+        best_shipped_host_syncs=<x> baseline_useful_voxels_per_s=<x> speedup_vs_baseline=<x>
+        variants_ok=<k>/<n> total_s=<x>
+
+(one line): the best variant, the best shipped phase, and the baseline (phase 6 as shipped).
+``--budget-s`` (280 s) starts no variant that the slowest so far would carry past it, so the
+sweep ends inside 5 minutes on an H200 with what it has.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import itertools
 import json
 import math
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -55,50 +60,71 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-PHASE = 6
-PATCHES = {"padded": [72, 136, 136], "unpadded": [80, 144, 144]}
-NORMS = ("instance", "instance_layout")
-LAYOUTS = ("channels_last", "contiguous")
-BATCHES = (4, 8, 16)
-# The order the groups run in: phase 6 as shipped first (the baseline), then one change at a
-# time, the contiguous layout (expected slower) last.
-GROUPS = (
-    ("padded", "instance", "channels_last"),
-    ("unpadded", "instance", "channels_last"),
-    ("unpadded", "instance_layout", "channels_last"),
-    ("padded", "instance_layout", "channels_last"),
-    ("unpadded", "instance_layout", "contiguous"),
-    ("unpadded", "instance", "contiguous"),
-    ("padded", "instance", "contiguous"),
-    ("padded", "instance_layout", "contiguous"),
+BASELINE = "phase6"
+# name, experiment, phase and the settings it changes (model.norm, or phase keys).
+VARIANTS: tuple[dict[str, Any], ...] = (
+    {"name": "phase6", "experiment": "exp001_full", "phase": 6},
+    {"name": "phase8", "experiment": "exp001_full_unpadded", "phase": 8},
+    {"name": "phase7", "experiment": "exp001_full", "phase": 7},
+    {
+        "name": "phase8+cudagraphs",
+        "experiment": "exp001_full_unpadded",
+        "phase": 8,
+        "phase_changes": {"compile_mode": "reduce-overhead"},
+    },
+    {
+        "name": "phase8/norm=instance",
+        "experiment": "exp001_full_unpadded",
+        "phase": 8,
+        "norm": "instance",
+    },
+    {
+        "name": "phase8/contiguous",
+        "experiment": "exp001_full_unpadded",
+        "phase": 8,
+        "phase_changes": {"channels_last": False},
+    },
+    {"name": "phase8/exp001_full", "experiment": "exp001_full", "phase": 8},
 )
-BUDGET_S = 660  # no variant starts after this: the sweep's promise is 12 minutes on an H200
-MEMORY_MARGIN = 0.9  # a batch whose estimate exceeds this share of the card is not tried
-# --cpu-smoke: exp001_full's five levels at a sixteenth of the width, toy patches (12x24x24 is
-# computed at 16x32x32), batches 1 and 2, eager (compiling 8 groups on 2 cores takes minutes).
-SMOKE_PATCHES = {"padded": [12, 24, 24], "unpadded": [16, 32, 32]}
-SMOKE_BATCHES = (1, 2)
+SHIPPED = ("phase6", "phase8", "phase7")
+BUDGET_S = 280  # the sweep's promise is 5 minutes on an H200, compilation included
+# --cpu-smoke: the experiments' five levels at a sixteenth of the width, toy patches of the same
+# kind (12x24x24 is computed at 16x32x32 as 72x136x136 is at 80x144x144), an eighth of the batch,
+# eager (inductor on 2 cores takes minutes per variant).
+SMOKE_PATCHES = {"exp001_full": [12, 24, 24], "exp001_full_unpadded": [16, 32, 32]}
+TOP_CLASSES = 5
 
 
-def load_yaml(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
+def experiment(name: str, cpu_smoke: bool) -> dict[str, Any]:
+    """The shipped experiment, its defaults filled and its ``extends`` resolved."""
+    from ctseg.config import load_experiment, thaw
 
-
-def experiment(cpu_smoke: bool) -> dict:
-    """exp001_full as its file has it (the shipped files list every key)."""
-    exp = load_yaml(REPO / "config/experiments/exp001_full.yaml")
+    exp = thaw(load_experiment(REPO / "config/experiments" / f"{name}.yaml"))
     if cpu_smoke:
         exp["model"]["filters"] = [f // 16 for f in exp["model"]["filters"]]
+        exp["data"]["patch_size"] = list(SMOKE_PATCHES[name])
     return exp
 
 
-def variant_name(patch: str, norm: str, layout: str, batch: int) -> str:
-    return f"{patch}/{norm}/{layout}/b{batch}"
+def shipped_phase(number: int) -> dict[str, Any]:
+    from ctseg.config import load_phases
+
+    return dict(load_phases(REPO / "config/phases.yaml")[number])
+
+
+def variant_settings(spec: dict[str, Any], cpu_smoke: bool) -> tuple[dict, dict]:
+    """The experiment and phase a variant runs: the shipped ones with its changes."""
+    exp = experiment(spec["experiment"], cpu_smoke)
+    if "norm" in spec:
+        exp["model"]["norm"] = spec["norm"]
+    phase = {**shipped_phase(spec["phase"]), **spec.get("phase_changes", {})}
+    if cpu_smoke:
+        phase = {**phase, "compile": False, "batch_size": max(1, phase["batch_size"] // 8)}
+    return exp, phase
 
 
 def synthetic_batch(
@@ -133,71 +159,96 @@ def build_run(exp: dict, phase: dict, dev: torch.device, workdir: Path) -> Any:
     return setup(exp, phase, Ranks(), dev, {}, 8.0, 10**6, workdir, None)
 
 
-def _compile(run: Any, phase: dict, cache: dict, group: tuple, static: bool) -> None:
-    """The step model, compiled as phase 6 compiles it. Variants of one group share dynamo's
-    cache (compiled code takes the module's parameters as inputs and the batch dimension is
-    dynamic), so only the group's first variant compiles; a new group, or ``static``, starts
-    from an empty cache."""
-    if not phase.get("compile"):
-        return
-    if static or cache.get("group") != group:
-        torch._dynamo.reset()
-        cache["group"] = group
-    run.step_model = torch.compile(run.model, mode=phase.get("compile_mode"))
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def measure_variant(
-    exp: dict, phase: dict, dev: torch.device, spec: dict, args: argparse.Namespace, cache: dict
+    spec: dict[str, Any], dev: torch.device, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One variant: warm-up (compilation), measured steps, profiled steps; its figures."""
+    """One variant: an eager step with its layout changes counted, compilation as the phase
+    ships it, warm-up, timed steps, steps with their host reads counted, profiled steps."""
     from ctseg.training.feeds import ResidentBatches
-    from ctseg.training.train import train_step
+    from ctseg.training.probes import count_host_syncs, count_layout_changes
+    from ctseg.training.train import compile_step, train_step
     from ctseg.trials.kernel_profile import PROFILE_WARMUP, profiled_steps
 
-    exp = copy.deepcopy(exp)
-    exp["model"]["norm"] = spec["norm"]
-    exp["data"]["patch_size"] = list(spec["patch"])
-    phase = {**phase, "batch_size": spec["batch"], "channels_last": spec["layout"] != "contiguous"}
+    exp, phase = variant_settings(spec, args.cpu_smoke)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+    torch._dynamo.reset()
     run = build_run(exp, phase, dev, Path(args.workdir))
-    group = (spec["patch_name"], spec["norm"], spec["layout"])
-    _compile(run, phase, cache, group, args.static_shapes)
-    batch = synthetic_batch(spec["batch"], spec["patch"], dev)
-    batch["image"] = batch["image"].contiguous(memory_format=run.memory_format)
-    if phase.get("compile") and not args.static_shapes:
-        torch._dynamo.mark_dynamic(batch["image"], 0)
+    batch = synthetic_batch(phase["batch_size"], exp["data"]["patch_size"], dev)
     batches = iter(ResidentBatches(iter([(batch, 0.0, 0.0)]), run.micro_steps))
     run.model.train()
+    with count_layout_changes() as changes:
+        train_step(run, batches)  # eager: every operator is seen
+    if phase.get("compile"):
+        compile_step(run)
     t0 = time.perf_counter()
     train_step(run, batches)
+    synchronize(dev)
     first_step_s = time.perf_counter() - t0
     for _ in range(args.warmup - 1):
         train_step(run, batches)
-    step_s = [train_step(run, batches)["step_s"] for _ in range(args.steps)]
+    synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        train_step(run, batches)
+    synchronize(dev)
+    step_s = (time.perf_counter() - t0) / args.steps
+    with count_host_syncs() as reads:
+        for _ in range(args.sync_steps):
+            train_step(run, batches)
+    synchronize(dev)
     with profiled_steps(0, args.profile_steps, dev.type, phase) as profile:
         for _ in range(PROFILE_WARMUP + args.profile_steps):
             train_step(run, batches)
-    return figures(run, spec, step_s, first_step_s, dict(profile), dev)
+    return figures(
+        run, exp, phase, spec, step_s, first_step_s, dict(profile), dev,
+        layout_copies=sum(changes.values()),
+        layout_detail=dict(changes.most_common(8)),
+        host_syncs=sum(reads.values()) / args.sync_steps,
+    )  # fmt: skip
 
 
 def figures(
-    run: Any, spec: dict, step_s: list[float], first_step_s: float, profile: dict, dev: torch.device
+    run: Any,
+    exp: dict,
+    phase: dict,
+    spec: dict,
+    step_s: float,
+    first_step_s: float,
+    profile: dict,
+    dev: torch.device,
+    **counts: Any,
 ) -> dict[str, Any]:
     """samples/s, useful voxels/s, TFLOP/s, both MFUs (ctseg.network.flops.Efficiency), peak
-    VRAM and the five largest kernel classes."""
+    VRAM, the kernel classes and the counts."""
     eff = run.efficiency
-    median = statistics.median(step_s)
-    sps = spec["batch"] / median
-    classes = (profile.get("classes") or {}).items()
-    top = sorted(classes, key=lambda kv: -(kv[1].get("fraction") or 0.0))[:5]
+    sps = phase["batch_size"] / step_s
+    classes = profile.get("classes") or {}
+    top = sorted(classes.items(), key=lambda kv: -(kv[1].get("fraction") or 0.0))[:TOP_CLASSES]
+
+    def share(name: str) -> float | None:
+        return (classes.get(name) or {}).get("fraction")
+
     return {
-        **{k: v for k, v in spec.items() if k != "patch_name"},
+        "name": spec["name"],
+        "experiment": spec["experiment"],
+        "phase": spec["phase"],
+        "patch": list(exp["data"]["patch_size"]),
+        "norm": exp["model"]["norm"],
+        "batch": phase["batch_size"],
+        "channels_last": phase["channels_last"],
+        "compile": phase["compile"],
+        "compile_mode": phase.get("compile_mode"),
         "status": "ok",
-        "median_step_s": median,
+        "step_s": step_s,
         "samples_per_s": sps,
-        "useful_voxels_per_s": sps * math.prod(spec["patch"]),
+        "useful_voxels_per_s": sps * math.prod(exp["data"]["patch_size"]),
         "computed_patch": list(eff.flops.computed_patch),
         "padding_share": eff.flops.padding_share,
         "tflops": eff.tflops(sps),
@@ -209,59 +260,36 @@ def figures(
         else None,
         "first_step_s": first_step_s,
         "top_kernel_classes": [[name, value.get("fraction")] for name, value in top],
+        "idle": share("idle"),
+        "copies": share("copies"),
+        "copy_kernels": (profile.get("kernels") or {}).get("copies", []),
         "conv3d_backend": profile.get("conv3d_backend"),
         "profile_error": profile.get("error"),
+        **counts,
     }
-
-
-def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
-    patches = SMOKE_PATCHES if args.cpu_smoke else PATCHES
-    batches = args.batches or (SMOKE_BATCHES if args.cpu_smoke else BATCHES)
-    return [
-        {
-            "name": variant_name(p, n, layout, b),
-            "patch_name": p,
-            "patch": patches[p],
-            "norm": n,
-            "layout": layout,
-            "batch": b,
-        }
-        for (p, n, layout), b in itertools.product(GROUPS, batches)
-    ]
-
-
-def too_big(spec: dict, done: list[dict], dev: torch.device) -> str | None:
-    """Why this batch is not tried: its group ran out of memory at a smaller batch, or the
-    group's largest measured peak, scaled to this batch, exceeds the card."""
-    group = [
-        r
-        for r in done
-        if (r["patch"], r["norm"], r["layout"]) == (spec["patch"], spec["norm"], spec["layout"])
-    ]
-    if any(r["status"] == "oom" for r in group):
-        return "a smaller batch ran out of memory"
-    measured = [r for r in group if r["status"] == "ok" and r.get("peak_vram_gb")]
-    if dev.type != "cuda" or not measured:
-        return None
-    last = max(measured, key=lambda r: r["batch"])
-    estimate = last["peak_vram_gb"] * spec["batch"] / last["batch"]
-    total = torch.cuda.get_device_properties(dev).total_memory / 2**30
-    if estimate > MEMORY_MARGIN * total:
-        return f"estimated {estimate:.0f} GiB of {total:.0f}"
-    return None
 
 
 def describe(r: dict) -> str:
     if r["status"] != "ok":
-        return f"{r['name']:<42} {r['status']}: {r.get('reason', '')}"
+        return f"{r['name']:<22} {r['status']}: {r.get('reason', '')}"
     vram = "-" if r["peak_vram_gb"] is None else f"{r['peak_vram_gb']:.1f} GB"
     top = ", ".join(f"{name} {100 * (share or 0):.0f}%" for name, share in r["top_kernel_classes"])
-    return (
-        f"{r['name']:<42} {r['samples_per_s']:8.2f} samples/s  "
+    lines = [
+        f"{r['name']:<22} {r['samples_per_s']:8.2f} samples/s  "
         f"{r['useful_voxels_per_s'] / 1e6:8.2f} M useful voxels/s  {r['tflops']:7.2f} TFLOP/s  "
         f"MFU {100 * r['mfu']:.1f}% (useful {100 * r['useful_mfu']:.1f}%)  VRAM {vram}  "
-        f"first step {r['first_step_s']:.1f} s  [{top}]"
-    )
+        f"first step {r['first_step_s']:.1f} s  layout_copies={r['layout_copies']} "
+        f"host_syncs={r['host_syncs']:g}  idle={_pct(r['idle'])} copies={_pct(r['copies'])}  "
+        f"[{top}]"
+    ]
+    lines += [f"{'':<22}   copy kernel {share:.1%} of the step: {name}" for name, share in
+              r["copy_kernels"]]  # fmt: skip
+    lines += [f"{'':<22}   layout change x{n}: {what}" for what, n in r["layout_detail"].items()]
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def result_line(results: list[dict], total_s: float) -> str:
@@ -269,27 +297,50 @@ def result_line(results: list[dict], total_s: float) -> str:
     if not ok:
         return f"RESULT mfu best=none variants_ok=0/{len(results)} total_s={total_s:.0f}"
     best = max(ok, key=lambda r: r["useful_voxels_per_s"])
-    base = next((r for r in ok if r["name"] == results[0]["name"]), None)
+    shipped = [r for r in ok if r["name"] in SHIPPED]
+    best_shipped = max(shipped, key=lambda r: r["useful_voxels_per_s"]) if shipped else None
+    base = next((r for r in ok if r["name"] == BASELINE), None)
     base_v = base["useful_voxels_per_s"] if base else float("nan")
-    return (
-        f"RESULT mfu best={best['name']} useful_voxels_per_s={best['useful_voxels_per_s']:.4g} "
-        f"useful_mfu={best['useful_mfu']:.4f} samples_per_s={best['samples_per_s']:.4g} "
-        f"baseline_useful_voxels_per_s={base_v:.4g} "
-        f"speedup_vs_baseline={best['useful_voxels_per_s'] / base_v:.3f} "
-        f"variants_ok={len(ok)}/{len(results)} total_s={total_s:.0f}"
+    fields = {
+        "best": best["name"],
+        "useful_voxels_per_s": f"{best['useful_voxels_per_s']:.4g}",
+        "useful_mfu": f"{best['useful_mfu']:.4f}",
+        "samples_per_s": f"{best['samples_per_s']:.4g}",
+        "layout_copies": best["layout_copies"],
+        "host_syncs": f"{best['host_syncs']:g}",
+        "idle": _fraction(best["idle"]),
+        "copies": _fraction(best["copies"]),
+        "best_shipped": best_shipped["name"] if best_shipped else "none",
+    }
+    if best_shipped:
+        fields.update(
+            best_shipped_useful_voxels_per_s=f"{best_shipped['useful_voxels_per_s']:.4g}",
+            best_shipped_layout_copies=best_shipped["layout_copies"],
+            best_shipped_host_syncs=f"{best_shipped['host_syncs']:g}",
+        )
+    fields.update(
+        baseline_useful_voxels_per_s=f"{base_v:.4g}",
+        speedup_vs_baseline=f"{best['useful_voxels_per_s'] / base_v:.3f}",
+        variants_ok=f"{len(ok)}/{len(results)}",
+        total_s=f"{total_s:.0f}",
     )
+    return "RESULT mfu " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _fraction(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.3f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="toy sizes, eager, on the CPU")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--batches", type=int, nargs="+", default=None)
-    parser.add_argument("--warmup", type=int, default=None, help="steps before the measured ones")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per variant")
+    parser.add_argument("--variants", nargs="+", default=None, help="names (default: all)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before the timed ones")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant")
+    parser.add_argument("--sync-steps", type=int, default=2, help="steps with reads counted")
     parser.add_argument("--profile-steps", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=BUDGET_S)
-    parser.add_argument("--static-shapes", action="store_true")
     parser.add_argument("--json", type=Path, default=REPO / "results/bench/mfu.json")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -297,7 +348,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.warmup = max(1, args.warmup or (1 if smoke else 3))
     args.steps = args.steps or (2 if smoke else 10)
     args.profile_steps = args.profile_steps or (1 if smoke else 3)
+    known = [v["name"] for v in VARIANTS]
+    unknown = sorted(set(args.variants or ()) - set(known))
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; known: {known}")
     return args
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [v for v in VARIANTS if args.variants is None or v["name"] in args.variants]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,25 +365,22 @@ def main(argv: list[str] | None = None) -> int:
     from ctseg.training.distributed import pick_device
 
     dev = pick_device("cpu" if args.cpu_smoke else args.device)
-    phase = load_yaml(REPO / "config/phases.yaml")["phases"][PHASE]
-    if args.cpu_smoke:
-        phase = {**phase, "compile": False}
-    exp = experiment(args.cpu_smoke)
     record: dict[str, Any] = {
         "machine": f"{platform.machine()}, "
         f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'no GPU'}",
+        "torch": torch.__version__,
         "backend": conv_backend(dev, torch.bfloat16),
-        "phase": phase,
-        "model": exp["model"],
         "variants": [],
     }
     print(f"machine: {record['machine']}, torch {torch.__version__}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    start, cache = time.perf_counter(), {}
+    start, slowest = time.perf_counter(), 0.0
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         args.workdir = tmp
         for spec in plan(args):
-            result = run_one(exp, phase, dev, spec, args, cache, record["variants"], start)
+            began = time.perf_counter()
+            result = run_one(spec, dev, args, began - start + slowest)
+            slowest = max(slowest, time.perf_counter() - began)
             record["variants"].append(result)
             args.json.write_text(json.dumps(record, indent=1, default=str))
             print(describe(result), flush=True)
@@ -332,28 +388,18 @@ def main(argv: list[str] | None = None) -> int:
     record["result"] = line
     args.json.write_text(json.dumps(record, indent=1, default=str))
     print(line)
-    return 0 if line.split()[2] != "best=none" else 1
+    return 0 if " best=none " not in f"{line} " else 1
 
 
 def run_one(
-    exp: dict,
-    phase: dict,
-    dev: torch.device,
-    spec: dict,
-    args: argparse.Namespace,
-    cache: dict,
-    done: list[dict],
-    start: float,
+    spec: dict[str, Any], dev: torch.device, args: argparse.Namespace, expected_end_s: float
 ) -> dict[str, Any]:
-    """One variant's record: measured, or why not (budget, memory, out of memory, failure)."""
-    base = {k: v for k, v in spec.items() if k != "patch_name"}
-    if time.perf_counter() - start > args.budget_s:
+    """One variant's record: measured, or why not (budget, out of memory, failure)."""
+    base = {"name": spec["name"], "experiment": spec["experiment"], "phase": spec["phase"]}
+    if expected_end_s > args.budget_s:
         return {**base, "status": "skipped", "reason": f"time budget {args.budget_s:.0f} s"}
-    reason = too_big(spec, done, dev)
-    if reason:
-        return {**base, "status": "skipped", "reason": reason}
     try:
-        return measure_variant(exp, phase, dev, spec, args, cache)
+        return measure_variant(spec, dev, args)
     except torch.cuda.OutOfMemoryError as exc:
         return {**base, "status": "oom", "reason": str(exc).splitlines()[0]}
     except Exception as exc:  # noqa: BLE001 - one failed variant must not end the sweep

@@ -218,26 +218,40 @@ def test_metrics_bench_prints_pruned_and_unpruned_searches_that_agree() -> None:
     assert float(fields["tune_over_score_40"]) == pytest.approx(ratio, rel=0.01)
 
 
-def test_mfu_sweep_crosses_patch_norm_layout_and_batch_with_phase_6_first():
+def test_mfu_sweep_runs_the_shipped_compiled_phases_first_as_shipped():
+    """Phase 6 (the baseline) first, then phase 8 on the unpadded experiment and phase 7, each
+    exactly as config/phases.yaml ships it; then one change to phase 8 at a time."""
     specs = mfu.plan(mfu.parse_args([]))
-    assert len(specs) == 2 * 2 * 2 * 3 == len({s["name"] for s in specs})
-    assert {tuple(s["patch"]) for s in specs} == {(72, 136, 136), (80, 144, 144)}
-    assert {s["norm"] for s in specs} == {"instance", "instance_layout"}
-    assert {s["layout"] for s in specs} == {"channels_last", "contiguous"}
-    assert {s["batch"] for s in specs} == {4, 8, 16}
-    # The baseline (phase 6 as shipped) runs first, so a cut sweep always has it.
-    assert specs[0]["name"] == "padded/instance/channels_last/b4"
-    phase6 = yaml.safe_load((REPO / "config/phases.yaml").read_text())["phases"][6]
-    assert phase6["batch_size"] == 4 and phase6["channels_last"] and phase6["compile"]
-    assert mfu.experiment(False)["model"]["norm"] == "instance"  # exp001_full's model
+    names = [s["name"] for s in specs]
+    assert names[:3] == ["phase6", "phase8", "phase7"] == list(mfu.SHIPPED)
+    assert len(set(names)) == len(names)
+    shipped = yaml.safe_load((REPO / "config/phases.yaml").read_text())["phases"]
+    for spec in specs[:3]:
+        exp, phase = mfu.variant_settings(spec, cpu_smoke=False)
+        assert phase == {**mfu.shipped_phase(spec["phase"])}
+        assert {k: phase[k] for k in shipped[spec["phase"]]} == shipped[spec["phase"]]
+        assert exp["model"]["norm"] == "instance_layout"  # the shipped default
+    exp6, phase6 = mfu.variant_settings(specs[0], cpu_smoke=False)
+    exp8, phase8 = mfu.variant_settings(specs[1], cpu_smoke=False)
+    assert exp6["data"]["patch_size"] == [72, 136, 136] and phase6["batch_size"] == 4
+    assert exp8["data"]["patch_size"] == [80, 144, 144] and phase8["batch_size"] == 16
+    graphs = next(s for s in specs if s["name"] == "phase8+cudagraphs")
+    assert mfu.variant_settings(graphs, False)[1]["compile_mode"] == "reduce-overhead"
+    torch_norm = next(s for s in specs if s["name"] == "phase8/norm=instance")
+    assert mfu.variant_settings(torch_norm, False)[0]["model"]["norm"] == "instance"
 
 
-def test_mfu_cpu_smoke_runs_the_sweep_end_to_end(tmp_path: Path) -> None:
-    """bench/mfu.py --cpu-smoke at one batch: every (patch, norm, layout) group trains through
-    the package's own setup and step, is profiled, and lands in the figures file."""
+def test_mfu_cpu_smoke_counts_no_layout_copy_and_no_host_sync_in_the_shipped_phases(
+    tmp_path: Path,
+) -> None:
+    """bench/mfu.py --cpu-smoke over the shipped phases and torch's instance norm: each trains
+    through the package's own setup and step, is profiled, and lands in the figures file; the
+    best variant and the best shipped phase change no tensor's layout and read nothing back
+    to the host between logged steps, while nn.InstanceNorm3d's copies are counted."""
     out = tmp_path / "mfu.json"
+    variants = ["phase6", "phase8", "phase7", "phase8/norm=instance"]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench/mfu.py"), "--cpu-smoke", "--batches", "1"]
+        [sys.executable, str(REPO / "bench/mfu.py"), "--cpu-smoke", "--variants", *variants]
         + ["--steps", "1", "--profile-steps", "1", "--json", str(out)],
         capture_output=True,
         text=True,
@@ -247,15 +261,25 @@ def test_mfu_cpu_smoke_runs_the_sweep_end_to_end(tmp_path: Path) -> None:
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT mfu best="), proc.stdout[-2000:]
     fields = dict(item.split("=", 1) for item in last.split()[2:])
-    assert fields["variants_ok"] == "8/8" and float(fields["useful_voxels_per_s"]) > 0
+    assert fields["variants_ok"] == "4/4" and float(fields["useful_voxels_per_s"]) > 0
     record = json.loads(out.read_text())
-    assert record["result"] == last and len(record["variants"]) == 8
+    assert record["result"] == last and len(record["variants"]) == 4
+    by_name = {r["name"]: r for r in record["variants"]}
+    shipped = [by_name[n] for n in mfu.SHIPPED]
+    assert fields["best_shipped"] == max(shipped, key=lambda r: r["useful_voxels_per_s"])["name"]
+    assert int(fields["best_shipped_layout_copies"]) <= 1
+    assert float(fields["best_shipped_host_syncs"]) == 0
+    for r in shipped:
+        assert r["layout_copies"] <= 1 and r["host_syncs"] == 0, r
+    assert by_name["phase8/norm=instance"]["layout_copies"] > 1  # the counter sees copies
     best = max(record["variants"], key=lambda r: r["useful_voxels_per_s"])
     assert fields["best"] == best["name"]
+    assert int(fields["layout_copies"]) == best["layout_copies"]
     for r in record["variants"]:
         assert r["status"] == "ok", r
         assert r["samples_per_s"] > 0 and r["tflops"] > 0 and r["peak"]["source"] == "measured"
         assert len(r["top_kernel_classes"]) == 5 and r["profile_error"] is None
+        assert 0 <= r["idle"] <= 1 and 0 <= r["copies"] <= 1
         padded = r["patch"] == [12, 24, 24]
         assert r["computed_patch"] == [16, 32, 32]
         assert (r["padding_share"] > 0) == padded
@@ -264,28 +288,30 @@ def test_mfu_cpu_smoke_runs_the_sweep_end_to_end(tmp_path: Path) -> None:
         assert r["useful_mfu"] == pytest.approx(r["mfu"] * (1 - r["padding_share"]))
 
 
-def test_mfu_sweep_skips_what_the_budget_or_the_memory_leaves_out():
-    spec = {"patch": [8, 8, 8], "norm": "instance", "layout": "channels_last", "batch": 8}
-    oom = [{**spec, "batch": 4, "status": "oom"}]
-    assert mfu.too_big(spec, oom, torch.device("cpu")) == "a smaller batch ran out of memory"
-    assert mfu.too_big(spec, [], torch.device("cpu")) is None
-    results = [
-        {
-            "name": "a",
+def test_mfu_result_line_names_the_best_the_best_shipped_and_the_baseline():
+    def ok(name: str, voxels: float, copies: int) -> dict:
+        return {
+            "name": name,
             "status": "ok",
-            "useful_voxels_per_s": 2e6,
+            "useful_voxels_per_s": voxels,
             "useful_mfu": 0.1,
             "samples_per_s": 4.0,
-        },
-        {
-            "name": "b",
-            "status": "ok",
-            "useful_voxels_per_s": 3e6,
-            "useful_mfu": 0.15,
-            "samples_per_s": 5.0,
-        },
-        {"name": "c", "status": "skipped", "reason": "time budget 660 s"},
+            "layout_copies": copies,
+            "host_syncs": 0.0,
+            "idle": 0.05,
+            "copies": 0.02,
+        }
+
+    results = [
+        ok("phase6", 2e6, 0),
+        ok("phase8", 3e6, 1),
+        ok("phase8/norm=instance", 4e6, 22),
+        {"name": "phase7", "status": "skipped", "reason": "time budget 280 s"},
     ]
     line = mfu.result_line(results, 12.0)
-    assert line.startswith("RESULT mfu best=b useful_voxels_per_s=3e+06 ")
-    assert "baseline_useful_voxels_per_s=2e+06 speedup_vs_baseline=1.500 variants_ok=2/3" in line
+    assert line.startswith("RESULT mfu best=phase8/norm=instance useful_voxels_per_s=4e+06 ")
+    assert " layout_copies=22 host_syncs=0 idle=0.050 copies=0.020 best_shipped=phase8 " in line
+    assert "best_shipped_useful_voxels_per_s=3e+06 best_shipped_layout_copies=1 " in line
+    assert "baseline_useful_voxels_per_s=2e+06 speedup_vs_baseline=2.000 variants_ok=3/4" in line
+    args = mfu.parse_args([])
+    assert mfu.run_one(mfu.VARIANTS[0], torch.device("cpu"), args, 1e9)["status"] == "skipped"

@@ -435,3 +435,14 @@ def test_model_deep_supervision_outputs_fit_the_loss_on_an_odd_patch():
     total.backward()
     assert set(terms) == set(TERMS)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_bce_written_out_equals_torch_bce_with_logits_at_large_logits():
+    """bce_term's softplus form against F.binary_cross_entropy_with_logits, logits to +-80."""
+    batch = make_batch()
+    valid = batch["ignore"] == 0
+    t = (batch["label"] == 1).float()
+    logits = torch.randn(SHAPE, generator=torch.Generator().manual_seed(9)) * 40
+    got = term_values(logits, batch, pos_weight=2.5)["bce"]
+    bce = F.binary_cross_entropy_with_logits(logits[valid], t[valid], pos_weight=torch.tensor(2.5))
+    assert got == pytest.approx(float(bce), rel=1e-5)

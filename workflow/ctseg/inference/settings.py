@@ -45,6 +45,8 @@ class InferenceSettings:
     tta_flips: bool = False
     # bf16 autocast of the forward; None: on CUDA only (`use_amp`).
     amp: bool | None = None
+    # The weights in channels_last_3d during inference; None: on CUDA only (`memory_format`).
+    channels_last: bool | None = None
     # Host memory for the z-slabs of a streamed volume.
     memory_budget_mb: float = 512
     # Hold a volume whose working set fits whole on the device (0: never): about 0.4 GB for a
@@ -87,6 +89,13 @@ class InferenceSettings:
     def use_amp(self, device: torch.device) -> bool:
         """bf16 autocast: as asked, or on CUDA only (CPUs without bf16 units get slower)."""
         return device.type == "cuda" if self.amp is None else bool(self.amp)
+
+    def memory_format(self, device: torch.device) -> torch.memory_format:
+        """channels_last_3d as asked, or on CUDA only (where cuDNN's 3D convolutions gain)."""
+        import torch  # not for the CLI's parser
+
+        wanted = device.type == "cuda" if self.channels_last is None else bool(self.channels_last)
+        return torch.channels_last_3d if wanted else torch.contiguous_format
 
     def device_budget_bytes(self) -> float:
         return self.device_budget_mb * 2**20

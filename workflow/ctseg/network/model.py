@@ -95,13 +95,52 @@ def _choice(name: str, value: str, allowed: Sequence[str]) -> str:
     return value
 
 
+_SPATIAL = (2, 3, 4)
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision inputs (as torch's own norms), the input's dtype above it."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _LayoutInstanceNormFunction(torch.autograd.Function):
+    """Instance norm with an affine transform, forward and backward written as reductions over
+    the spatial axes and element-wise ops on tensors of the input's own layout. Autograd's
+    backward of the forward's `var_mean` would divide an expanded (stride-0) gradient and so
+    write a full-size contiguous tensor for every norm of a channels_last network; this one
+    writes nothing in another layout. Statistics and gradients are computed in float32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):  # noqa: ANN001, ANN205 - autograd's signature
+        xf = x.to(_stats_dtype(x))  # keeps the layout; a no-op for float32
+        var, mean = torch.var_mean(xf, dim=_SPATIAL, keepdim=True, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, mean, rstd, weight)
+        scale = rstd * weight.to(xf.dtype).view(1, -1, 1, 1, 1)
+        return ((xf - mean) * scale + bias.to(xf.dtype).view(1, -1, 1, 1, 1)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, mean, rstd, weight = ctx.saved_tensors
+        grad = grad.to(mean.dtype)
+        normalised = (x.to(mean.dtype) - mean) * rstd
+        grad_weight = (grad * normalised).sum(dim=(0, *_SPATIAL))
+        grad_bias = grad.sum(dim=(0, *_SPATIAL))
+        g = grad * weight.to(mean.dtype).view(1, -1, 1, 1, 1)
+        g_mean = g.mean(dim=_SPATIAL, keepdim=True)
+        gn_mean = (g * normalised).mean(dim=_SPATIAL, keepdim=True)
+        grad_x = ((g - g_mean - normalised * gn_mean) * rstd).to(x.dtype)
+        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None
+
+
 class LayoutInstanceNorm3d(nn.Module):
     """Instance normalisation with an affine transform, as ``nn.InstanceNorm3d(c, affine=True)``
     computes it (biased variance, eps 1e-5, statistics in float32, output in the input's dtype),
-    written as a reduction over the spatial axes and element-wise ops. Every op keeps the
-    input's memory format, so a channels_last_3d input gives a channels_last_3d output with no
-    copy, and torch.compile fuses the lot (with the activation after it). Parameters ``weight``
-    and ``bias`` (shape (C,)), as nn.InstanceNorm3d's: checkpoints load either way."""
+    written as a reduction over the spatial axes and element-wise ops, forward and backward
+    (`_LayoutInstanceNormFunction`). Every op keeps the input's memory format, so a
+    channels_last_3d input gives a channels_last_3d output and gradient with no copy, and
+    torch.compile fuses the lot (with the activation after it). Parameters ``weight`` and
+    ``bias`` (shape (C,)), as nn.InstanceNorm3d's: checkpoints load either way."""
 
     def __init__(self, num_features: int, eps: float = INSTANCE_NORM_EPS) -> None:
         super().__init__()
@@ -116,10 +155,7 @@ class LayoutInstanceNorm3d(nn.Module):
             raise CtsegError(
                 f"input of shape {tuple(x.shape)}: expected (B, {self.num_features}, Z, Y, X)"
             )
-        xf = x.float()  # keeps the layout; a no-op for float32
-        var, mean = torch.var_mean(xf, dim=(2, 3, 4), keepdim=True, correction=0)
-        scale = torch.rsqrt(var + self.eps) * self.weight.float().view(1, -1, 1, 1, 1)
-        return ((xf - mean) * scale + self.bias.float().view(1, -1, 1, 1, 1)).to(x.dtype)
+        return _LayoutInstanceNormFunction.apply(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, affine=True"

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ctseg.layout import staged_clip_distance
 from ctseg.network.backend import announce_start, run_record
 from ctseg.network.flops import Efficiency
 from ctseg.network.losses import compute_losses, loss_settings
 from ctseg.network.model import build_model, parameter_digest
+from ctseg.progress import Progress
 from ctseg.run_settings import write_run_settings
 from ctseg.summaries import step_columns
 from ctseg.training import recipe
@@ -113,7 +113,9 @@ def train(
         open_logs(run)
         run.live = open_live_view(out_dir, run.log_dir, resumed, main=ranks.main, trial=run.trial)
         hide = not progress or not ranks.main
-        bar = tqdm(total=run.total_steps, initial=run.step, disable=hide, unit="step", desc="train")
+        bar = Progress(
+            total=run.total_steps, initial=run.step, disable=hide, unit="step", desc="train"
+        )
         run.model.train()
         first = True
         while run.step < run.total_steps:
@@ -169,7 +171,7 @@ def setup(
         load_source(model, source)
     model = model.to(dev, memory_format=layout)
     lr = recipe.scaled_lr(tcfg, effective_batch)
-    optimizer = recipe.build_optimizer(model, tcfg, lr, fused=recipe.fused_optimizer(phase, dev))
+    optimizer = recipe.build_optimizer(model, tcfg, lr, fused=recipe.fused_optimizer(phase))
     losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
     return Run(
         exp=exp,
@@ -291,7 +293,7 @@ def _device_event() -> torch.cuda.Event:
     return event
 
 
-def log_step(run: Run, numbers: dict[str, Any], bar: tqdm | None) -> None:
+def log_step(run: Run, numbers: dict[str, Any], bar: Progress | None) -> None:
     """One steps.csv row for the step of all ranks together (see `ctseg.training.distributed`),
     its device values still pending; every `log_every` steps `materialise` reads the pending
     values at once, rank 0 appends the rows so far to steps.csv and prints one line."""

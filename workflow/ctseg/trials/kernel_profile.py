@@ -20,7 +20,8 @@ element-wise and activation (the rest), and idle:
 - on a CPU the classes are operators' own (self) CPU time, and idle is the step's time outside
   any operator (Python and the loop's bookkeeping).
 
-Fractions are of the profiled wall time. The summary names the largest class and the knob it
+Fractions are of the profiled wall time; on CUDA the largest kernels of each class are named
+(``kernels``). The summary names the largest class and the knob it
 suggests, given the phase's settings, and which library ran the 3D convolutions
 (``conv3d_backend``: cudnn, native, mixed, from the operator and kernel names;
 `ctseg.network.backend`).
@@ -28,6 +29,7 @@ suggests, given the phase's settings, and which library ran the 3D convolutions
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -39,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ctseg.network.backend import backend_of
 
 PROFILE_STEPS = 3
+TOP_KERNELS = 3  # the largest kernels named per class (on CUDA), with their share of the step
 PROFILE_WARMUP = 1  # the profiler's own warm-up step (its overhead is not representative)
 CLASSES = (
     "conv forward",
@@ -119,6 +122,7 @@ def summarise(
     end = max(e.time_range.end for e in marks)
     wall_us = sum(e.time_range.end - e.time_range.start for e in marks)
     totals = dict.fromkeys(CLASSES, 0.0)
+    by_kernel: collections.Counter = collections.Counter()  # (class, kernel name): device us
     cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
     if device_type == "cuda":
         # Device activity, less the GPU-side mirrors of record_function ranges (user
@@ -128,7 +132,7 @@ def summarise(
             for e in events
             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
         ]
-        _device_classes(device, cpu_events, events, totals)
+        _device_classes(device, cpu_events, events, totals, by_kernel)
         spans = sorted((max(e.time_range.start, start), min(e.time_range.end, end)) for e in device)
         busy, reach = 0.0, start
         for lo, hi in spans:
@@ -151,6 +155,10 @@ def summarise(
         for label, us in totals.items()
     }
     largest = max(CLASSES, key=lambda label: totals[label])
+    kernels: dict[str, list] = {}
+    for (label, name), us in by_kernel.most_common():
+        if len(kernels.setdefault(label, [])) < TOP_KERNELS:
+            kernels[label].append([name, us / wall_us if wall_us else None])
     return {
         "device_type": device_type,
         "conv3d_backend": backend_of(e.name for e in events) if device_type == "cuda" else None,
@@ -160,11 +168,16 @@ def summarise(
         "classes": classes,
         "largest": largest,
         "next_knob": knob(largest, device_type, settings or {}),
+        "kernels": kernels,
     }
 
 
 def _device_classes(
-    device: list[Any], cpu_events: list[Any], events: list[Any], totals: dict[str, float]
+    device: list[Any],
+    cpu_events: list[Any],
+    events: list[Any],
+    totals: dict[str, float],
+    by_kernel: collections.Counter,
 ) -> None:
     """Each device event's time into its class. A device event names the correlation id of
     the operator that launched it (`linked_correlation_id`); a torch without that attribute
@@ -180,7 +193,9 @@ def _device_classes(
         for kernel in device:
             launcher = launchers.get(kernel.linked_correlation_id)
             chain = _chain(launcher) if launcher is not None else []
-            totals[_kernel_class(kernel.name, chain)] += kernel.time_range.elapsed_us()
+            label = _kernel_class(kernel.name, chain)
+            totals[label] += kernel.time_range.elapsed_us()
+            by_kernel[label, kernel.name] += kernel.time_range.elapsed_us()
         return
     annotations = {
         e.name
@@ -191,7 +206,9 @@ def _device_classes(
         chain = _chain(event) if event.kernels else []
         for kernel in event.kernels:
             if kernel.name not in annotations:
-                totals[_kernel_class(kernel.name, chain)] += kernel.duration
+                label = _kernel_class(kernel.name, chain)
+                totals[label] += kernel.duration
+                by_kernel[label, kernel.name] += kernel.duration
 
 
 def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
