@@ -160,12 +160,13 @@ rule dataset_summary:
     conda:
         "../../environment.yml"
     params:
+        store=STORE,
         patch=lambda wildcards: " ".join(
             map(str, experiment(wildcards.exp)["data"]["patch_size"])
         ),
     shell:
         "python -m ctseg.dataset_summary --run {wildcards.exp} --split {input.split:q} "
-        "--store {STORE:q} --patch {params.patch} --out {output:q} 2>&1 | tee {log:q}"
+        "--store {params.store:q} --patch {params.patch} --out {output:q} 2>&1 | tee {log:q}"
 
 
 # Before any job runs (not in a dry run): for each training this invocation runs, the line of a
