@@ -347,10 +347,9 @@ def has_row(html: str, *start: str) -> bool:
 
 
 def section(page: str, anchor: str) -> str:
-    """The section's HTML, without the <wbr> line-break hints of table cells."""
     start = page.index(f'id="{anchor}"')
     end = page.find("<h2", start)
-    return page[start : end if end > 0 else len(page)].replace("<wbr>", "")
+    return page[start : end if end > 0 else len(page)]
 
 
 def phase_column(phases: str, phase: str) -> list[str]:

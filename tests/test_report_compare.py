@@ -245,10 +245,9 @@ def table_rows(html: str) -> list[list[str]]:
 
 
 def block(page: str, anchor: str, until: str = "<h2") -> str:
-    """The block's HTML, without the <wbr> line-break hints of table cells."""
     start = page.index(f'id="{anchor}"')
     end = page.find(until, start + 1)
-    return page[start : end if end > 0 else len(page)].replace("<wbr>", "")
+    return page[start : end if end > 0 else len(page)]
 
 
 def comparison(page: str) -> dict[str, dict[str, str]]:
