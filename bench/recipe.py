@@ -91,9 +91,6 @@ FIXED_THRESHOLD = 0.5
 CPU_RESENC = {"block": "residual", "blocks_per_stage": [1, 2, 3, 3], "decoder_convs": 1}
 # The batch rung: phase 6's batch against phase 8's (phase 6 at batch 16).
 BATCH_PHASES = (6, 8)
-# Training samples a model: the GPU size is 500 steps of batch 4 (the ladder's); the CPU size
-# 160 steps of 4 against 40 of 16, as much as fits about 25 minutes of 2 loaded cores.
-BATCH_SAMPLES = {"full": 2000, "quick": 640}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -145,8 +142,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--samples",
         type=int,
         default=None,
-        help=f"training samples a model in the batch rung ({BATCH_SAMPLES['full']}; "
-        f"quick {BATCH_SAMPLES['quick']}); a multiple of both batches",
+        help="training samples a model in the batch rung, a multiple of both batches (default: "
+        "a ladder model's, --steps x the phase's batch, rounded up to one: 2000; quick 304)",
     )
     parser.add_argument(
         "--lr-scaling",
@@ -757,6 +754,13 @@ def equal_sample_schedules(
     }
 
 
+def ladder_samples(steps: int, run_batch: int, batches: Sequence[int]) -> int:
+    """The batch rung's default samples a model: a ladder model's (`steps` at the run phase's
+    batch), rounded up to a multiple of every batch compared."""
+    lcm = math.lcm(*batches)
+    return math.ceil(steps * run_batch / lcm) * lcm
+
+
 def batch_phase(
     phases: Mapping[int, Mapping[str, Any]], run_phase: int, batch: int
 ) -> dict[int, dict[str, Any]]:
@@ -804,6 +808,8 @@ def run_batch_rung(
             f"--batch-phases {args.batch_phases[0]} {args.batch_phases[1]}: batch_size "
             f"{batches[0]} and {batches[1]}; name the smaller batch's phase first"
         )
+    run_batch = int(phases[plan["phase"]]["batch_size"])
+    plan["samples"] = args.samples or ladder_samples(plan["steps"], run_batch, batches)
     try:
         schedules = equal_sample_schedules(
             plan["samples"], batches, int(exp["train"]["warmup_steps"])
@@ -988,7 +994,6 @@ def sizes(args: argparse.Namespace, base_patch: Sequence[int]) -> dict[str, Any]
         "seeds": list(range(args.seeds or (1 if quick else 3))),
         "phase": args.phase if args.phase is not None else (2 if quick else 6),
         "size": args.size or (96 if quick else 128),
-        "samples": args.samples or BATCH_SAMPLES["quick" if quick else "full"],
     }
 
 

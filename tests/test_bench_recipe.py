@@ -186,5 +186,7 @@ def test_batch_report_pairs_the_delta_and_gives_the_verdict(capsys) -> None:
 def test_batch_rung_has_its_own_figures_file() -> None:
     assert recipe.parse_args(["--batch-rung"]).json.name == "recipe_batch.json"
     assert recipe.parse_args([]).json.name == "recipe.json"
-    plan = recipe.sizes(recipe.parse_args(["--quick", "--batch-rung"]), [32, 48, 48])
-    assert plan["samples"] == recipe.BATCH_SAMPLES["quick"] and plan["phase"] == 2
+    # By default a ladder model's samples, rounded up to a multiple of both batches: quick,
+    # 150 steps of phase 2's batch 2 (300 -> 304); full size, 500 of phase 6's 4 (2000).
+    assert recipe.ladder_samples(150, 2, [4, 16]) == 304
+    assert recipe.ladder_samples(500, 4, [4, 16]) == 2000
