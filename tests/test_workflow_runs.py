@@ -297,6 +297,23 @@ def test_a_run_trained_under_auto_is_kept_under_a_fixed_phase(tmp_path: Path) ->
     # Back to auto, whose trial chose phase 2: nothing to do, nothing to say.
     back = run_snakemake(work, "-n", "train", "--config", "experiment=tiny2", "phase=auto")
     assert planned_rules(back) == set() and "ctseg: tiny2" not in planned(back)
+    # Forced under phase 0, it retrains from step 0 as the console says, its finished
+    # checkpoints (at their last step) set aside rather than resumed.
+    forced = planned(
+        run_snakemake(work, "train", "--forcerun", "train_model", "--config", "experiment=tiny2")
+    )
+    assert (
+        "ctseg: tiny2: retrains from step 0 under phase 0 (--forcerun): its last.pt was trained "
+        "under phase 2" in forced
+    )
+    assert "keeps its last.pt" not in forced
+    assert "ctseg: tiny2: its finished checkpoints are set aside in results/tiny2/checkpoints/" in (
+        forced
+    )
+    assert "ctseg: tiny2: training of " in forced  # the plan's estimate
+    log = (work / "results" / "logs" / "train" / "tiny2.log").read_text()
+    assert '"resume": "fresh"' in log and "resumed at" not in log
+    assert weights.stat().st_mtime_ns != trained
 
 
 def test_a_run_trained_under_a_fixed_phase_is_kept_under_auto(tmp_path: Path) -> None:
