@@ -338,3 +338,32 @@ def test_the_headline_is_at_the_top_of_the_screenshot_at_900_and_1400_px(
             assert line in dom, (width, run)
         widths = table_widths(facts, out)
         assert widths["tables_wide"] == widths["words_broken"] == 0, (width, widths)
+
+
+# --------------------------------------------------------------------------- dataset summary
+def test_a_trained_run_shows_the_dataset_summary_written_before_training(tmp_path: Path) -> None:
+    """The summary as ctseg.dataset_summary writes it, shown for the experiment and its fold."""
+    from ctseg.dataset_summary import summarise, write_summary
+    from ctseg.report.dataset import dataset_section
+
+    parts = {"a": "train", "b": "val", "c": "test"}
+    images = {
+        "a": {"shape": [64, 96, 96], "dtype": "uint8", "p0_5": 3.0, "p99_5": 201.0},
+        "b": {"shape": [20, 96, 96], "dtype": "uint8", "p0_5": 5.0, "p99_5": 190.0},
+        "c": {"shape": [64, 96, 96], "dtype": "uint16", "p0_5": 7.0, "p99_5": 4000.0},
+    }
+    labels = {i: {"label_counts": {"0": 900, "1": 36, "2": 64}} for i in ("a", "b")}
+    summary = summarise(parts, images, labels, patch=[32, 48, 48])
+    results = tmp_path / "results"
+    write_summary(summary, results / "exp" / "dataset_summary.json")
+    for run in ("exp", "exp.fold1"):  # a fold shows its experiment's summary
+        (results / run).mkdir(exist_ok=True)
+        html = dataset_section(results / run, Sources(tmp_path))
+        rows = {r[0]: r[1:] for r in phase_table_rows(html)}
+        assert rows["a"] == ["train", "64×96×96", "uint8", "3.00", "201", "3.6%", "6.4%", "no"]
+        assert rows["b"][-1] == "yes"  # 20 slices under the patch's 32
+        assert rows["c"][-3:] == ["n/a", "n/a", "no"]  # a test volume without a label
+        assert "3 volumes (1 train, 1 val, 1 test); training patch 32×48×48" in html
+        assert "1 volume(s) smaller than the patch" in text(html)
+        assert "results/exp/dataset_summary.json" in html
+    assert "Dataset summary: not found" in dataset_section(results / "other", Sources(tmp_path))

@@ -330,6 +330,7 @@ def report_inputs(run):
             f"{run_dir(run)}/train/epochs.csv",
             f"{run_dir(run)}/train/settings.json",
             *trial_summaries(run),
+            *[summary for summary in [dataset_summary_file(run)] if summary],
         ]
     return inputs
 

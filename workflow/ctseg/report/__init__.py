@@ -15,13 +15,15 @@ value) onto ``<body data-images-ok data-images-total>``, so a headless browser's
 ``--dump-dom`` can prove the images render (tests/browser_check.py).
 
 Several runs (`build_runs_report`: experiments, folds and ensembles, each a directory
-results/<run>/, see `runs`) share one page: a comparison table with every run's loss curves
-(`compare`), every run's settings side by side (`settings`), the same slice of each volume for
-every run (`overlays`), then each run's own
-sections (phases, training, evaluation, provenance, post-processing, timings), and the shared
-(preprocessing) timings. `build_report` is one run's page from its files named one by one.
+results/<run>/, see `runs`) share one page: a headline of each run's score against its baseline
+(`headline`), a comparison table with every run's loss curves (`compare`), every run's settings
+side by side (`settings`), the same slice of each volume for every run (`overlays`), then each
+run's own sections (dataset, phases, training, evaluation, provenance, post-processing,
+timings), and the shared (preprocessing) timings. `build_report` is one run's page from its
+files named one by one.
 
-One module per section: `phases`, `training`, `settings`, `scores` (evaluation), `provenance` (which
+One module per section: `dataset` (the run's volumes, as `ctseg.dataset_summary` recorded them
+before training), `phases`, `training`, `settings`, `scores` (evaluation), `provenance` (which
 volumes a score comes from and whether anything was fitted on them), `postprocess`,
 `overlays`, `timings`, `compare`, `headline`; `runs` finds a run's files, `markup` holds the
 shared HTML pieces, `page` the page around them and `build` puts a page together.

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ctseg.io import CtsegError, atomic_path
 from ctseg.report.compare import RunFacts, comparison_section, members_block, read_run
+from ctseg.report.dataset import dataset_section
 from ctseg.report.headline import headline_section
 from ctseg.report.markup import Sources, esc
 from ctseg.report.overlays import Overlay, Volume, overlay_section, runs_overlay_section
@@ -73,6 +74,7 @@ def _run_sections(run: Run, src: Sources, facts: RunFacts | None = None) -> str:
     parts = []
     if run.trained:
         parts += [
+            dataset_section(run.directory, src),
             phase_section(list(run.phase_summaries), src),
             training_section(run.train_dir, src),
         ]
