@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -25,12 +26,16 @@ import measure  # noqa: E402
 
 
 def run_bench(script: str, *args: str) -> tuple[str, dict[str, str]]:
-    """Run bench/<script> with `args`; its whole stdout and its RESULT line's fields."""
+    """Run bench/<script> with `args`; its whole stdout and its RESULT line's fields.
+
+    One OpenMP thread per process: at these sizes torch's threads only wait for each other,
+    and on a loaded machine their spinning made bench/infer.py's smoke run 3x the CPU time."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / script), *args],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = Path(script).stem
