@@ -69,7 +69,7 @@ def main() -> None:
             seconds = time.perf_counter() - start
             rows[name] = (best, len(candidates), seconds, space.max_candidates())
             print(
-                f"{name}: {seconds:.1f} s, {len(candidates)} of at most {space.max_candidates()}"
+                f"{name}: {seconds:.3g} s, {len(candidates)} of at most {space.max_candidates()}"
                 f" candidates, chosen {best.settings.label()}, score {best.mean():.4f}"
             )
     probs16 = probs.astype(np.float16)
@@ -89,11 +89,11 @@ def main() -> None:
         start = time.perf_counter()
         _, counts = binary_mask(probs16, settings)
         seconds = time.perf_counter() - start
-        print(f"  binary_mask {settings.label()}: {seconds:.2f} s {counts}")
+        print(f"  binary_mask {settings.label()}: {seconds:.3g} s {counts}")
     (old_best, old_n, old_s, _), (new_best, new_n, new_s, _) = rows["old"], rows["new"]
     print(
-        f"RESULT postprocess_search size={args.size} old_s={old_s:.1f} new_s={new_s:.1f} "
-        f"ratio={new_s / old_s:.2f} old_candidates={old_n} new_candidates={new_n} "
+        f"RESULT postprocess_search size={args.size} old_s={old_s:.3g} new_s={new_s:.3g} "
+        f"ratio={new_s / old_s:.3g} old_candidates={old_n} new_candidates={new_n} "
         f"old_score={old_best.mean():.4f} new_score={new_best.mean():.4f} "
         f"gain={new_best.mean() - old_best.mean():.4f}"
     )
