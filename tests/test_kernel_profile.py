@@ -136,6 +136,21 @@ def test_classes_from_operator_and_kernel_names(names, expected):
         ("triton_per_fused_native_group_norm_2", ["CompiledFunction"], "normalisation"),
         ("Memcpy DtoD (Device -> Device)", ["CompiledFunction"], "copies"),
         ("multi_tensor_apply_kernel", ["Optimizer.step#AdamW.step"], "optimizer"),
+        # Inductor's kernels that convert dtypes while they compute are no copies (H200,
+        # phase 8: 13% of the step was filed under copies for the "_to_copy" in their names).
+        (
+            "triton_red_fused__to_copy_mean_mul_sub_sum_view_17",
+            ["CompiledFunction"],
+            "element-wise",
+        ),
+        ("triton_poi_fused__to_copy_3", ["CompiledFunction"], "copies"),
+        ("triton_poi_fused_clone_2", ["CompiledFunction"], "copies"),
+        # cuDNN's backward converting grad_output to the weights' layout: a copy.
+        (
+            "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>",
+            ["aten::copy_", "aten::_to_copy", "aten::to", "aten::convolution_backward"],
+            "copies",
+        ),
     ],
 )
 def test_device_kernels_are_classed_by_operator_or_own_name(kernel, chain, expected):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -96,13 +97,23 @@ def classify(names: Sequence[str], *, compiled: bool = True) -> str:
     return "element-wise"
 
 
+def _fused_compute(kernel: str) -> str:
+    """An inductor kernel's name less its dtype conversions (``_to_copy``) when it fuses other
+    operators too: ``triton_red_fused__to_copy_mean_mul_sub_sum_view_17`` computes a norm's
+    reduction, converting bf16 to float32 on the way, and is no copy; a kernel that fuses
+    nothing else (``triton_poi_fused__to_copy_3``) keeps its name and stays one."""
+    rest = re.sub(r"_?_to_copy", "", kernel)
+    fused = re.sub(r"^triton_[a-z]+_fused|_\d+$", "", rest).replace("view", "").strip("_")
+    return rest if fused else kernel
+
+
 def _kernel_class(kernel: str, chain: list[str]) -> str:
     """A device kernel's class. Inductor's kernels are named for the operators they fuse, and a
     kernel replayed from a CUDA graph has only the compiled region above it: for those the
     kernel's own name decides (cuDNN's fprop/dgrad/wgrad, memcpy, ...); otherwise the operator
     that launched it (a transposed convolution's forward runs a dgrad kernel)."""
     if kernel.lower().startswith("triton"):
-        return classify([kernel])
+        return classify([_fused_compute(kernel)])
     by_operator = classify(chain, compiled=False)
     return by_operator if by_operator != "element-wise" else classify([kernel], compiled=False)
 
@@ -195,7 +206,7 @@ def _device_classes(
             chain = _chain(launcher) if launcher is not None else []
             label = _kernel_class(kernel.name, chain)
             totals[label] += kernel.time_range.elapsed_us()
-            by_kernel[label, kernel.name] += kernel.time_range.elapsed_us()
+            by_kernel[label, _named(kernel.name, chain)] += kernel.time_range.elapsed_us()
         return
     annotations = {
         e.name
@@ -208,7 +219,14 @@ def _device_classes(
             if kernel.name not in annotations:
                 label = _kernel_class(kernel.name, chain)
                 totals[label] += kernel.duration
-                by_kernel[label, kernel.name] += kernel.duration
+                by_kernel[label, _named(kernel.name, chain)] += kernel.duration
+
+
+def _named(kernel: str, chain: Sequence[str]) -> str:
+    """A kernel's name cut to its first 120 characters, with the operators that launched it
+    (innermost first): what to look for when a class is larger than it should be."""
+    launched_by = " < ".join(chain[:4])
+    return f"{kernel[:120]} [{launched_by}]" if launched_by else kernel[:120]
 
 
 def knob(largest: str, device_type: str, settings: Mapping[str, Any]) -> str:
