@@ -14,7 +14,7 @@ Variants (`VARIANTS`), in the order they run:
   layout-keeping norm, the contiguous layout, and exp001_full's padded patch.
 Everything else is the experiment's model, losses and recipe as shipped (filters 32-512, deep
 supervision, all five loss terms). The package builds, compiles and steps the run itself:
-`ctseg.training.train.setup` and `compile_step`, and `train_step` on device-resident batches
+`ctseg.training.train.setup` and `Run.compile_step`, and `train_step` on device-resident batches
 (`ctseg.training.feeds.ResidentBatches`: the compute ceiling, no loader).
 
 Per variant it prints and writes (``--json``, rewritten after every variant, so a cut run keeps
@@ -171,7 +171,7 @@ def measure_variant(
     ships it, warm-up, timed steps, steps with their host reads counted, profiled steps."""
     from ctseg.training.feeds import ResidentBatches
     from ctseg.training.probes import count_host_syncs, count_layout_changes
-    from ctseg.training.train import compile_step, train_step
+    from ctseg.training.train import train_step
     from ctseg.trials.kernel_profile import PROFILE_WARMUP, profiled_steps
 
     exp, phase = variant_settings(spec, args.cpu_smoke)
@@ -186,7 +186,7 @@ def measure_variant(
     with count_layout_changes() as changes:
         train_step(run, batches)  # eager: every operator is seen
     if phase.get("compile"):
-        compile_step(run)
+        run.compile_step()
     t0 = time.perf_counter()
     train_step(run, batches)
     synchronize(dev)

@@ -20,7 +20,8 @@ from ctseg.network.model import build_model
 from ctseg.training.distributed import Ranks
 from ctseg.training.feeds import ResidentBatches
 from ctseg.training.probes import count_host_syncs, count_layout_changes, layout_of
-from ctseg.training.train import log_step, materialise, setup, train_step
+from ctseg.training.step_values import materialise
+from ctseg.training.train import log_step, setup, train_step
 
 PATCH = [16, 16, 16]
 READS = ("item", "tolist", "__float__", "__int__", "__bool__")

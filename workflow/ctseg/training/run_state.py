@@ -34,7 +34,7 @@ from ctseg.training.checkpoint import (
 )
 from ctseg.training.distributed import Ranks
 from ctseg.training.ema import WeightAverage
-from ctseg.training.probes import GpuMonitor
+from ctseg.training.probes import GpuMonitor, host_rss_bytes
 from ctseg.training.stopping import Stopping
 
 
@@ -64,7 +64,7 @@ class Run:
     trial: bool  # max_steps given: a phase trial, without validation or checkpoints
     identity: dict[str, Any]  # see ctseg.training.checkpoint.run_identity
     out_dir: Path
-    log_dir: Path  # state_dir where there is one (see ctseg.training.train.open_logs)
+    log_dir: Path  # state_dir where there is one (see Run.open_logs)
     resume_path: Path | None
     gpu: GpuMonitor
     efficiency: Efficiency  # counted FLOPs per sample and the device's peak: steps.csv's MFU
@@ -78,7 +78,7 @@ class Run:
     epochs_log: list[dict[str, Any]] = field(default_factory=list)  # rows not yet on disk
     peak_rss_mb: float = 0.0
     # Steps logged whose device values (loss, terms, gradient norm, step time) are not read yet
-    # (ctseg.training.train.materialise), and on CUDA the event that opened their window.
+    # (ctseg.training.step_values.materialise), and on CUDA the event that opened their window.
     pending: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     window_event: Any = None
     live: Any = None  # rank 0's TensorBoard writer and progress plot (ctseg.training.live_view)
@@ -88,6 +88,23 @@ class Run:
         """The weights the run is for: validated, and saved as its final weights (the EMA's
         where there is one)."""
         return self.ema.averaged if self.ema is not None else self.model
+
+    def open_logs(self) -> None:
+        """Snakemake deletes a job's declared outputs before it reruns it, so the logs that a
+        resumed run appends to live beside its checkpoint (`log_dir`); `finish` copies them."""
+        if self.dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        if self.ranks.main:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.peak_rss_mb = host_rss_bytes() / 2**20
+
+    def compile_step(self) -> None:
+        """torch.compile the step's model and, as a region of its own, its losses (their many
+        small element-wise kernels and pools fuse), in the phase's compile mode."""
+        mode = self.phase.get("compile_mode")
+        self.step_model = torch.compile(self.step_model, mode=mode)
+        self.step_losses = torch.compile(self.step_losses, mode=mode)
 
     def parts(self) -> dict[str, Any]:
         """What a resume checkpoint keeps the state of, by its entry's name."""

@@ -2,11 +2,12 @@
 
 `train` runs a full training, or a phase trial of `max_steps` steps. Each optimizer step logs
 one row (`ctseg.summaries.step_columns`): the feed's ``data_wait_s`` (blocked on the batches:
-the honest starvation figure) and ``h2d_s`` (`ctseg.training.feeds`), ``compute_s`` (the rest of the
-step, synchronised on CUDA), ``step_s``, ``samples_per_s``, the loss terms, ``grad_norm``
+the honest starvation figure) and ``h2d_s`` (`ctseg.training.feeds`), ``step_s`` (on CUDA the
+device's own), ``compute_s`` (the rest), ``samples_per_s``, the loss terms, ``grad_norm``
 (unscaled, before clipping), ``lr``, GPU use, peak VRAM, host RSS (loader workers included),
-and model TFLOP/s, MFU and useful MFU (`ctseg.network.flops`). Rank 0 appends them to
-``steps.csv`` every ``train.log_every`` steps and before every checkpoint, never ahead of its log.
+and model TFLOP/s, MFU and useful MFU (`ctseg.network.flops`). The step's device values are
+read once every ``train.log_every`` steps (`ctseg.training.step_values`), when rank 0 appends
+the rows to ``steps.csv``; and before every checkpoint, never ahead of its log.
 
 Checkpoints (`ctseg.training.run_state`, `ctseg.training.checkpoint`): at each epoch's end, and
 mid-epoch on a timer or a stop request (`ctseg.training.stopping`). Optional: an EMA of the weights
@@ -36,7 +37,6 @@ from ctseg.network.losses import compute_losses, loss_settings
 from ctseg.network.model import build_model, parameter_digest
 from ctseg.progress import Progress
 from ctseg.run_settings import write_run_settings
-from ctseg.summaries import step_columns
 from ctseg.training import recipe
 from ctseg.training.checkpoint import (
     append_rows,
@@ -62,6 +62,7 @@ from ctseg.training.live_view import open_live_view
 from ctseg.training.preempt import StopRequest, shielded
 from ctseg.training.probes import GpuMonitor, host_rss_bytes
 from ctseg.training.run_state import Run
+from ctseg.training.step_values import add_pending, device_event, materialise
 from ctseg.training.stopping import Stopping
 from ctseg.training.validation import evaluate
 
@@ -102,7 +103,7 @@ def train(
         resumed = run.resume()
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
-            compile_step(run)
+            run.compile_step()
         end = run.sample_index + (run.total_steps - run.step) * run.effective_batch
         with shielded(stop):  # the loader workers start here (or at the first batch)
             batches = training_feed(
@@ -110,12 +111,10 @@ def train(
             )
             if no_data:  # the compute ceiling: the same steps on one step's batches, resident
                 batches = iter(ResidentBatches(batches, run.micro_steps))
-        open_logs(run)
+        run.open_logs()
         run.live = open_live_view(out_dir, run.log_dir, resumed, main=ranks.main, trial=run.trial)
         hide = not progress or not ranks.main
-        bar = Progress(
-            total=run.total_steps, initial=run.step, disable=hide, unit="step", desc="train"
-        )
+        bar = Progress(total=run.total_steps, initial=run.step, disable=hide, unit="step")
         run.model.train()
         first = True
         while run.step < run.total_steps:
@@ -212,25 +211,6 @@ def setup(
     )
 
 
-def compile_step(run: Run) -> None:
-    """torch.compile the step's model and, as a region of its own, its losses (their many small
-    element-wise kernels and pools fuse), in the phase's compile mode."""
-    mode = run.phase.get("compile_mode")
-    run.step_model = torch.compile(run.step_model, mode=mode)
-    run.step_losses = torch.compile(run.step_losses, mode=mode)
-
-
-def open_logs(run: Run) -> None:
-    """Snakemake deletes a job's declared outputs before it reruns it, so the logs that a
-    resumed run appends to live beside its checkpoint (`run.log_dir`); `finish` copies them."""
-    if run.dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(run.dev)
-    if run.ranks.main:
-        run.log_dir.mkdir(parents=True, exist_ok=True)
-        run.out_dir.mkdir(parents=True, exist_ok=True)
-    run.peak_rss_mb = host_rss_bytes() / 2**20
-
-
 # ----------------------------------------------------------------------------- step and log
 def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
     """One optimizer step over this process's micro-batches; returns this process's numbers:
@@ -240,7 +220,7 @@ def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
     the next step while the device runs this one (`materialise` reads them, once a window)."""
     step_start = time.perf_counter()
     if run.dev.type == "cuda" and run.window_event is None:
-        run.window_event = _device_event()  # the device's start of this logging window
+        run.window_event = device_event()  # the device's start of this logging window
     numbers: dict[str, Any] = {"data_wait_s": 0.0, "h2d_s": 0.0}
     loss_sum: torch.Tensor | None = None
     terms_sum: dict[str, torch.Tensor] = {}
@@ -257,9 +237,9 @@ def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
                 logits = run.step_model(image)
             total, terms = run.step_losses(logits, batch)
             run.scaler.scale(total / run.micro_steps).backward()
-        loss_sum = _add(loss_sum, total.detach() / run.micro_steps)
+        loss_sum = add_pending(loss_sum, total.detach() / run.micro_steps)
         for name, value in terms.items():
-            terms_sum[name] = _add(terms_sum.get(name), value.detach() / run.micro_steps)
+            terms_sum[name] = add_pending(terms_sum.get(name), value.detach() / run.micro_steps)
     # The norm of the true (unscaled) gradients, before clipping; inf max_norm: no clip.
     run.scaler.unscale_(run.optimizer)
     max_norm = float(run.exp["train"]["grad_clip"] or 0) or math.inf
@@ -272,25 +252,9 @@ def train_step(run: Run, batches: Iterator[Fed]) -> dict[str, Any]:
     if run.ema is not None:
         run.ema.update(run.model, run.step)
     run.sample_index += run.effective_batch
-    return {
-        **numbers,
-        "loss": loss_sum,
-        "terms": terms_sum,
-        "grad_norm": grad_norm.detach(),
-        "lr": lr,
-        "host_s": time.perf_counter() - step_start,
-        "end_event": _device_event() if run.dev.type == "cuda" else None,
-    }
-
-
-def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    return value if total is None else total + value
-
-
-def _device_event() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+    numbers.update(loss=loss_sum, terms=terms_sum, grad_norm=grad_norm.detach(), lr=lr)
+    end_event = device_event() if run.dev.type == "cuda" else None
+    return {**numbers, "host_s": time.perf_counter() - step_start, "end_event": end_event}
 
 
 def log_step(run: Run, numbers: dict[str, Any], bar: Progress | None) -> None:
@@ -306,8 +270,7 @@ def log_step(run: Run, numbers: dict[str, Any], bar: Progress | None) -> None:
         run.ranks,
         run.dev,
         mean={
-            "data_wait_s": numbers["data_wait_s"],
-            "h2d_s": numbers["h2d_s"],
+            **{k: numbers[k] for k in ("data_wait_s", "h2d_s")},
             "gpu_util": run.gpu.utilisation(),
         },
         largest=largest,
@@ -332,54 +295,6 @@ def log_step(run: Run, numbers: dict[str, Any], bar: Progress | None) -> None:
             bar.set_postfix(loss=f"{row['loss']:.3f}", wait=f"{wait_pct:.0f}%", refresh=False)
     if bar is not None:
         bar.update(1)
-
-
-def materialise(run: Run) -> None:
-    """Fill the pending rows' device values (loss, terms, gradient norm, averaged over the ranks)
-    and their step times, with one read from the device for all of them. On CUDA a step's time
-    is the device's, between the events at the ends of consecutive steps (the first from the
-    window's start), so it holds the step's own kernels and idle time whatever the host did; on
-    a CPU it is the host's (the step ran synchronously)."""
-    if not run.pending:
-        return
-    names = list(run.pending[0][1]["terms"])
-    stacked = torch.stack(
-        [
-            torch.stack([n["loss"], *(n["terms"][k] for k in names), n["grad_norm"]]).float()
-            for _, n in run.pending
-        ]
-    )
-    if run.ranks.world > 1:  # the loss and terms are each rank's; the gradient norm is shared
-        torch.distributed.all_reduce(stacked)
-        stacked /= run.ranks.world
-    values = stacked.tolist()  # the one host read of the window
-    times = _step_times(run)
-    times = across_ranks(run.ranks, run.dev, largest=dict(enumerate(times)))
-    pending = [row for row, _ in run.pending]
-    for i, (row, (loss, *terms, grad_norm)) in enumerate(zip(pending, values, strict=True)):
-        step_s = times[i]
-        row.update(
-            loss=loss,
-            **dict(zip(names, terms, strict=True)),
-            grad_norm=grad_norm,
-            step_s=step_s,
-            compute_s=step_s - row["data_wait_s"] - row["h2d_s"],
-            samples_per_s=run.effective_batch / step_s,
-        )
-        row.update(run.efficiency.columns(row["samples_per_s"]))  # every rank's devices
-        ordered = {c: row[c] for c in step_columns(names, efficiency=True)}
-        row.clear()
-        row.update(ordered)
-    run.pending, run.window_event = [], None
-
-
-def _step_times(run: Run) -> list[float]:
-    if run.window_event is None:  # CPU: the host's own times
-        return [n["host_s"] for _, n in run.pending]
-    ends = [n["end_event"] for _, n in run.pending]
-    ends[-1].synchronize()
-    starts = [run.window_event, *ends[:-1]]
-    return [a.elapsed_time(b) / 1000 for a, b in zip(starts, ends, strict=True)]
 
 
 def flush_logs(run: Run) -> None:
