@@ -30,6 +30,7 @@ from ctseg.config import (
     FOLD_RUN,
     RUN_NAME,
     Ensemble,
+    LazyFolds,
     check_trial_phases,
     configured_gpus,
     load_ensemble,
@@ -262,13 +263,34 @@ class Runs:
             f"<experiment>.cv, or an ensemble of {self.ensembles_dir}/ ({self.ensemble_names})"
         )
 
-    def check_all(self) -> None:
-        """Load every experiment and ensemble file, so that a bad one is refused when the
-        workflow loads, naming its file, whatever the target."""
-        for name in self.experiment_names:
-            self.experiment(name)
-        for name in self.ensemble_names:
-            self.ensemble(name)
+    def check_all(self, used: Sequence[str]) -> list[str]:
+        """Load every experiment and ensemble file. Those the runs in `used` read (their own,
+        an ensemble's members', a fine-tune's source run's, what each extends) must load: a bad
+        one is refused, naming its file. A bad one that none of them reads is a warning line,
+        returned: a typo in an experiment no run uses does not stop the others (a target that
+        names its run is refused when the rules reach it)."""
+        todo, seen = list(used), set()
+        while todo:
+            run = todo.pop()
+            if run in seen:
+                continue
+            seen.add(run)
+            for trained in self.trained_runs(run):
+                source = self.experiment(base_of(trained)).get("init_from")
+                if source:
+                    todo.append(source)
+        warnings = []
+        files = [(name, self.experiment) for name in self.experiment_names]
+        files += [(name, self.ensemble) for name in self.ensemble_names]
+        for name, load in files:
+            try:
+                load(name)
+            except CtsegError as exc:
+                warnings.append(
+                    f"warning: {exc} (no run of config 'experiment' {list(used)} reads it: "
+                    "it is left out of the plan until it is fixed)"
+                )
+        return warnings
 
     # ------------------------------------------------------------------------- records
     def ids(self, split: str | None = None, labelled: bool | None = None) -> list[str]:
@@ -327,7 +349,7 @@ class Runs:
     def ensemble(self, name: str) -> Ensemble:
         """config/ensembles/<name>.yaml, checked against the experiments that exist."""
         if name not in self._ensembles:
-            known = {n: self.folds_of(n) for n in self.experiment_names}
+            known = LazyFolds(self.experiment_names, self.folds_of)
             self._ensembles[name] = load_ensemble(self.ensembles_dir / f"{name}.yaml", known)
         return self._ensembles[name]
 
