@@ -758,9 +758,9 @@ def evaluate_pairs(
     from multiprocessing import get_context
 
     import pandas as pd
-    from tqdm import tqdm
 
     from ctseg.io import atomic_path
+    from ctseg.progress import Progress
 
     if len(predictions) != len(labels):
         raise CtsegError(f"{len(predictions)} predictions but {len(labels)} label volumes")
@@ -780,11 +780,11 @@ def evaluate_pairs(
     ]
     workers = processes
     if workers == 1:
-        rows = [_score_pair(job) for job in tqdm(jobs, desc="evaluate")]
+        rows = [_score_pair(job) for job in Progress(jobs, desc="evaluate")]
     else:
         # spawn: a fresh interpreter per worker, safe whatever threads the parent started.
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            rows = list(tqdm(pool.map(_score_pair, jobs), total=len(jobs), desc="evaluate"))
+            rows = list(Progress(pool.map(_score_pair, jobs), total=len(jobs), desc="evaluate"))
     table = pd.DataFrame(rows)
     methods = sorted(set(table["topo_method"]))
     summary = {

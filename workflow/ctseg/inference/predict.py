@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ctseg.config import check_weights, load_ensemble, load_experiment
 from ctseg.inference.ensemble import ensemble_volume, load_weights
@@ -79,6 +78,7 @@ from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
 from ctseg.postprocess.write import write_mask
 from ctseg.preprocess.convert import convert_volume, read_header
+from ctseg.progress import Progress
 from ctseg.runs import cv_base
 from ctseg.store import WEIGHTS_ATTRIBUTE
 from ctseg.training.checkpoint import stored_digest
@@ -305,7 +305,7 @@ def predict_folder(
             f"predict: post-processing {postprocess.label()}: {postprocess_from}",
             file=sys.stderr,
         )
-        for rid in tqdm(ids, unit="volume", desc="predict", file=sys.stderr):
+        for rid in Progress(ids, unit="volume", desc="predict", file=sys.stderr):
             rows.append(
                 _predict_volume(
                     run,

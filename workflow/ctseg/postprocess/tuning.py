@@ -110,7 +110,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
 
 from ctseg.evaluation.metrics import (
     TOPO_METHODS,
@@ -132,6 +131,7 @@ from ctseg.postprocess.masks import (
     PostprocessSettings,
     settings_from_mapping,
 )
+from ctseg.progress import Progress
 from ctseg.store import WEIGHTS_ATTRIBUTE
 
 DEFAULT_SETTINGS = PostprocessSettings()
@@ -464,7 +464,7 @@ class _Scorer:
             if processes > 1
             else None
         )
-        self.bar = tqdm(total=total * len(self.volumes), desc="tune-postprocess", unit="score")
+        self.bar = Progress(total=total * len(self.volumes), desc="tune-postprocess", unit="score")
 
     def score(self, candidates: Sequence[Candidate], exact: bool) -> None:
         """Each candidate's terms on every volume: exact (`Candidate.scores`) or with

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import tifffile
 from scipy import ndimage
-from tqdm import tqdm
 
 from ctseg.io import CtsegError, atomic_path, check_id
 from ctseg.preprocess.demo_realistic import synthesize_realistic
 from ctseg.preprocess.demo_volume import DemoVolume, smooth_basis
+from ctseg.progress import Progress
 
 MIN_SIDE = 16
 PRESETS = ("simple", "realistic")
@@ -276,7 +276,7 @@ def generate_demo(
         raise CtsegError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     records = demo_records(n_train, n_test, scroll_ids)
     out = Path(out)
-    for record in tqdm(records, desc="demo-data", unit="volume"):
+    for record in Progress(records, desc="demo-data", unit="volume"):
         rng = np.random.default_rng([seed, int(record["id"])])
         volume = synthesize(shape, rng, preset)
         split, name = record["split"], f"{record['id']}.tif"

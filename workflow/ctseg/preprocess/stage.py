@@ -60,7 +60,6 @@ from typing import Any, Literal
 
 import fsspec
 import numpy as np
-from tqdm import tqdm
 
 from ctseg import chunks
 from ctseg.io import (
@@ -75,6 +74,7 @@ from ctseg.io import (
     strict_json,
 )
 from ctseg.layout import SCRATCH_FORMATS, RawFile, npy_header, raw_files, raw_meta
+from ctseg.progress import Progress
 from ctseg.store import TARGET_VOLUMES, open_checked
 
 VERIFY_MODES = ("size", "sha256")
@@ -299,13 +299,13 @@ def _bytes_needed(record: SourceRecord, fmt: Format) -> int:
 
 
 class _Progress:
-    """A thread-safe byte counter feeding one tqdm bar on stderr."""
+    """A thread-safe byte counter feeding one progress bar on stderr."""
 
     def __init__(self, total: int, n_records: int) -> None:
         self._lock = threading.Lock()
         self._n_records = n_records
         self._done = 0
-        self.bar = tqdm(
+        self.bar = Progress(
             total=total,
             unit="B",
             unit_scale=True,

@@ -114,10 +114,10 @@ import numpy as np
 import zarr
 from scipy import ndimage
 from skimage.morphology import skeletonize
-from tqdm import tqdm
 
 from ctseg.io import CtsegError, fresh_output
 from ctseg.machine import available_cpus
+from ctseg.progress import Progress
 from ctseg.store import TARGET_VOLUMES, create_in_group, open_volume
 
 SkeletonMethod = Literal["distance_ridge", "medial_surface", "medial_surface_fast", "lee3d"]
@@ -612,7 +612,7 @@ def _open_label(label_store: Path) -> zarr.Array:
 
 
 def _run_in_process(
-    origins: Iterator[tuple[int, ...]], plan: _Plan, progress: tqdm
+    origins: Iterator[tuple[int, ...]], plan: _Plan, progress: Progress
 ) -> Iterator[_BlockResult]:
     """One block at a time, with at most one block's writes still running behind."""
     pending: Future[None] | None = None
@@ -632,7 +632,7 @@ def _run_in_process(
             wait([pending])
 
 
-def _run_blocks(plan: _Plan, workers: int, progress: tqdm) -> Iterator[_BlockResult]:
+def _run_blocks(plan: _Plan, workers: int, progress: Progress) -> Iterator[_BlockResult]:
     """Yield block results, in any order; with workers > 1 at most 2 x workers in flight."""
     origins = plan.origins()
     if workers == 1:
@@ -734,7 +734,7 @@ def _compute(
         counts = dict.fromkeys(("foreground", "ignore", "skeleton", "tube"), 0)
         keys, linear = np.empty(0, dtype=_U64), np.empty(0, dtype=np.int64)
         desc = f"targets {label_store.name}"
-        with tqdm(total=n_blocks, desc=desc, unit="block", file=sys.stderr) as progress:
+        with Progress(total=n_blocks, desc=desc, unit="block", file=sys.stderr) as progress:
             for result in _run_blocks(plan, workers, progress):
                 for name, value in result.counts.items():
                     counts[name] += value
