@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from ctseg.console import failed_job_errors, headline
+from ctseg.console import failed_job_errors, headline, resumed_trainings
 
 
 def test_failed_jobs_show_ctseg_s_message_or_the_exception(tmp_path: Path) -> None:
@@ -67,4 +67,24 @@ def test_a_report_behind_its_inputs_is_out_of_date_and_shows_no_score(tmp_path: 
     assert headline(report, [("exp001", run)], [gone]) == [
         f"report: {report} is out of date: {gone} is not written yet; `snakemake report` "
         "rebuilds it"
+    ]
+
+
+def test_a_resumed_training_is_one_console_line(tmp_path: Path) -> None:
+    """Each log written since the start that says its training resumed gives one line; older
+    logs and other lines do not (the real line is matched in tests/test_train.py)."""
+    logs = tmp_path / "logs"
+    (logs / "train").mkdir(parents=True)
+    resumed = logs / "train" / "a.log"
+    resumed.write_text(
+        "step 1/8\nresumed at step 24 (epoch 3) from results/a/checkpoints/resume.pt\nstep 25/32\n"
+    )
+    fresh = logs / "train" / "b.log"
+    fresh.write_text("step 1/8\nstep 2/8\n")
+    old = logs / "train" / "c.log"
+    old.write_text("resumed at step 4 (epoch 0) from results/c/checkpoints/resume.pt\n")
+    since = time.time() - 60
+    os.utime(old, (since - 3600, since - 3600))
+    assert resumed_trainings(logs, since) == [
+        f"{resumed}: resumed at step 24 (epoch 3) from results/a/checkpoints/resume.pt"
     ]

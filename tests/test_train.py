@@ -40,6 +40,7 @@ from training_setup import (
 )
 
 import ctseg.training.feeds
+from ctseg.console import RESUMED
 from ctseg.data.device_batches import to_device
 from ctseg.data.loader import build_loader
 from ctseg.data.patches import PatchDataset
@@ -537,6 +538,7 @@ import os, sys, time
 from pathlib import Path
 
 import ctseg.training.feeds
+from ctseg.console import RESUMED
 from ctseg.cli import main
 
 pause_at = int(os.environ["CTSEG_TEST_PAUSE_AT"])
@@ -675,6 +677,9 @@ def test_sigkill_mid_epoch_then_resume_gives_bit_identical_weights(
     assert not info["left_weights"]
     rerun = resume_runs["rerun_stderr"][workers]
     assert " 4/12 [" in rerun and " 1/12 [" not in rerun  # it went on from the checkpoint
+    # The line the workflow's console repeats (ctseg.console.resumed_trainings).
+    assert sum(bool(RESUMED.match(line)) for line in rerun.splitlines()) == 1, rerun[-2000:]
+    assert "resumed at step 4 (epoch 1) from " in rerun
     expected = weights(resume_runs["reference"] / "last.pt")
     actual = weights(info["dir"] / "last.pt")
     assert expected.keys() == actual.keys()

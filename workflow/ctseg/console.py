@@ -1,7 +1,7 @@
 """What the workflow prints on the console when it ends: ctseg's own message of each failed job
 (a job's console output goes to its log, so Snakemake alone shows only a traceback of the shell
-command and the log's path), and on success where the report is and the score each run got, or
-that the report is out of date.
+command and the log's path), each training that resumed from its checkpoint, and on success
+where the report is and the score each run got, or that the report is out of date.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 # last for an exception nothing caught.
 CTSEG_ERROR = re.compile(r"^ctseg [\w-]+: error: .+")
 PYTHON_ERROR = re.compile(r"^\w+(Error|Exception)\b.*")
+# The line a training that picked up its checkpoint writes to its log (Run.resume).
+RESUMED = re.compile(r"^resumed at step \d+ \(epoch \d+\) from \S+")
 
 
 def _last_error(log: Path) -> str | None:
@@ -28,19 +30,39 @@ def _last_error(log: Path) -> str | None:
     return None
 
 
+def _logs_since(log_dir: Path, since: float) -> list[Path]:
+    found = []
+    for log in sorted(Path(log_dir).rglob("*.log")):
+        try:
+            if log.stat().st_mtime >= since:
+                found.append(log)
+        except OSError:
+            continue
+    return found
+
+
 def failed_job_errors(log_dir: Path, since: float) -> list[str]:
     """``<log>: <message>`` for every log under `log_dir` written since `since` (a time.time())
     whose last error line is ctseg's one-line message or an uncaught exception."""
     found = []
-    for log in sorted(Path(log_dir).rglob("*.log")):
-        try:
-            if log.stat().st_mtime < since:
-                continue
-        except OSError:
-            continue
+    for log in _logs_since(log_dir, since):
         message = _last_error(log)
         if message is not None:
             found.append(f"{log}: {message}")
+    return found
+
+
+def resumed_trainings(log_dir: Path, since: float) -> list[str]:
+    """``<log>: resumed at step N (epoch E) from <checkpoint>`` for every log under `log_dir`
+    written since `since` in which a training picked up its checkpoint: a resume is said on the
+    console, not only in the job's log (`ctseg.training.run_state.Run.resume` writes the line)."""
+    found = []
+    for log in _logs_since(log_dir, since):
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found += [f"{log}: {line.strip()}" for line in lines if RESUMED.match(line)]
     return found
 
 
