@@ -7,7 +7,11 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+import torch
+
 from ctseg.console import failed_job_errors, headline, resumed_trainings
+from ctseg.io import CtsegError
 
 
 def test_failed_jobs_show_ctseg_s_message_or_the_exception(tmp_path: Path) -> None:
@@ -88,3 +92,24 @@ def test_a_resumed_training_is_one_console_line(tmp_path: Path) -> None:
     assert resumed_trainings(logs, since) == [
         f"{resumed}: resumed at step 24 (epoch 3) from results/a/checkpoints/resume.pt"
     ]
+
+
+class _Refusing(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        raise CtsegError("/scratch/a.zarr: chunk c/0/0/0 does not match its recorded digest")
+
+
+def test_an_error_in_a_loader_worker_is_its_own_one_line() -> None:
+    """torch re-raises a worker's CtsegError with the worker's traceback as its text; the
+    line `ctseg <step>` prints is the original message."""
+    loader = torch.utils.data.DataLoader(_Refusing(), num_workers=1)
+    with pytest.raises(CtsegError) as caught:
+        next(iter(loader))
+    assert "Original Traceback" in str(caught.value)  # what torch hands back
+    assert caught.value.line() == (
+        "/scratch/a.zarr: chunk c/0/0/0 does not match its recorded digest"
+    )
+    assert CtsegError("one: line").line() == "one: line"

@@ -1089,7 +1089,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.experiment = with_fold(args.experiment, args.fold)
         func(args)
     except CtsegError as exc:
-        print(f"ctseg {args.command}: error: {exc}", file=sys.stderr)
+        print(f"ctseg {args.command}: error: {exc.line()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         # Each step's temporary output was removed on the way out (`io.atomic_path`).

@@ -40,6 +40,19 @@ SHORT_WRITE = re.compile(r"^(\d+) requested and (\d+) written$")
 class CtsegError(Exception):
     """An input or config problem the user can fix; the message names the file and the problem."""
 
+    def line(self) -> str:
+        """The message as one line. A CtsegError raised in a DataLoader worker comes back
+        re-raised by torch with "Caught CtsegError in DataLoader worker process 0" and the
+        worker's traceback as its text; the traceback's last line is the original message."""
+        text = str(self).strip()
+        if "\n" not in text:
+            return text
+        last = text.splitlines()[-1]
+        for name in (f"{type(self).__module__}.{type(self).__name__}", type(self).__name__):
+            if last.startswith(f"{name}: "):
+                return last[len(name) + 2 :]
+        return " ".join(text.split())
+
 
 def check_id(record_id: str, source: str | Path) -> str:
     """Reject ids that could escape their directory or break file names."""
