@@ -90,7 +90,7 @@ def atomic_path(final: str | Path, *, record_chunks: bool = True) -> Iterator[Pa
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _output_lock(final), _naming_the_output(final):
+    with output_lock(final), _naming_the_output(final):
         _remove_stale_temporaries(final)
         with _renamed_into_place(final, record_chunks) as tmp:
             yield tmp
@@ -334,17 +334,17 @@ def stale_temporaries(final: str | Path) -> list[Path]:
 
 
 def _remove_stale_temporaries(final: Path) -> None:
-    # Only under `_output_lock`: no living run owns them.
+    # Only under `output_lock`: no living run owns them.
     for stale in stale_temporaries(final):
         remove_path(stale)
 
 
 class OutputBusy(CtsegError):
-    """Another living run holds the lock on the output (`_output_lock`)."""
+    """Another living run holds the lock on the output (`output_lock`)."""
 
 
 @contextlib.contextmanager
-def _output_lock(final: Path) -> Iterator[None]:
+def output_lock(final: Path) -> Iterator[None]:
     """An exclusive lock on ``.<name>.lock`` beside `final`, removed again on release.
 
     Held while an output is written, so that a later run may remove the temporaries it finds
@@ -382,7 +382,7 @@ def work_folder(path: str | Path) -> Iterator[Path]:
     holds on it, so a rerun cleans up after a killed one; a living one makes this an error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _output_lock(path):
+    with output_lock(path):
         if path.exists():
             remove_path(path)
         path.mkdir()
@@ -404,7 +404,7 @@ def fresh_output(final: str | Path, needed_bytes: int = 0, what: str = "write") 
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _output_lock(final):
+    with output_lock(final):
         _remove_stale_temporaries(final)
         check_free_space(final, needed_bytes, what)
         try:

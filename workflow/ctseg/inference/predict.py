@@ -67,9 +67,9 @@ from ctseg.io import (
     DISK_FULL_ERRNOS,
     CtsegError,
     OutputBusy,
-    _output_lock,
     atomic_path,
     free_bytes,
+    output_lock,
     remove_path,
     strict_json,
     work_folder,
@@ -247,7 +247,7 @@ def _claimed(out_dir: Path, ids: Sequence[str]) -> Iterator[None]:
     with contextlib.ExitStack() as held:
         for rid in ids:
             try:
-                held.enter_context(_output_lock(out_dir / f"{rid}.tif.predict"))
+                held.enter_context(output_lock(out_dir / f"{rid}.tif.predict"))
             except OutputBusy as exc:
                 raise CtsegError(
                     f"{out_dir}: another ctseg predict is writing {rid}.tif into this folder "
