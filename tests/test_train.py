@@ -40,15 +40,17 @@ from training_setup import (
 )
 
 import ctseg.training.feeds
+import ctseg.training.train
 from ctseg.console import RESUMED
 from ctseg.data.device_batches import to_device
 from ctseg.data.loader import build_loader
 from ctseg.data.patches import PatchDataset
+from ctseg.inference.run import load_model
 from ctseg.io import CtsegError
 from ctseg.machine import available_cpus
 from ctseg.network.flops import Efficiency, count_flops
 from ctseg.network.losses import TERMS, compute_losses, loss_settings
-from ctseg.network.model import build_model
+from ctseg.network.model import build_model, portable_state_dict
 from ctseg.summaries import SUMMARY_VERSION
 from ctseg.training.checkpoint import (
     CHECKSUM_TAG,
@@ -57,6 +59,8 @@ from ctseg.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from ctseg.training.live_view import NoLiveView
+from ctseg.training.preempt import StopRequest
 from ctseg.training.recipe import lr_at, scaled_lr
 from ctseg.training.train import train
 from ctseg.trials.kernel_profile import PROFILE_STEPS, PROFILE_WARMUP
@@ -314,13 +318,14 @@ def test_resume_of_a_finished_run_trains_no_further(
 ) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    for name in ("resume.pt", "steps.csv", "epochs.csv"):
+    for name in ("resume.pt", "best.pt", "steps.csv", "epochs.csv"):
         (state / name).write_bytes((basic_run / "state" / name).read_bytes())
     summary = run(scratch, tmp_path / "out", state_dir=state, final_weights=tmp_path / "w.pt")
     assert summary["steps"] == 6
     before, after = weights(basic_run / "last.pt"), weights(tmp_path / "w.pt")
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert len(pd.read_csv(tmp_path / "out" / "steps.csv")) == 6
+    assert (tmp_path / "best.pt").read_bytes() == (basic_run / "best.pt").read_bytes()
 
 
 # --------------------------------------------------------------------------- loop features
@@ -403,6 +408,7 @@ def test_grad_clip_bounds_the_update(scratch: Path, tmp_path: Path) -> None:
         }
     )
     run(scratch, tmp_path / "out", exp, max_steps=1, final_weights=tmp_path / "w.pt")
+    assert not list(tmp_path.rglob("best.pt"))  # a trial keeps no best weights
     before, after = initial_weights(exp), weights(tmp_path / "w.pt")
     update = torch.cat([(after[k] - before[k]).flatten() for k in before])
     tcfg = exp["train"]
@@ -734,6 +740,162 @@ def test_logs_written_ahead_of_the_checkpoint_are_not_doubled(
     assert list(epochs["epoch"]) == [0, 1, 2]
     ref_steps = pd.read_csv(reference / "train" / "steps.csv")
     assert list(steps["loss"]) == list(ref_steps["loss"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigkill_then_resume_keeps_the_best_pt_of_an_uninterrupted_run(
+    resume_runs: dict, workers: int
+) -> None:
+    run_dir = resume_runs["killed"][workers]["dir"]
+    reference = resume_runs["reference"]
+    expected = load_checkpoint(reference / "best.pt")
+    scores = pd.read_csv(reference / "train" / "epochs.csv")["val_dice"]
+    assert expected["step"] == 4 * (int(scores.idxmax()) + 1)  # the first of the highest scores
+    actual = load_checkpoint(run_dir / "best.pt")
+    assert actual["step"] == expected["step"] and same(actual["model"], expected["model"])
+    record = load_checkpoint(run_dir / "checkpoints" / "resume.pt")["best"]
+    assert record == load_checkpoint(reference / "checkpoints" / "resume.pt")["best"]
+    assert record == {
+        "val_dice": scores.max(),
+        "epoch": int(scores.idxmax()),
+        "step": 4 * (int(scores.idxmax()) + 1),
+    }
+
+
+# --------------------------------------------------------------------------- best.pt
+
+
+def scripted_validation(
+    monkeypatch: pytest.MonkeyPatch,
+    scores: list[float],
+    state: Path,
+    stop: StopRequest | None = None,
+) -> list[dict]:
+    """Validation replaced by `scores`, one per epoch in turn. Each call records the model it
+    was given and a copy of its weights, and the step of the best.pt in `state` before it;
+    with `stop`, the first call asks the run to stop (it does so after that epoch's checkpoint)."""
+    calls: list[dict] = []
+    left = list(scores)
+
+    def evaluate(model, *args, **kwargs) -> dict[str, float]:
+        best = state / "best.pt"
+        calls.append(
+            {
+                "model": model,
+                "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "best_step": load_checkpoint(best)["step"] if best.exists() else None,
+            }
+        )
+        if stop is not None:
+            stop.signum = signal.SIGTERM
+        return {"val_loss": 1.0, "val_dice": left.pop(0)}
+
+    monkeypatch.setattr(ctseg.training.train, "evaluate", evaluate)
+    # Not looked at here, and a matplotlib figure drawn every epoch would be most of the time.
+    monkeypatch.setattr(ctseg.training.train, "open_live_view", lambda *a, **k: NoLiveView())
+    return calls
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_best_pt_holds_the_validated_ema_weights_of_the_first_best_score(
+    scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ema = {"decay": 0.5, "start_step": 0}
+    exp = experiment(train={"epochs": 4, "steps_per_epoch": 1, "ema": ema})
+    state = tmp_path / "state"
+    calls = scripted_validation(monkeypatch, [0.2, 0.5, 0.5, 0.3], state)
+    run(scratch, tmp_path / "out", exp, state_dir=state, final_weights=tmp_path / "last.pt")
+    # Written when the score beat the best so far (steps 1 and 2), not on a tie or a drop.
+    assert [c["best_step"] for c in calls] == [None, 1, 2, 2]
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["step"] == 2 and best["weights"] == "ema"
+    assert best.keys() == load_checkpoint(tmp_path / "last.pt").keys()
+    assert same(best["model"], calls[1]["weights"])  # the weights validated at step 2
+    assert (tmp_path / "best.pt").read_bytes() == (state / "best.pt").read_bytes()
+    resume = load_checkpoint(state / "resume.pt")
+    assert resume["best"] == {"val_dice": 0.5, "epoch": 1, "step": 2}
+    # Validation was given the EMA: the one model it saw ends as last.pt's (the EMA's) weights,
+    # which are not the trained ones.
+    assert len({id(c["model"]) for c in calls}) == 1
+    last = weights(tmp_path / "last.pt")
+    assert same(portable_state_dict(calls[-1]["model"]), last)
+    assert not same(resume["model"], last)
+    assert load_model(tmp_path / "best.pt")[1] == (16, 16, 16)
+
+
+def test_a_resumed_run_keeps_the_best_score_of_its_checkpoint(
+    scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exp = experiment(train={"epochs": 3, "steps_per_epoch": 1})
+
+    def trained(root: Path, scores: list[float], stop: StopRequest | None = None) -> dict:
+        scripted_validation(monkeypatch, scores, root / "state", stop)
+        out = root / "out"
+        return run(
+            scratch, out, exp, state_dir=root / "state", final_weights=root / "last.pt", stop=stop
+        )
+
+    trained(tmp_path / "whole", [0.5, 0.3, 0.4])
+    stopped = tmp_path / "stopped"
+    assert trained(stopped, [0.5], StopRequest())["saved_step"] == 1
+    # The same checkpoint as one written before best.pt was kept: no score, no best.pt.
+    older = tmp_path / "older"
+    (older / "state").mkdir(parents=True)
+    state = load_checkpoint(stopped / "state" / "resume.pt")
+    save_checkpoint(older / "state" / "resume.pt", {k: v for k, v in state.items() if k != "best"})
+
+    summary = trained(stopped, [0.3, 0.4])
+    assert summary["from_step"] == 1
+    # Without the score of step 1 kept, the resumed run would take step 3's 0.4 for its best.
+    assert (stopped / "best.pt").read_bytes() == (tmp_path / "whole" / "best.pt").read_bytes()
+    assert load_checkpoint(stopped / "best.pt")["step"] == 1
+
+    summary = trained(older, [0.3, 0.4])
+    assert summary["from_step"] == 1
+    assert load_checkpoint(older / "best.pt")["step"] == 3  # the best of what it validated
+
+
+def test_without_validation_volumes_best_pt_is_the_final_weights(
+    scratch: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ctseg.training.train, "open_live_view", lambda *a, **k: NoLiveView())
+    exp = experiment(train={"epochs": 2, "steps_per_epoch": 1})
+    train(
+        exp,
+        PHASE,
+        scratch=scratch,
+        train_ids=TRAIN_IDS,
+        val_ids=[],
+        out_dir=tmp_path / "out",
+        state_dir=tmp_path / "state",
+        final_weights=tmp_path / "last.pt",
+        clip_distance=CLIP,
+        device="cpu",
+        progress=False,
+    )
+    assert pd.read_csv(tmp_path / "out" / "epochs.csv")["val_dice"].isna().all()
+    assert not (tmp_path / "state" / "best.pt").exists()
+    best, last = load_checkpoint(tmp_path / "best.pt"), load_checkpoint(tmp_path / "last.pt")
+    assert best["step"] == last["step"] == 2 and same(best["model"], last["model"])
+
+
+def test_a_checkpoint_copied_without_its_best_pt_says_so_and_keeps_the_final_weights(
+    basic_run: Path, scratch: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "resume.pt").write_bytes((basic_run / "state" / "resume.pt").read_bytes())
+    run(scratch, tmp_path / "out", state_dir=state, final_weights=tmp_path / "w.pt")
+    step = load_checkpoint(basic_run / "best.pt")["step"]
+    line = (
+        f"{state}/best.pt: missing: {state}/resume.pt records the best weights of step {step} "
+        "there; best.pt will hold the best validation after step 6"
+    )
+    assert line in capsys.readouterr().err.splitlines()
+    assert same(weights(tmp_path / "best.pt"), weights(tmp_path / "w.pt"))
 
 
 # --------------------------------------------------------------------------- phase trials

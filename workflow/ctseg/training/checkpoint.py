@@ -56,6 +56,7 @@ SPEED_FLAGS = ("fused", "foreach")
 CHECKSUM_TAG = b"\nctseg-sha256:"
 TRAILER_BYTES = len(CHECKSUM_TAG) + 64
 PREVIOUS = "resume.previous.pt"  # the checkpoint before resume.pt, kept by every save
+BEST = "best.pt"  # the best validated weights, beside the checkpoint (`ctseg.training.run_state`)
 
 
 class DamagedCheckpoint(CtsegError):
@@ -323,8 +324,8 @@ def resume_state(
     or unreadable) is set aside into ``state_dir/set-aside/<time>-damaged/`` and the next is
     tried. A checkpoint of another run (changed settings, data or length, or a saved step
     beyond this run's end) is never resumed and never deleted: rank 0 moves it, the previous
-    one and the logs beside them into ``state_dir/set-aside/<time>-<digest>/``, and this run
-    starts fresh.
+    one, its best.pt and the logs beside them into ``state_dir/set-aside/<time>-<digest>/``,
+    and this run starts fresh.
     Every rank reads the checkpoints before anything moves, so all of them take the same
     decision. The logs are then cut back to the resumed step (`trim_logs`).
     """
@@ -373,7 +374,7 @@ def resume_state(
     aside = state_dir / "set-aside" / f"{stamp}-{state.get('fingerprint')}"
     if ranks.main:
         aside.mkdir(parents=True, exist_ok=True)
-        for name in ("resume.pt", PREVIOUS, "steps.csv", "epochs.csv"):
+        for name in ("resume.pt", PREVIOUS, BEST, "steps.csv", "epochs.csv"):
             if (state_dir / name).exists():
                 os.replace(state_dir / name, aside / name)
         print(
@@ -440,8 +441,13 @@ def publish_logs(log_dir: Path, out_dir: Path) -> None:
         return
     for name in ("steps.csv", "epochs.csv"):
         if (log_dir / name).exists():
-            with atomic_path(out_dir / name) as tmp:
-                shutil.copyfile(log_dir / name, tmp)
+            publish_copy(log_dir / name, out_dir / name)
+
+
+def publish_copy(kept: Path, published: Path) -> None:
+    """Copy a file kept beside the checkpoint to a declared output, atomically."""
+    with atomic_path(published) as tmp:
+        shutil.copyfile(kept, tmp)
 
 
 def trim_logs(log_dir: Path, step: int) -> None:

@@ -8,11 +8,14 @@ optimizer, scheduler, grad scaler and EMA states, the RNG states, the position i
 stream and the current epoch's log rows; `Run.restore` puts them back. The final weights
 (`Run.final_state`) are what inference and a fine-tune read: the EMA's weights where the run
 keeps one (`ctseg.training.ema`), else the trained ones, with the model settings and patch size.
+best.pt (`Run.keep_best`, `Run.publish_best`) is the same for the epoch whose validation scored
+best so far; the resume checkpoint keeps that score, so a resumed run keeps the same best.pt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,17 +28,26 @@ from ctseg.io import check_free_space
 from ctseg.network.flops import Efficiency
 from ctseg.network.model import portable_state_dict
 from ctseg.training.checkpoint import (
+    BEST,
     checkpoint_bytes,
     identity_digest,
+    publish_copy,
     restore,
     resume_state,
     rng_state,
+    save_checkpoint,
     trim_logs,
 )
 from ctseg.training.distributed import Ranks
 from ctseg.training.ema import WeightAverage
 from ctseg.training.probes import GpuMonitor, host_rss_bytes
 from ctseg.training.stopping import Stopping
+
+# What picks best.pt: the hard Dice of the validation patches (`ctseg.training.validation`),
+# higher is better. Dice, not the validation loss: the loss is a training objective whose terms
+# and weights are the experiment's choice, while Dice scores the thresholded masks that inference
+# delivers, and is comparable between runs. A tie keeps the earlier epoch's weights.
+BEST_BY = "val_dice"
 
 
 @dataclass
@@ -81,6 +93,9 @@ class Run:
     # (ctseg.training.step_values.materialise), and on CUDA the event that opened their window.
     pending: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     window_event: Any = None
+    # The best validation so far ({BEST_BY: score, "epoch", "step"}), whose weights are best.pt
+    # in log_dir; None before a validation has scored (`keep_best`).
+    best: dict[str, Any] | None = None
     live: Any = None  # rank 0's TensorBoard writer and progress plot (ctseg.training.live_view)
 
     @property
@@ -121,6 +136,7 @@ class Run:
             "epoch": self.epoch,
             "sample_index": self.sample_index,
             "epoch_rows": self.epoch_rows,
+            "best": self.best,
             "world_size": self.ranks.world,
             "fingerprint": identity_digest(self.identity),
             "identity": self.identity,
@@ -136,6 +152,7 @@ class Run:
         state, resumed = resume_state(self.resume_path.parent, self.identity, self.ranks)
         if state is not None:
             self.restore(state)
+            self.forget_lost_best()
             if self.ranks.main:
                 where = f"step {self.step} (epoch {self.epoch}) from {self.resume_path}"
                 print(f"resumed at {where}", file=sys.stderr)
@@ -149,12 +166,32 @@ class Run:
         self.stopping.saved(self.step)
         # A mid-epoch checkpoint carries the epoch's rows so far: its epochs.csv row needs them.
         self.epoch_rows = [dict(r) for r in state.get("epoch_rows", [])]
+        # A checkpoint written before best.pt was kept has no score: the next validation sets it.
+        self.best = dict(state["best"]) if state.get("best") is not None else None
+
+    def forget_lost_best(self) -> None:
+        """On resume: `keep_best` writes best.pt before the checkpoint that records it, so it is
+        missing only when the checkpoint was copied without it. Those weights are gone; rather
+        than retrain from step 0, the run says so and keeps the best of the validations from
+        here on (or its final weights: `publish_best`)."""
+        kept = self.log_dir / BEST
+        if self.best is None or kept.is_file():
+            return
+        if self.ranks.main:
+            print(
+                f"{kept}: missing: {self.resume_path} records the best weights of step "
+                f"{self.best['step']} there; best.pt will hold the best validation after step "
+                f"{self.step}",
+                file=sys.stderr,
+            )
+        self.best = None
 
     def check_checkpoint_space(self) -> None:
         """Before an epoch's first step (and a resumed run's first): the checkpoint at its end
-        must fit, or the epoch would be trained only to be lost."""
+        must fit, or the epoch would be trained only to be lost; and best.pt's weights with it."""
         if self.ranks.main and self.resume_path is not None:
             copies = [self.ema.averaged] if self.ema is not None else []
+            copies.append(self.weights)  # a new best.pt, written before the old one goes
             needed = checkpoint_bytes(self.model, self.optimizer, *copies)
             check_free_space(
                 self.resume_path.parent, needed, f"save the checkpoint of epoch {self.epoch}"
@@ -170,3 +207,24 @@ class Run:
             "fingerprint": identity_digest(self.identity),
             "step": self.step,
         }
+
+    def keep_best(self, val: Mapping[str, float]) -> None:
+        """After an epoch's validation (`val`, before the epoch's checkpoint, which records the
+        score): when it beats the best so far, the weights it validated become best.pt in
+        `log_dir` (rank 0 writes). A NaN score (no validation volumes or ``val_batches: 0``:
+        `ctseg.training.validation.evaluate`) never does."""
+        score = float(val[BEST_BY])
+        if math.isnan(score) or (self.best is not None and score <= self.best[BEST_BY]):
+            return
+        self.best = {BEST_BY: score, "epoch": self.epoch, "step": self.step}
+        if self.ranks.main:
+            save_checkpoint(self.log_dir / BEST, self.final_state())
+
+    def publish_best(self, folder: Path) -> None:
+        """At the end of a full run (rank 0): best.pt into `folder`, beside last.pt. A run that
+        no validation scored (no validation volumes) knows no better weights than its final
+        ones: its best.pt holds them."""
+        if self.best is None:
+            save_checkpoint(folder / BEST, self.final_state())
+        elif self.log_dir / BEST != folder / BEST:
+            publish_copy(self.log_dir / BEST, folder / BEST)

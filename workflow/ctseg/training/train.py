@@ -330,9 +330,11 @@ def write_checkpoint(run: Run) -> None:
 
 # ----------------------------------------------------------------------------- end of epoch
 def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
-    """Validation (of the EMA where there is one), the epoch's row, the logs, the checkpoint."""
+    """Validation (of the EMA where there is one) and best.pt when it scored best so far, the
+    epoch's row, the logs, the checkpoint (which records the best score)."""
     materialise(run)  # the epoch's rows, before validation's time can reach their step times
     val = evaluate(run.weights, run.exp, run.phase, scratch, val_ids, run.losses_cfg, run.ranks)
+    run.keep_best(val)
     rows = run.epoch_rows
     step_s = sum(r["step_s"] for r in rows)
     run.epochs_log.append(
@@ -355,8 +357,9 @@ def end_of_epoch(run: Run, scratch: Path, val_ids: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- finish
 def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> dict[str, Any]:
-    """The last logs and the weights (rank 0), then the run's summary (every rank). The final
-    weights are the EMA's where there is one (``"weights": "ema"``): see `ctseg.training.ema`."""
+    """The last logs and the weights (rank 0): last.pt, and best.pt beside it unless a trial
+    (`Run.publish_best`); then the run's summary (every rank). Both hold the EMA's weights
+    where there is one (``"weights": "ema"``): see `ctseg.training.ema`."""
     flush_logs(run)
     if run.ranks.main and run.stopping.stopped is None:
         publish_logs(run.log_dir, run.out_dir)
@@ -371,6 +374,8 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
             )
         if final_weights is not None:
             save_checkpoint(final_weights, run.final_state())
+            if not run.trial:
+                run.publish_best(final_weights.parent)
     # A collective: no rank returns before rank 0's files are written.
     digests = gathered(run.ranks, parameter_digest(run.model))
     cuda = run.dev.type == "cuda"
