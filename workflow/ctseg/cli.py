@@ -329,6 +329,7 @@ def cmd_infer(args: argparse.Namespace) -> None:
 
 def cmd_predict(args: argparse.Namespace) -> None:
     from ctseg.inference.predict import (
+        DEFAULT_TRAINED_WEIGHTS,
         SUMMARY_FILE,
         load_models,
         predict_folder,
@@ -339,7 +340,12 @@ def cmd_predict(args: argparse.Namespace) -> None:
     from ctseg.postprocess.tuning import load_tuned
 
     inference = _inference_settings(args)
-    run = resolve_run(Path(args.run), Path(args.experiments_dir), Path(args.ensembles_dir))
+    run = resolve_run(
+        Path(args.run),
+        Path(args.experiments_dir),
+        Path(args.ensembles_dir),
+        args.weights or DEFAULT_TRAINED_WEIGHTS,
+    )
     # The weights first: a damaged file is named as such, not taken for retrained weights by
     # the check of the settings tuned for them.
     models = load_models(run, inference.torch_device())
@@ -731,6 +737,13 @@ def _predict_parser(add_parser: AddParser) -> None:
         "--probabilities", default=None, help="also keep the probabilities as <DIR>/<id>.zarr"
     )
     p.add_argument("--only", nargs="+", default=None, metavar="ID", help="only these volumes")
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="{last,best}",
+        help="which weights file of each trained run predicts: last.pt (the default) or best.pt "
+        "(its best validation)",
+    )
     p.add_argument(
         "--settings", default=None, help="a tuned.json to apply instead of the run's own"
     )

@@ -305,6 +305,13 @@ def tuned_dir(run):
     return f"{run_dir(run)}/postprocess"
 
 
+def predicting_weights(run):
+    """The weights file of a trained run that its predictions come from (config infer.weights):
+    last.pt, the end of its training, or best.pt, its best validation: train_model writes
+    both."""
+    return f"{run_dir(run)}/{config['infer']['weights']}.pt"
+
+
 def postprocess_settings_file(run):
     """tuned.json when infer.postprocess is tuned (a mask then waits for the search), else
     nothing: the fixed values in config infer are passed as arguments."""
@@ -372,10 +379,12 @@ def training_notices():
 
 def forced_training(run):
     """Whether the command line forces the run's train job (--forcerun/-R train_model or its
-    last.pt, --forceall): the plan then says it retrains, not that it keeps its last.pt.
+    last.pt or best.pt, --forceall): the plan then says it retrains, not that it keeps its
+    last.pt.
     """
     forceall, forced = forced_on_command_line(sys.argv)
-    return forceall or bool({"train_model", f"{run_dir(run)}/last.pt"} & forced)
+    outputs = {f"{run_dir(run)}/last.pt", f"{run_dir(run)}/best.pt"}
+    return forceall or bool({"train_model", *outputs} & forced)
 
 
 training_notices()

@@ -4,7 +4,8 @@ from ctseg.runs import alternatives
 
 rule infer:
     input:
-        weights=f"{ROOT}/{{exp}}/last.pt",
+        # last.pt or best.pt (config infer.weights).
+        weights=lambda wildcards: predicting_weights(wildcards.exp),
         image=IMAGE_STORE,
     output:
         # The model's output only: the mask comes from rule postprocess, whose settings may be
@@ -93,7 +94,7 @@ rule predict_volume:
             wildcards.id
         ],
         weights=lambda wildcards: [
-            f"{run_dir(r)}/last.pt" for r in trained_runs(wildcards.exp)
+            predicting_weights(r) for r in trained_runs(wildcards.exp)
         ],
         ensemble_weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
         settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
@@ -128,8 +129,10 @@ rule predict_volume:
         settings=lambda wildcards, input: rule_args.postprocess_args(
             config["infer"], input.settings
         ),
+        weights=config["infer"]["weights"],
     shell:
         "ctseg predict --run {params.run:q} -i {params.folder:q} --only {wildcards.id} "
+        "--weights {params.weights} "
         "-o {params.out:q} --overlap {params.overlap} --batch-size {params.batch} {params.tta} "
         "--memory-budget-mb {params.budget} --device-budget-mb {params.device_budget} "
         "{params.settings} > {log:q} 2>&1"

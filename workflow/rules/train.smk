@@ -71,6 +71,8 @@ rule train_model:
         init=lambda wildcards: init_weights(wildcards.exp),
     output:
         weights=f"{ROOT}/{{exp}}/last.pt",
+        # Written beside --weights: the weights of the best validation (ctseg.training.run_state).
+        best=f"{ROOT}/{{exp}}/best.pt",
         steps=f"{ROOT}/{{exp}}/train/steps.csv",
         epochs=f"{ROOT}/{{exp}}/train/epochs.csv",
         settings=f"{ROOT}/{{exp}}/train/settings.json",

@@ -9,6 +9,9 @@ The run is a folder ``results/<run>/`` (`resolve_run`), of any kind `ctseg.runs`
   ``results/``, with the file's weights, or, when they are ``tuned``,
   ``results/<name>/ensemble/weights.json``.
 
+``best.pt`` instead of each ``last.pt`` with ``trained_weights="best"`` (config
+``infer.weights``).
+
 These are the models and weights the workflow's own rules (infer, ensemble) use for a test
 volume. The post-processing is the run's own too: ``results/<run>/postprocess/tuned.json`` when it
 exists, else the fixed settings the caller passes (`ctseg.postprocess.masks.PostprocessSettings`'
@@ -85,7 +88,10 @@ from ctseg.training.checkpoint import stored_digest
 
 EXPERIMENTS_DIR = Path("config/experiments")
 ENSEMBLES_DIR = Path("config/ensembles")
-WEIGHTS_FILE = "last.pt"
+# Which weights of each trained run predict: <choice>.pt in its folder, both written by ctseg
+# train (last.pt at the end of training, best.pt at the best validation: ctseg.training.run_state).
+TRAINED_WEIGHTS = ("last", "best")
+DEFAULT_TRAINED_WEIGHTS = "last"
 TUNED_FILE = Path("postprocess") / "tuned.json"
 ENSEMBLE_WEIGHTS = Path("ensemble") / "weights.json"
 SUMMARY_FILE = "predict.json"  # in the output folder, unless another path is given
@@ -117,11 +123,16 @@ def resolve_run(
     run_dir: Path,
     experiments_dir: Path = EXPERIMENTS_DIR,
     ensembles_dir: Path = ENSEMBLES_DIR,
+    trained_weights: str = DEFAULT_TRAINED_WEIGHTS,
 ) -> PredictRun:
     """The run at ``results/<run>``: an ensemble when ``<ensembles_dir>/<run>.yaml`` exists, a
     cross-validation when the run is ``<exp>.cv`` of an experiment in `experiments_dir`, else a
     trained run (an experiment or a fold), whose folder holds its last.pt. A combined run's
-    members live beside it (its own folder need not exist yet, unless its weights are tuned)."""
+    members live beside it (its own folder need not exist yet, unless its weights are tuned).
+    `trained_weights` (one of `TRAINED_WEIGHTS`) picks each trained run's last.pt or best.pt."""
+    if trained_weights not in TRAINED_WEIGHTS:
+        raise CtsegError(f"weights {trained_weights!r}: not one of {', '.join(TRAINED_WEIGHTS)}")
+    weights_file = f"{trained_weights}.pt"
     run_dir = Path(run_dir)
     name, root = run_dir.name, run_dir.parent
     base = cv_base(name)
@@ -131,9 +142,9 @@ def resolve_run(
         members = tuple(spec.member_names)
         if spec.tuned:
             tuned = run_dir / ENSEMBLE_WEIGHTS
-            weights, where = tuple(load_weights(tuned, members)), str(tuned)
+            mix, where = tuple(load_weights(tuned, members)), str(tuned)
         else:
-            weights, where = tuple(spec.weights or ()), str(ensemble_file)
+            mix, where = tuple(spec.weights or ()), str(ensemble_file)
         kind = "ensemble"
     elif base is not None and (Path(experiments_dir) / f"{base}.yaml").is_file():
         exp_file = Path(experiments_dir) / f"{base}.yaml"
@@ -144,16 +155,16 @@ def resolve_run(
                 "has no cross-validation"
             )
         members = tuple(f"{base}.fold{i}" for i in range(folds))
-        weights, where, kind = (1.0,) * folds, "equal weights", "cv"
+        mix, where, kind = (1.0,) * folds, "equal weights", "cv"
     elif not run_dir.is_dir():
         raise CtsegError(
             f"{run_dir}: no such run folder, and not an ensemble of {ensembles_dir} or a "
             f"cross-validation of {experiments_dir} (give results/<run>, e.g. results/exp001)"
         )
     else:
-        return PredictRun(name, run_dir, "trained", (name,), (run_dir / WEIGHTS_FILE,), (1.0,), "")
-    files = tuple(root / m / WEIGHTS_FILE for m in members)
-    return PredictRun(name, run_dir, kind, members, files, weights, where)
+        return PredictRun(name, run_dir, "trained", (name,), (run_dir / weights_file,), (1.0,), "")
+    files = tuple(root / m / weights_file for m in members)
+    return PredictRun(name, run_dir, kind, members, files, mix, where)
 
 
 def _folds_lookup(experiments_dir: Path) -> Callable[[str], int | None]:
