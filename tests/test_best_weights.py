@@ -12,6 +12,7 @@ import tifffile
 from conftest import TINY_CONFIG, copy_workflow, run_snakemake
 
 from ctseg.cli import main
+from ctseg.config import CONFIG_FILE, SettingError, load_config, read_yaml
 from ctseg.inference.predict import resolve_run
 from ctseg.io import CtsegError
 
@@ -45,12 +46,16 @@ def test_infer_weights_best_predicts_with_best_pt(tmp_path: Path) -> None:
     assert "last.pt" not in "".join(infers + [predict])
 
 
-def test_an_unknown_infer_weights_is_one_line(tmp_path: Path) -> None:
-    workdir = copy_workflow(tmp_path, TINY_CONFIG)
-    proc = run_snakemake(workdir, "-n", "--config", "infer={'weights': 'worst'}", check=False)
-    assert proc.returncode != 0
-    assert "ctseg: config/config.yaml with --config: infer.weights: 'worst' is not one of " in (
-        proc.stderr
+def test_infer_weights_is_last_or_best_and_last_by_default() -> None:
+    """The check the workflow runs on its config when it loads (settings.smk)."""
+    config = read_yaml(Path(__file__).resolve().parents[1] / CONFIG_FILE)
+    assert config["infer"]["weights"] == "last"
+    del config["infer"]["weights"]
+    assert load_config(config)["infer"]["weights"] == "last"
+    with pytest.raises(SettingError) as info:
+        load_config({**config, "infer": {**config["infer"], "weights": "worst"}})
+    assert str(info.value) == (
+        "config/config.yaml: infer.weights: 'worst' is not one of ['last', 'best']"
     )
 
 
