@@ -324,6 +324,8 @@ def test_only_rank_0_writes(runs: dict) -> None:
     # An event file is named by its time, host and pid: one per attempt, stopped then resumed.
     files = [re.sub(r"tfevents\..*", "tfevents.*", name) for name in files]
     assert files == [
+        "best.pt",  # the best validation's weights, published beside last.pt
+        "checkpoints/best.pt",
         "checkpoints/epochs.csv",
         "checkpoints/resume.previous.pt",  # epoch 0's checkpoint, kept by epoch 1's save
         "checkpoints/resume.pt",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 # What a run's state directory holds for its resume (`ctseg.training.checkpoint`): the
 # checkpoint, the one before it, and the logs cut back to them on resume.
-STATE_FILES = ("resume.pt", "resume.previous.pt", "steps.csv", "epochs.csv")
+STATE_FILES = ("resume.pt", "resume.previous.pt", "best.pt", "steps.csv", "epochs.csv")
 SET_ASIDE = "set-aside"
 
 
