@@ -159,6 +159,8 @@ rule dataset_summary:
     wildcard_constraints:
         exp=BASE_RUN,
     priority: 50
+    # Reads a few attributes: a cluster job would cost more than the work.
+    localrule: True
     conda:
         "../../environment.yml"
     params:
