@@ -6,9 +6,9 @@ fastest, each measured on one GPU and told apart by what its step spends time on
 
 Variants (`VARIANTS`), in the order they run:
 - the shipped phases first, each compiled as config/phases.yaml ships it: phase 6 on exp001_full
-  (the baseline: its 72x136x136 patch is computed at 80x144x144), phase 8 (phase 6 at batch 16)
-  on exp001_full_unpadded (80x144x144, nothing padded: the README's GPU command), phase 7
-  (CUDA graphs) on exp001_full;
+  (the baseline: its 72x136x136 patch is computed at 80x144x144), phase 6 on
+  exp001_full_unpadded (80x144x144, nothing padded: the README's GPU command), phase 8 (phase 6
+  at batch 16) on exp001_full_unpadded, phase 7 (CUDA graphs) on exp001_full;
 - then one change to phase 8 at a time: CUDA graphs (compile mode reduce-overhead, possible once
   nothing in the step reads the device), torch's ``nn.InstanceNorm3d`` instead of the
   layout-keeping norm, the contiguous layout, and exp001_full's padded patch.
@@ -68,6 +68,7 @@ BASELINE = "phase6"
 # name, experiment, phase and the settings it changes (model.norm, or phase keys).
 VARIANTS: tuple[dict[str, Any], ...] = (
     {"name": "phase6", "experiment": "exp001_full", "phase": 6},
+    {"name": "phase6/unpadded", "experiment": "exp001_full_unpadded", "phase": 6},
     {"name": "phase8", "experiment": "exp001_full_unpadded", "phase": 8},
     {"name": "phase7", "experiment": "exp001_full", "phase": 7},
     {
@@ -90,7 +91,7 @@ VARIANTS: tuple[dict[str, Any], ...] = (
     },
     {"name": "phase8/exp001_full", "experiment": "exp001_full", "phase": 8},
 )
-SHIPPED = ("phase6", "phase8", "phase7")
+SHIPPED = ("phase6", "phase6/unpadded", "phase8", "phase7")
 BUDGET_S = 280  # the sweep's promise is 5 minutes on an H200, compilation included
 # --cpu-smoke: the experiments' five levels at a sixteenth of the width, toy patches of the same
 # kind (12x24x24 is computed at 16x32x32 as 72x136x136 is at 80x144x144), an eighth of the batch,

@@ -219,20 +219,25 @@ def test_metrics_bench_prints_pruned_and_unpruned_searches_that_agree() -> None:
 
 
 def test_mfu_sweep_runs_the_shipped_compiled_phases_first_as_shipped():
-    """Phase 6 (the baseline) first, then phase 8 on the unpadded experiment and phase 7, each
-    exactly as config/phases.yaml ships it; then one change to phase 8 at a time."""
+    """Phase 6 (the baseline) first, then phase 6 and phase 8 on the unpadded experiment and
+    phase 7, each exactly as config/phases.yaml ships it; then one change to phase 8 at a time."""
     specs = mfu.plan(mfu.parse_args([]))
     names = [s["name"] for s in specs]
-    assert names[:3] == ["phase6", "phase8", "phase7"] == list(mfu.SHIPPED)
+    assert names[:4] == ["phase6", "phase6/unpadded", "phase8", "phase7"] == list(mfu.SHIPPED)
     assert len(set(names)) == len(names)
     shipped = yaml.safe_load((REPO / "config/phases.yaml").read_text())["phases"]
-    for spec in specs[:3]:
+    for spec in specs[:4]:
         exp, phase = mfu.variant_settings(spec, cpu_smoke=False)
         assert phase == {**mfu.shipped_phase(spec["phase"])}
         assert {k: phase[k] for k in shipped[spec["phase"]]} == shipped[spec["phase"]]
         assert exp["model"]["norm"] == "instance_layout"  # the shipped default
     exp6, phase6 = mfu.variant_settings(specs[0], cpu_smoke=False)
-    exp8, phase8 = mfu.variant_settings(specs[1], cpu_smoke=False)
+    assert mfu.variant_settings(specs[1], cpu_smoke=False)[0]["data"]["patch_size"] == [
+        80,
+        144,
+        144,
+    ]
+    exp8, phase8 = mfu.variant_settings(specs[2], cpu_smoke=False)
     assert exp6["data"]["patch_size"] == [72, 136, 136] and phase6["batch_size"] == 4
     assert exp8["data"]["patch_size"] == [80, 144, 144] and phase8["batch_size"] == 16
     graphs = next(s for s in specs if s["name"] == "phase8+cudagraphs")
@@ -265,7 +270,8 @@ def test_mfu_cpu_smoke_counts_no_layout_copy_and_no_host_sync_in_the_shipped_pha
     record = json.loads(out.read_text())
     assert record["result"] == last and len(record["variants"]) == 4
     by_name = {r["name"]: r for r in record["variants"]}
-    shipped = [by_name[n] for n in mfu.SHIPPED]
+    shipped = [by_name[n] for n in mfu.SHIPPED if n in by_name]
+    assert len(shipped) == 3
     assert fields["best_shipped"] == max(shipped, key=lambda r: r["useful_voxels_per_s"])["name"]
     assert int(fields["best_shipped_layout_copies"]) <= 1
     assert float(fields["best_shipped_host_syncs"]) == 0
