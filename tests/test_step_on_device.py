@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from training_setup import EXPERIMENT, PHASE
 
 from ctseg.network.losses import compute_losses
@@ -23,27 +25,17 @@ from ctseg.training.probes import count_host_syncs, count_layout_changes, layout
 from ctseg.training.step_values import materialise
 from ctseg.training.train import log_step, setup, train_step
 
+sys.path.insert(0, str(REPO / "bench"))
+import mfu  # noqa: E402
+
 PATCH = [16, 16, 16]
 READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
 
 def synthetic_batch(batch: int, memory_format: torch.memory_format) -> dict[str, torch.Tensor]:
-    """Sheets every 6 voxels in z, a few unlabelled rows: every loss term has work."""
-    gen = torch.Generator().manual_seed(0)
-    shape = (batch, 1, *PATCH)
-    z = torch.arange(PATCH[0]).view(1, 1, -1, 1, 1).expand(shape)
-    distance = ((z % 6) - 3).abs().float() - 1.0
-    label = (distance <= 0).to(torch.uint8)
-    label[:, :, :, :2] = 2
-    image = (label == 1).float() * 0.6 + 0.2 + 0.05 * torch.randn(shape, generator=gen)
-    host = {
-        "image": image.clamp(0, 1),
-        "label": label,
-        "ignore": (label == 2).to(torch.uint8),
-        "skeleton": (distance == -1.0).to(torch.uint8),
-        "tube": (distance <= 1).to(torch.uint8),
-        "sdt": distance.clamp(-4, 4),
-    }
+    """bench/mfu.py's batch (sheets every 8 voxels in z, a few unlabelled rows: every loss term
+    has work) in `memory_format`."""
+    host = mfu.synthetic_batch(batch, PATCH, torch.device("cpu"))
     return {k: v.contiguous(memory_format=memory_format) for k, v in host.items()}
 
 
