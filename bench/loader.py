@@ -2,6 +2,7 @@
 
     python bench/loader.py            # 3 records of 256^3, 3 rounds, more batches
     python bench/loader.py --quick    # 2 records of 192^3, 2 rounds; under 2 minutes on 2 cores
+    python bench/loader.py --smoke    # every path at its smallest: a test runs it
 
 What is measured. Every configuration runs at exp001_full's data settings: 72x136x136 patches,
 its fg_fraction, flips and permutations applied in the worker, intensity parameters drawn there
@@ -132,6 +133,8 @@ ALONE = (f"phase {PAIR_PHASE}", "run-time", "zarr", HOST)
 
 SETTINGS = {
     "quick": {"size": 192, "records": 2, "rounds": 2, "phase": 96, "runtime": 10, "zarr": 40},
+    # Every configuration and figure, at the fewest samples that give each one (CI runs it).
+    "smoke": {"size": 144, "records": 2, "rounds": 1, "phase": 12, "runtime": 2, "zarr": 4},
     "full": {"size": 256, "records": 3, "rounds": 3, "phase": 480, "runtime": 48, "zarr": 192},
 }
 
@@ -680,6 +683,7 @@ def figures(run: Mapping[str, Any]) -> list[Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller volumes, fewer batches")
+    parser.add_argument("--smoke", action="store_true", help="every path at its smallest (CI)")
     parser.add_argument("--workdir", type=Path, default=None, help="parent of the temp data dir")
     parser.add_argument("--records", type=int, default=None, help="demo records (default: mode's)")
     parser.add_argument(
@@ -696,7 +700,7 @@ def main() -> None:
 
     started = time.perf_counter()
     load_before = load()
-    settings = dict(SETTINGS["quick" if args.quick else "full"])
+    settings = dict(SETTINGS["smoke" if args.smoke else "quick" if args.quick else "full"])
     if args.records:
         settings["records"] = args.records
     phases = load_yaml(PHASES)["phases"]

@@ -4,6 +4,7 @@ and bench/measure.py's report of a failed child. The figures at these sizes say 
 speed: the checks are that each RESULT line is there and each figure is what it claims to be
 (finite, positive where it must be, a fraction in [0, 1], two implementations agreeing).
 
+bench/loader.py runs here too (`--smoke`, about 15 s).
 bench/gpu_check.py, bench/mfu.py and bench/metrics.py run in test_bench_smoke.py,
 bench/recipe.py in test_bench_recipe.py, bench/postprocess_search.py in test_tuning.py."""
 
@@ -163,3 +164,29 @@ def test_postprocess_bench_smoke(tmp_path: Path) -> None:
     record = json.loads(figures.read_text())
     assert record["tuned"]["candidates"] > 1
     assert record["volumes"] == {"train": 2, "test": 1, "size": 32}
+
+
+@pytest.mark.slow
+def test_loader_bench_smoke() -> None:
+    """Every loader configuration, the hand-off and the chunk check, at a few samples each."""
+    out, fields = run_bench("loader.py", "--smoke")
+    positive(
+        fields,
+        "precomputed_vs_runtime",
+        "worker_rss_ratio",
+        "raw_vs_zarr",
+        "workers_vs_main",
+        "workers_vs_main_host_layout",
+        "workers_vs_main_cpu_bound",
+        "best_samples_per_s",
+        "chunk_check_ratio",
+    )
+    # A hand-off's cost is a difference of two timings: at this size it may come out below 0.
+    assert all(
+        math.isfinite(float(fields[k])) for k in ("handoff_ms_packed", "handoff_ms_host_layout")
+    )
+    # The check's own work is a share of the unchecked read, measured apart.
+    assert 0 < float(fields["chunk_check_own_share"]) < 1
+    for phase in range(6):  # each of phases 0-5 has its row in the phases table
+        row = rf"^ +{phase} +\d+ +\d+ +\d+ +(yes|no) +12 "
+        assert re.search(row, out, re.MULTILINE), out[-3000:]
