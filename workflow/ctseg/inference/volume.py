@@ -5,8 +5,8 @@ are one `ctseg.inference.settings.InferenceSettings`.
 
 Resident or streamed
 --------------------
-A volume whose working set fits ``device_budget_mb`` (default: ``memory_budget_mb``; on a CPU
-run the device is host memory) is *resident*: it is read and normalised once, copied to the
+A volume whose working set fits ``device_budget_mb`` (default 2048 MB; on a CPU run the device
+is host memory) is *resident*: it is read and normalised once, copied to the
 device once, and every window crop, forward, flip, Gaussian weighting and accumulation happens
 there; the divided result comes back as float16 and is written in one go. Nothing returns to
 the host per window, so a GPU never waits on a copy or on numpy. The working set
