@@ -8,16 +8,15 @@ from pathlib import Path
 
 from ctseg import layout, rule_args
 from ctseg.config import check_configured_phase, load_phases, settings_used
-from ctseg.dataset_summary import small_volumes_line, store_attributes
 from ctseg.io import CtsegError
-from ctseg.network.estimate import estimate_line
 from ctseg.preprocess.demo_data import demo_dataset
 from ctseg.records import read_records, read_recorded_split
 from ctseg.report.runs import scored_runs
 from ctseg.run_settings import SETTINGS_JSON, read_run_settings
 from ctseg.runs import Runs, base_of, cv_base, fold_of, forced_on_command_line
 from ctseg.summaries import TrialSummary
-from ctseg.training.restart import restart_line, set_aside_for_phase, set_aside_line
+from ctseg.training.restart import restart_line
+from ctseg.training.start import start_lines
 
 ID_REGEX = "[A-Za-z0-9_.-]+"
 DATASET_DIR = Path("resources") / config["dataset"]
@@ -409,33 +408,22 @@ def trainings_to_run():
 
 
 def training_start(run):
-    """The lines printed before any job runs, for a training this invocation runs: a last.pt
-    trained under another phase is retrained from step 0, its finished checkpoints set aside
-    (ctseg.training.restart); how long the training takes on this machine
-    (ctseg.network.estimate); the volumes smaller than its patch, once converted."""
-    import torch
-
-    lines = []
+    """The lines printed before any job runs for a training this invocation runs
+    (ctseg.training.start: its checkpoints set aside for a retraining under another phase, its
+    estimated time, its volumes smaller than the patch)."""
     plan = training_plan(run)
-    if plan.restart_from is not None:
-        aside = set_aside_for_phase(Path(state_dir(run)), plan.restart_from)
-        lines.append(set_aside_line(run, aside) if aside else None)
-    lines.append(
-        estimate_line(
-            run,
-            run_settings(run),
-            PHASES,
-            plan.phase,
-            trials_written(run) or [],
-            "cuda" if torch.cuda.is_available() else "cpu",
-        )
+    return start_lines(
+        run,
+        restart_from=plan.restart_from,
+        phase=plan.phase,
+        settings=run_settings(run),
+        phases=PHASES,
+        trials=trials_written(run) or [],
+        image_stores={
+            i: Path(IMAGE_STORE.format(id=i)) for i in split_table(run)["id"]
+        },
+        state_dir=Path(state_dir(run)),
     )
-    stores = {i: Path(IMAGE_STORE.format(id=i)) for i in split_table(run)["id"]}
-    if all(store.exists() for store in stores.values()):
-        shapes = {i: store_attributes(s)["shape"] for i, s in stores.items()}
-        patch = run_settings(run)["data"]["patch_size"]
-        lines.append(small_volumes_line(run, shapes, patch))
-    return [line for line in lines if line]
 
 
 def dataset_summary_file(run):
