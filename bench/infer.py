@@ -313,6 +313,9 @@ def child_compare(
         far = [max(w - s, 0) for s, w in zip(shape, win, strict=True)]
         x = torch.nn.functional.pad(x, (0, far[2], 0, far[1], 0, far[0]))
         weight = device_importance_map(win, device)  # cached as ctseg's is
+        # The model in the layout ctseg's inference holds it in (channels_last_3d on CUDA), so
+        # both run the same kernels: bf16 convolutions in another layout round differently.
+        model.to(memory_format=InferenceSettings().memory_format(device))
         with torch.inference_mode():
             out = sliding_window_inference(
                 x, win, int(batch), predictor, overlap=OVERLAP, mode="gaussian",
@@ -683,6 +686,8 @@ def main() -> None:
         )
     print(f"machine: {machine()}")
     figures = []
+    if args.workdir is not None:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         if not args.monai_only:
             speedup = speed(Path(tmp), window, shape, args.batch_size, repeat)

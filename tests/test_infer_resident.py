@@ -201,3 +201,26 @@ def test_device_importance_map_is_built_once_and_equals_the_host_map():
     assert device_importance_map((6, 8, 10), cpu) is first  # cached per window and device
     np.testing.assert_array_equal(first.numpy(), gaussian_importance_map((6, 8, 10)))
     assert not first.is_inference()  # usable outside inference mode
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int16, np.float32, np.float64])
+@pytest.mark.parametrize("low,high", [(LOW, HIGH), (-3.25, 1000.5), (7.0, 7.0)])
+def test_device_normalisation_equals_the_host_normalisation(tmp_path, dtype, low, high):
+    """The resident path copies the raw volume and normalises on the device; the streamed path
+    normalises on the host. Both must give the same input, bit for bit (a degenerate span too)."""
+    from ctseg.inference.volume import _device_input, _read_slab
+
+    rng = np.random.default_rng(3)
+    shape, padded = (10, 9, 7), (12, 16, 7)
+    values = rng.uniform(-50, 1200, size=shape)
+    if dtype == np.uint8:
+        values = rng.integers(0, 256, shape)
+    if np.issubdtype(dtype, np.unsignedinteger):
+        values = np.abs(values)
+    arr = create_volume(tmp_path / "v.zarr", shape, dtype, (4, 9, 7), attributes={})
+    arr[...] = values.astype(dtype)
+    host = _read_slab(arr, 0, shape[0], low, high, padded)
+    device = _device_input(arr, low, high, padded, torch.device("cpu")).numpy()
+    assert device.dtype == np.float32 and device.shape == padded
+    assert 0 < np.count_nonzero(host) < host.size
+    np.testing.assert_array_equal(device, host)

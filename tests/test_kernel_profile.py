@@ -211,3 +211,19 @@ def test_a_cpu_profile_gives_no_gpu_advice() -> None:
         advice = knob("conv forward", "cpu", {"precision": precision})
         assert "tensor cores" not in advice and "cuDNN" not in advice and "bf16" not in advice
         assert "CPU" in advice
+
+
+def test_kernel_times_beyond_the_wall_time_are_refused_not_reported_as_shares():
+    """Under CUDA graphs the profiler attributed each replayed kernel several times (H200:
+    classes summing to 13x the step). Such a profile gives no classes, only the reason."""
+    steps = [_event("ProfilerStep*", 0, 1000)]
+    graph = _event("CompiledFunctionBackward", 10, 20, id=8, parent=steps[0])
+    replayed = [
+        _event("sm90_xmma_wgrad_implicit_gemm", 100, 900, device="cuda", id=900 + k, linked=8)
+        for k in range(3)
+    ]
+    with pytest.raises(ValueError, match=r"2\.4x the profiled wall time"):
+        summarise([*steps, graph, *replayed], "cuda", 1)
+    # One pass of the same kernels is a valid profile.
+    summary = summarise([*steps, graph, replayed[0]], "cuda", 1)
+    assert summary["classes"]["conv backward"]["fraction"] == pytest.approx(0.8)

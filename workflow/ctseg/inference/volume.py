@@ -6,10 +6,11 @@ are one `ctseg.inference.settings.InferenceSettings`.
 Resident or streamed
 --------------------
 A volume whose working set fits ``device_budget_mb`` (default 2048 MB; on a CPU run the device
-is host memory) is *resident*: it is read and normalised once, copied to the
-device once, and every window crop, forward, flip, Gaussian weighting and accumulation happens
-there; the divided result comes back as float16 and is written in one go. Nothing returns to
-the host per window, so a GPU never waits on a copy or on numpy. The working set
+is host memory) is *resident*: it is read once, copied to the device once in its own dtype
+(a uint8 volume is a quarter of its float32 bytes) and normalised there, and every window crop,
+forward, flip, Gaussian weighting and accumulation happens there; the divided result comes
+back as float16 and is written in one go. Nothing returns to the host per window, so a GPU
+never waits on a copy or on numpy. The working set
 (`ctseg.inference.windows.resident_bytes`) is the float32 input and accumulator of the padded
 volume (8 bytes a voxel), the raw volume and the float16 result (on the device and the host),
 and one batch of windows; a real 320^3 uint8 volume needs about 0.4 GB. Larger volumes are
@@ -105,6 +106,35 @@ def _read_slab(
     if target == x.shape:
         return x
     out = np.zeros(target, np.float32)
+    out[: x.shape[0], : x.shape[1], : x.shape[2]] = x
+    return out
+
+
+# Raw dtypes torch holds and converts exactly: the resident path copies these to the device
+# as they are (a quarter of the float32 bytes for uint8) and normalises there.
+_DEVICE_RAW_DTYPES = (np.uint8, np.int8, np.int16, np.int32, np.float32)
+
+
+def _device_input(
+    image: zarr.Array, low: float, high: float, padded: Shape3, device: torch.device
+) -> torch.Tensor:
+    """The whole normalised volume on `device`, zero-padded at the far end to `padded`.
+
+    The raw volume crosses to the device in its own dtype and is normalised there with the
+    operations of `normalise`, in the same order and in float32 (IEEE subtraction, division and
+    clamp), so the input equals the streamed path's host normalisation bit for bit.
+    """
+    raw = np.asarray(image[...])
+    if raw.dtype.type not in _DEVICE_RAW_DTYPES:
+        # uint16/uint32/float64...: converted to float32 on the host, as `normalise` does.
+        raw = raw.astype(np.float32)
+    x = torch.from_numpy(raw).to(device).to(torch.float32)
+    low32, high32 = np.float32(low), np.float32(high)
+    span = max(high32 - low32, np.float32(1e-6))
+    x.sub_(float(low32)).div_(float(span)).clamp_(0.0, 1.0)
+    if tuple(x.shape) == tuple(padded):
+        return x
+    out = torch.zeros(padded, dtype=torch.float32, device=device)
     out[: x.shape[0], : x.shape[1], : x.shape[2]] = x
     return out
 
@@ -264,9 +294,7 @@ def _blend_resident(
     shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
     win = settings.checked_window()
     padded = padded_shape(shape, win)
-    # Read and normalised on the host by the same function as the streamed slabs (identical
-    # inputs on both paths), then one copy to the device.
-    x = torch.from_numpy(_read_slab(image, 0, shape[0], low, high, padded)).to(device)
+    x = _device_input(image, low, high, padded, device)
     acc = torch.zeros(padded, dtype=torch.float32, device=device)
     flips = FLIP_DIMS if settings.tta_flips else ((),)
     weight = device_importance_map(win, device)

@@ -118,6 +118,11 @@ def _kernel_class(kernel: str, chain: list[str]) -> str:
     return by_operator if by_operator != "element-wise" else classify([kernel], compiled=False)
 
 
+# Kernels run one at a time on the profiled stream, so their times sum to at most the wall
+# time; a little over allows for kernels that overlap on other streams (copies, NCCL).
+OVERCOUNT = 1.05
+
+
 def summarise(
     events: Iterable[Any], device_type: str, steps: int, settings: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -152,6 +157,14 @@ def summarise(
                 busy += hi - lo
                 reach = hi
         wall_us = end - start
+        kernel_us = sum(us for label, us in totals.items() if label != "idle")
+        if kernel_us > OVERCOUNT * wall_us:
+            # Seen under CUDA graphs (compile mode reduce-overhead): a replay's kernels are
+            # attributed to the profile more than once, so no share would mean anything.
+            raise ValueError(
+                f"kernel times sum to {kernel_us / wall_us:.1f}x the profiled wall time "
+                "(CUDA graph replays are not attributed once each): no kernel classes"
+            )
         totals["idle"] = max(0.0, wall_us - busy)
         basis = "device kernel time; idle: no kernel running"
     else:
