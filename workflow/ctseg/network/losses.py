@@ -1,13 +1,15 @@
 """Loss terms for sheet segmentation, each restricted to the labelled voxels.
 
 Inputs: ``logits`` (B, 1, Z, Y, X) and a batch dict on the same device with
-``label`` (0 background, 1 sheet, 2 unlabelled), ``ignore`` (1 = not labelled), and the offline
+``label`` (values as a `ctseg.labels.LabelSpec` says; `KAGGLE` by default: 0 background,
+1 sheet, 2 unlabelled), ``ignore`` (1 = not labelled), and the offline
 targets ``skeleton``, ``tube`` (0/1) and ``sdt`` (signed distance to the sheet in voxels,
 positive outside, negative inside, clipped to [-d, d]). Each may be (B, 1, ...) or (B, ...).
 
 Conventions shared by every term:
-- The valid mask is ``ignore == 0`` (and ``label != 2``, so an unlabelled voxel can never be
-  taken for background). The binary target is ``label == 1``.
+- The valid mask is ``ignore == 0`` (and not ``labels.ignored(label)``, label 2 for Kaggle, so
+  an unlabelled voxel can never be taken for background). The binary target is
+  ``labels.foreground(label)`` (label 1 for Kaggle).
 - The prediction is p = sigmoid(logits) on valid voxels and **0 on ignored ones**, as the
   competition metric zeroes the prediction where GT == 2. Every term is a function of this
   masked p and of masked targets only, so logits inside the ignore region change no term and
@@ -31,6 +33,12 @@ Terms (all are minimised by the perfect prediction p = (label == 1) on valid vox
   prediction (p = 1 where sdt < 0, p = 0 where sdt > 0). Kervadec et al. use it next to a
   region loss (Dice), not alone.
 
+Every term is registered in `TERMS` (name -> `LossTerm`: its function, the targets it needs from
+`prepare_targets`, the options it reads); `level_terms` dispatches there and nowhere else, and
+`check_terms` refuses a name that is not registered (the workflow calls it at planning).
+docs/training.md lists the terms; tests/test_loss_registry.py keeps the registry, the schema's
+``loss.weights`` and that list equal.
+
 Deep supervision (a list of logits [full, 1/2, 1/4, ...] from `ctseg.network.model.UNet3D`): level
 k's
 targets come from the full-resolution ones with 2**k x 2**k x 2**k cells (ceil-mode, matching
@@ -43,18 +51,22 @@ holds. Without deep supervision the terms are simply the full-resolution ones.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import difflib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ctseg.io import CtsegError
+from ctseg.labels import KAGGLE, LabelSpec
 
-TERMS = ("bce", "dice", "cldice", "skel_recall", "boundary")
 SMOOTH = 1.0
-# Which batch entries each term needs beyond label and ignore.
-TERM_TARGETS = {"cldice": "skeleton", "skel_recall": "tube", "boundary": "sdt"}
+# The targets `prepare_targets` can add beyond ``valid`` and ``target``, each from the batch
+# entry of the same name, and the options `level_terms` can hand a term.
+TARGETS = ("skeleton", "tube", "sdt")
+OPTIONS = ("pos_weight", "cldice_iterations", "clip_distance")
 
 
 # -- targets ------------------------------------------------------------------------------------
@@ -69,9 +81,13 @@ def _as_5d(name: str, value: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def prepare_targets(
-    batch: Mapping[str, torch.Tensor], shape: torch.Size, needed: Sequence[str] = ()
+    batch: Mapping[str, torch.Tensor],
+    shape: torch.Size,
+    needed: Sequence[str] = (),
+    labels: LabelSpec = KAGGLE,
 ) -> dict[str, torch.Tensor]:
-    """Float32 targets at full resolution, all zeroed outside the valid mask.
+    """Float32 targets at full resolution, all zeroed outside the valid mask (`labels` says
+    which label values are ignored and which are the foreground).
 
     Returns ``valid`` and ``target`` (0/1), plus ``skeleton`` and ``tube`` (restricted to the
     target: the Skeleton Recall reference multiplies its tube by the GT, and a skeleton lies in
@@ -82,10 +98,10 @@ def prepare_targets(
         if key not in batch:
             raise KeyError(f"batch has no {key!r} (needed by the configured loss terms)")
     label = _as_5d("label", batch["label"], shape)
-    valid = label != 2
+    valid = ~labels.ignored(label)
     if "ignore" in batch:
         valid = valid & (_as_5d("ignore", batch["ignore"], shape) == 0)
-    target = (label == 1) & valid
+    target = labels.foreground(label) & valid
     out = {"valid": valid.float(), "target": target.float()}
     for key in ("skeleton", "tube"):
         if key in needed:
@@ -195,13 +211,81 @@ def boundary_term(
     return (p * sdt).sum() / t["valid"].sum().clamp_min(1.0)
 
 
-def boundary_minimum(batch: Mapping[str, torch.Tensor], clip_distance: float) -> torch.Tensor:
+def boundary_minimum(
+    batch: Mapping[str, torch.Tensor], clip_distance: float, labels: LabelSpec = KAGGLE
+) -> torch.Tensor:
     """The documented minimum of ``boundary``: mean(min(sdt, 0)) / d over valid voxels."""
     label = batch["label"]
     shape = label.shape if label.ndim == 5 else label.unsqueeze(1).shape
-    t = prepare_targets(batch, shape, ["sdt"])
+    t = prepare_targets(batch, shape, ["sdt"], labels)
     sdt = t["sdt"].clamp(-clip_distance, clip_distance) / clip_distance
     return sdt.clamp_max(0.0).sum() / t["valid"].sum().clamp_min(1.0)
+
+
+# -- registry -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """One loss term: ``function(x, t, *options)`` with x the masked float32 logits
+    (``on_logits``) or the masked probability p, t the level's targets (``valid``, ``target`` and
+    the named ``targets``), then the values of the ``options`` it reads, in that order, as
+    `compute_losses` was given them."""
+
+    name: str
+    function: Callable[..., torch.Tensor]
+    targets: tuple[str, ...] = ()  # batch entries beyond label and ignore (`prepare_targets`)
+    options: tuple[str, ...] = ()  # of OPTIONS
+    on_logits: bool = False
+
+    def __post_init__(self) -> None:
+        for kind, given, known in (
+            ("target", self.targets, TARGETS),
+            ("option", self.options, OPTIONS),
+        ):
+            unknown = [x for x in given if x not in known]
+            if unknown:
+                raise ValueError(f"loss term {self.name!r}: {kind}(s) {unknown}; known: {known}")
+
+
+def _registry(*terms: LossTerm) -> dict[str, LossTerm]:
+    return {term.name: term for term in terms}
+
+
+# A plain dict of plain Python functions: torch.compile (`Run.compile_step`) traces the lookup
+# as a constant. The order is the order of the terms in steps.csv.
+TERMS: dict[str, LossTerm] = _registry(
+    LossTerm("bce", bce_term, options=("pos_weight",), on_logits=True),
+    LossTerm("dice", dice_term),
+    LossTerm("cldice", cldice_term, targets=("skeleton",), options=("cldice_iterations",)),
+    LossTerm("skel_recall", skel_recall_term, targets=("tube",)),
+    LossTerm("boundary", boundary_term, targets=("sdt",), options=("clip_distance",)),
+)
+
+
+def unregistered(name: object) -> str:
+    """The one line refusing `name`: the registered names and the closest of them."""
+    registered = list(TERMS)
+    close = difflib.get_close_matches(str(name), registered, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "; no registered name is close"
+    return f"loss term {name!r} is not registered; registered: {', '.join(registered)}{hint}"
+
+
+def check_terms(weights_or_names: Mapping[str, Any] | Iterable[str] | str) -> list[str]:
+    """The names (a weights mapping's keys, or names) in registry order; raises CtsegError with
+    `unregistered`'s line for the first one that is not in `TERMS`. For planning: a misspelt or
+    unregistered term stops the workflow before any job starts."""
+    names = [weights_or_names] if isinstance(weights_or_names, str) else list(weights_or_names)
+    for name in names:
+        if name not in TERMS:
+            raise CtsegError(unregistered(name))
+    return [name for name in TERMS if name in names]
+
+
+def needed_targets(names: Iterable[str]) -> list[str]:
+    """The batch entries beyond label and ignore that the named terms need, in TARGETS order."""
+    wanted = {target for name in check_terms(names) for target in TERMS[name].targets}
+    return [target for target in TARGETS if target in wanted]
 
 
 def level_terms(
@@ -219,18 +303,18 @@ def level_terms(
     # reaching a term or a gradient (0 * NaN is NaN in backward, a zeroed input is not).
     logits = torch.where(valid, logits.float(), 0.0)
     p = torch.where(valid, torch.sigmoid(logits), 0.0)
+    options = {
+        "pos_weight": pos_weight,
+        "cldice_iterations": cldice_iterations,
+        "clip_distance": clip_distance,
+    }
     out = {}
     for name in names:
-        if name == "bce":
-            out[name] = bce_term(logits, t, pos_weight)
-        elif name == "dice":
-            out[name] = dice_term(p, t)
-        elif name == "cldice":
-            out[name] = cldice_term(p, t, cldice_iterations)
-        elif name == "skel_recall":
-            out[name] = skel_recall_term(p, t)
-        else:
-            out[name] = boundary_term(p, t, clip_distance)
+        if name not in TERMS:
+            raise CtsegError(unregistered(name))
+        term = TERMS[name]
+        values = [options[key] for key in term.options]
+        out[name] = term.function(logits if term.on_logits else p, t, *values)
     return out
 
 
@@ -241,9 +325,7 @@ def deep_supervision_weights(n_levels: int) -> list[float]:
 
 
 def _check_weights(weights: Mapping[str, float]) -> dict[str, float]:
-    unknown = sorted(set(weights) - set(TERMS))
-    if unknown:
-        raise CtsegError(f"loss weights: unknown term(s) {unknown}; known: {list(TERMS)}")
+    check_terms(weights)
     for name, w in weights.items():
         if not w >= 0:  # also rejects NaN
             raise CtsegError(f"loss weight {name}={w!r}: must be >= 0")
@@ -271,13 +353,15 @@ def compute_losses(
     cldice_iterations: int = 3,
     clip_distance: float = 8.0,
     ds_weights: Sequence[float] | None = None,
+    labels: LabelSpec = KAGGLE,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(total, terms): total = sum over terms of weights[name] * terms[name].
 
     Terms whose weight is 0 (or absent) are neither computed nor reported. For a list of
     logits (deep supervision, [full, 1/2, 1/4, ...]) each term is the level-weighted sum
     sum_k ds_weights[k] * term_k, with ds_weights normalised to sum 1 (default 1, 1/2, 1/4, ...).
-    ``clip_distance`` must be the d the sdt was clipped at.
+    ``clip_distance`` must be the d the sdt was clipped at; ``labels`` is the dataset's label
+    convention (which values are ignored, which foreground).
     """
     active = _check_weights(weights)
     if clip_distance <= 0:
@@ -292,11 +376,11 @@ def compute_losses(
     if full.ndim != 5 or full.shape[1] != 1:
         raise CtsegError(f"logits of shape {tuple(full.shape)}: expected (B, 1, Z, Y, X)")
     names = list(active)
-    needed = [TERM_TARGETS[n] for n in names if n in TERM_TARGETS]
+    needed = needed_targets(names)
 
     # Autocast off: the loss runs in float32 whatever precision the network ran in.
     with torch.autocast(device_type=full.device.type, enabled=False):
-        targets = prepare_targets(batch, full.shape, needed)
+        targets = prepare_targets(batch, full.shape, needed, labels)
         terms: dict[str, Any] = {}
         for k, (logits, w) in enumerate(zip(outputs, level_w, strict=True)):
             if w == 0:
