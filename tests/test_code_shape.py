@@ -1,5 +1,6 @@
-"""The shape of the code: the training loop reads top to bottom in one short module,
-and no function in the package is too long to read in one go.
+"""The shape of the code: the training loop reads top to bottom in one short module, `cli.py`
+only dispatches to the subcommands each stage registers, and no function in the package is too
+long to read in one go.
 
 Measured with `ast` on the source files: a function's length runs from its first decorator (or
 its ``def``) to its last line, nested functions and methods counted on their own as well.
@@ -7,12 +8,16 @@ its ``def``) to its last line, nested functions and methods counted on their own
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "workflow" / "ctseg"
 LOOP_MODULE = PACKAGE / "training" / "train.py"
 MAX_LOOP_LINES = 400
+CLI_MODULE = PACKAGE / "cli.py"
+MAX_CLI_LINES = 300
 MAX_FUNCTION_LINES = 99  # under 100
 # Functions allowed to be longer (none now); a new long function fails the test, and so does
 # an entry here that has since become short enough.
@@ -82,3 +87,32 @@ def test_every_function_in_the_package_is_under_100_lines() -> None:
     assert set(too_long) - KNOWN_LONG == set(), f"functions of 100 lines or more: {too_long}"
     fixed = sorted(KNOWN_LONG - set(too_long))
     assert not fixed, f"now short enough (or gone): remove {fixed} from KNOWN_LONG"
+
+
+def test_the_cli_module_only_dispatches() -> None:
+    lines = len(CLI_MODULE.read_text().splitlines())
+    assert lines <= MAX_CLI_LINES, f"{CLI_MODULE.name}: {lines} lines"
+    tree = ast.parse(CLI_MODULE.read_text())
+    commands = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    assert not [name for name in commands if name.startswith("cmd_")], "a subcommand in cli.py"
+
+
+def test_every_subcommand_is_registered_once() -> None:
+    """Each stage's `commands` module holds its subcommands; cli.COMMANDS adds every one of
+    them, once, and each `cmd_*` function of those modules is the function of one subcommand."""
+    from ctseg import cli
+
+    names = [name for _, stage_names in cli.COMMANDS for name in stage_names]
+    assert len(names) == len(set(names)), f"registered twice: {names}"
+    stages = {stage for stage, _ in cli.COMMANDS}
+    assert names and set(names) == {name for stage in stages for name in stage.PARSERS}
+    on_disk = {f"ctseg.{p.parent.name}.commands" for p in PACKAGE.glob("*/commands.py")}
+    assert {stage.__name__ for stage in stages} == on_disk, "a commands module cli does not add"
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == names
+    funcs = [sub.choices[name].get_default("func") for name in names]
+    modules = [importlib.import_module(name) for name in sorted(on_disk)]
+    defined = {getattr(m, name) for m in modules for name in vars(m) if name.startswith("cmd_")}
+    assert len(set(funcs)) == len(funcs) and set(funcs) == defined

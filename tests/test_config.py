@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import REPO, TINY_CONFIG, copy_workflow, run_snakemake
 
-from ctseg.cli import _codec
+from ctseg.cli_types import _codec
 from ctseg.config import (
     LazyFolds,
     check_trial_phases,

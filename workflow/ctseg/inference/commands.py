@@ -1,0 +1,302 @@
+"""`ctseg infer`, `predict`, `ensemble` and `tune-ensemble`: trained runs applied to volumes."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ctseg.cli_types import AddParser, _shape
+from ctseg.io import CtsegError, strict_json
+from ctseg.postprocess.commands import fixed_given, fixed_postprocess, postprocess_options
+
+if TYPE_CHECKING:
+    from ctseg.inference.settings import InferenceSettings
+
+
+def _inference_settings(args: argparse.Namespace) -> InferenceSettings:
+    from ctseg.inference.settings import InferenceSettings
+
+    return InferenceSettings(
+        window=args.window,
+        overlap=args.overlap,
+        batch_size=args.batch_size,
+        tta_flips=args.tta_flips,
+        memory_budget_mb=args.memory_budget_mb,
+        device_budget_mb=args.device_budget_mb,
+        device=args.device,
+    )
+
+
+def cmd_infer(args: argparse.Namespace) -> None:
+    from ctseg.inference.run import load_model, predict_record
+    from ctseg.training.checkpoint import stored_digest
+
+    # Both settings are checked when made, before the (long) inference, which would otherwise
+    # run only to have postprocess refuse them.
+    postprocess = fixed_postprocess(args)
+    inference = _inference_settings(args)
+    model, patch = load_model(Path(args.weights), inference.torch_device())
+    row = predict_record(
+        model,
+        Path(args.image),
+        Path(args.probabilities),
+        Path(args.mask) if args.mask else None,
+        inference.with_window(patch),
+        postprocess,
+        stored_digest(Path(args.weights)),
+    )
+    print(strict_json(row, indent=1, default=str))
+
+
+def cmd_predict(args: argparse.Namespace) -> None:
+    from ctseg.inference.predict import (
+        DEFAULT_TRAINED_WEIGHTS,
+        SUMMARY_FILE,
+        load_models,
+        predict_folder,
+        resolve_run,
+        run_postprocess,
+        write_summary,
+    )
+    from ctseg.postprocess.tuning import load_tuned
+
+    inference = _inference_settings(args)
+    run = resolve_run(
+        Path(args.run),
+        Path(args.experiments_dir),
+        Path(args.ensembles_dir),
+        args.weights or DEFAULT_TRAINED_WEIGHTS,
+    )
+    # The weights first: a damaged file is named as such, not taken for retrained weights by
+    # the check of the settings tuned for them.
+    models = load_models(run, inference.torch_device())
+    if args.settings:
+        if fixed_given(args):
+            raise CtsegError(
+                f"--settings {args.settings} and the fixed options {sorted(fixed_given(args))} "
+                "exclude each other: give one"
+            )
+        postprocess, source = load_tuned(Path(args.settings)), args.settings
+    else:
+        postprocess, source = run_postprocess(run, fixed_postprocess(args), bool(fixed_given(args)))
+    summary = predict_folder(
+        run,
+        models,
+        Path(args.input),
+        Path(args.output),
+        inference,
+        postprocess,
+        probabilities_dir=Path(args.probabilities) if args.probabilities else None,
+        only=args.only,
+        scratch=Path(args.scratch) if args.scratch else None,
+        postprocess_from=source,
+    )
+    figures = write_summary(Path(args.summary or Path(args.output) / SUMMARY_FILE), summary)
+    print(
+        f"ctseg predict: wrote {len(summary['volumes'])} mask(s) to {args.output} by "
+        f"{run.name}, post-processing {postprocess.label()} (figures: {figures})"
+    )
+
+
+def cmd_ensemble(args: argparse.Namespace) -> None:
+    from ctseg.inference.ensemble import ensemble_volume, load_weights
+
+    if args.weights_file:
+        weights, where = load_weights(Path(args.weights_file), args.names), args.weights_file
+    else:
+        weights, where = args.weights, "--weights"
+    info = ensemble_volume(
+        [Path(p) for p in args.members],
+        weights,
+        Path(args.out),
+        memory_budget_mb=args.memory_budget_mb,
+        where=where,
+    )
+    print(strict_json(info, indent=1))
+
+
+def cmd_tune_ensemble(args: argparse.Namespace) -> None:
+    from ctseg.inference.ensemble import tune_weights
+
+    members = [(m[0], [Path(p) for p in m[1:]]) for m in args.member]
+    summary = tune_weights(
+        members,
+        [Path(p) for p in args.labels],
+        Path(args.out),
+        step=args.step,
+        topo_method=args.topo_method,
+        workers=args.workers,
+    )
+    print(strict_json({k: v for k, v in summary.items() if k != "grid"}, indent=1))
+
+
+def _inference_options(p: argparse.ArgumentParser) -> None:
+    """The sliding window's options (`infer`, `predict`), defaults from `InferenceSettings`."""
+    from ctseg.inference.settings import InferenceSettings
+
+    default = InferenceSettings()
+    p.add_argument(
+        "--window", type=_shape, default=None, help="Z,Y,X window (default: the training patch)"
+    )
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=default.overlap,
+        help="fraction of the window shared by neighbouring windows, 0 <= overlap < 1 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=default.batch_size,
+        help="windows per forward pass (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tta-flips",
+        action="store_true",
+        default=default.tta_flips,
+        help="average the 8 flipped copies (8x the cost)",
+    )
+    p.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=default.memory_budget_mb,
+        help="host memory for the z-slabs of a streamed volume (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device-budget-mb",
+        type=float,
+        default=default.device_budget_mb,
+        help="hold the whole volume on the device when it fits, MB (default: %(default)s; "
+        "0: always stream)",
+    )
+    p.add_argument(
+        "--device",
+        default=default.device,
+        help="cuda, cuda:1, cpu (default: cuda if there is one, else cpu)",
+    )
+
+
+def _infer_parser(add_parser: AddParser) -> None:
+    p = add_parser("infer", help="sliding-window inference of one volume")
+    p.add_argument("weights", help="last.pt written by ctseg train")
+    p.add_argument("image", help="image .zarr written by ctseg convert")
+    p.add_argument(
+        "--mask", default=None, help="uint8 mask TIFF to write (default: probabilities only)"
+    )
+    p.add_argument("--probabilities", required=True, help="float16 probability .zarr to write")
+    _inference_options(p)
+    postprocess_options(p, ["threshold", "min_component_voxels", "fill_holes"])
+    p.set_defaults(func=cmd_infer)
+
+
+def _predict_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "predict",
+        help="a trained run's post-processed masks of a folder of new volumes",
+        description="The masks of every volume in --input (<id>.tif/.tiff, or <id>/ of slice "
+        "TIFFs) by the run's models, as <output>/<id>.tif (uint8 0/1). Post-processing: "
+        "<run>/postprocess/tuned.json when it exists and no fixed option is given, else the "
+        "fixed options (their defaults unless given).",
+    )
+    p.add_argument(
+        "--run",
+        required=True,
+        help="results/<run>: an experiment, a fold <exp>.fold<i>, a cross-validation <exp>.cv "
+        "or an ensemble",
+    )
+    p.add_argument("-i", "--input", required=True, help="folder of TIFF volumes or slice folders")
+    p.add_argument("-o", "--output", required=True, help="folder for the masks <id>.tif")
+    p.add_argument(
+        "--probabilities", default=None, help="also keep the probabilities as <DIR>/<id>.zarr"
+    )
+    p.add_argument("--only", nargs="+", default=None, metavar="ID", help="only these volumes")
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="{last,best}",
+        help="which weights file of each trained run predicts: last.pt (the default) or best.pt "
+        "(its best validation)",
+    )
+    p.add_argument(
+        "--settings", default=None, help="a tuned.json to apply instead of the run's own"
+    )
+    p.add_argument(
+        "--experiments-dir",
+        default="config/experiments",
+        help="where a cross-validation's experiment is (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ensembles-dir",
+        default="config/ensembles",
+        help="where an ensemble's file is (default: %(default)s)",
+    )
+    p.add_argument(
+        "--scratch", default=None, help="folder for the temporary stores (default: $TMPDIR)"
+    )
+    p.add_argument(
+        "--summary",
+        default=None,
+        help="JSON file the figures of each mask are added to (default: <output>/predict.json)",
+    )
+    _inference_options(p)
+    postprocess_options(p)
+    p.set_defaults(func=cmd_predict)
+
+
+def _ensemble_parser(add_parser: AddParser) -> None:
+    p = add_parser("ensemble", help="weighted mean of several runs' probabilities of one volume")
+    p.add_argument("--members", nargs="+", required=True, help="<id>.zarr of each member")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--weights", type=float, nargs="+", help="one per member, >= 0")
+    given.add_argument("--weights-file", help="weights.json from ctseg tune-ensemble")
+    p.add_argument(
+        "--names", nargs="+", default=None, help="member names, checked against --weights-file"
+    )
+    p.add_argument("--out", required=True, help="<id>.zarr to write")
+    p.add_argument("--memory-budget-mb", type=float, default=512, help="per z-slab")
+    p.set_defaults(func=cmd_ensemble)
+
+
+def _tune_ensemble_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "tune-ensemble",
+        help="ensemble weights chosen by the competition score on held-out probabilities",
+    )
+    p.add_argument(
+        "--member",
+        nargs="+",
+        action="append",
+        required=True,
+        metavar="NAME_THEN_ZARRS",
+        help="a member's name, then its <id>.zarr for every held-out volume (repeat per member; "
+        "the same ids in the same order)",
+    )
+    p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
+    p.add_argument("--out", required=True, help="weights.json to write")
+    p.add_argument("--step", type=float, default=None, help="grid step; 0.25 up to 4 members")
+    p.add_argument("--workers", type=int, default=1, help="volumes scored in parallel")
+    p.add_argument(
+        "--topo-method",
+        choices=["betti_matching", "betti_counts"],
+        default="betti_matching",
+        help="exact Betti matching, or the faster upper bound min(p_k, g_k)",
+    )
+    p.set_defaults(func=cmd_tune_ensemble)
+
+
+# Each subcommand's name and the builder that adds its parser.
+PARSERS: dict[str, Callable[[AddParser], None]] = {
+    "infer": _infer_parser,
+    "predict": _predict_parser,
+    "ensemble": _ensemble_parser,
+    "tune-ensemble": _tune_ensemble_parser,
+}
+
+
+def add_commands(add_parser: AddParser, names: Iterable[str] = PARSERS) -> None:
+    """Adds the subcommands `names` (by default all of this stage's) with `add_parser`."""
+    for name in names:
+        PARSERS[name](add_parser)
