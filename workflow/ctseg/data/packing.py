@@ -27,6 +27,7 @@ import torch
 
 from ctseg.data import augment as aug
 from ctseg.data.slots import Slot, mapped_rows
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.store import MASK_BITS
 
 SAMPLE_KEYS = (
@@ -43,10 +44,14 @@ SAMPLE_KEYS = (
 )
 
 
-def pack_bits(label: np.ndarray, skeleton: np.ndarray, tube: np.ndarray) -> np.ndarray:
-    """Bit flags as in `ctseg.store.MASK_BITS`, from a 0/1/2 label and two binary targets."""
-    packed = (label == 1).view(np.uint8) * np.uint8(MASK_BITS["foreground"])
-    packed |= (label == 2).view(np.uint8) * np.uint8(MASK_BITS["ignore"])
+def pack_bits(
+    label: np.ndarray, skeleton: np.ndarray, tube: np.ndarray, labels: LabelSpec = KAGGLE
+) -> np.ndarray:
+    """Bit flags as in `ctseg.store.MASK_BITS`, from a label (values as `labels` says) and two
+    binary targets. The flags keep foreground and ignore only: `unpack_bits` gives the label
+    back in the Kaggle values (0/1/2), whatever the dataset's."""
+    packed = labels.foreground(label).view(np.uint8) * np.uint8(MASK_BITS["foreground"])
+    packed |= labels.ignored(label).view(np.uint8) * np.uint8(MASK_BITS["ignore"])
     packed |= np.asarray(skeleton, bool).view(np.uint8) * np.uint8(MASK_BITS["skeleton"])
     packed |= np.asarray(tube, bool).view(np.uint8) * np.uint8(MASK_BITS["tube"])
     return packed

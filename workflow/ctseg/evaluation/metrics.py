@@ -60,6 +60,7 @@ from ctseg.evaluation import surface_dice as _surface
 from ctseg.evaluation.betti_matching import dim0_bound, matched_counts
 from ctseg.evaluation.thinning import slices_skeleton
 from ctseg.io import CtsegError, strict_json
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.machine import available_cpus
 
 TopoMethod = Literal["betti_matching", "betti_counts"]
@@ -69,7 +70,6 @@ TOPO_METHODS = ("betti_matching", "betti_counts")
 # (`ctseg.evaluation.betti_matching.dim0_bound`).
 UNION_BOUND = "union_bound"
 
-IGNORE_LABEL = 2
 WEIGHT_TOPO, WEIGHT_SURFACE_DICE, WEIGHT_VOI = 0.30, 0.35, 0.35
 TOPO_DIM_WEIGHTS = (0.34, 0.33, 0.33)
 TOPO_DIMS = (0, 1, 2)
@@ -86,10 +86,13 @@ def _binarise(x: np.ndarray) -> np.ndarray:
     return x != 0
 
 
-def prepare_masks(pred: np.ndarray, gt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def prepare_masks(
+    pred: np.ndarray, gt: np.ndarray, labels: LabelSpec = KAGGLE
+) -> tuple[np.ndarray, np.ndarray]:
     """Apply the ignore label and binarise: returns (pred_bin, gt_bin) as bool arrays.
 
-    Where gt == 2 both are set to background; everything else is `!= 0` with NaN as 0.
+    Where gt is the spec's ignored value (2 for Kaggle's) both are set to background;
+    everything else is `!= 0` with NaN as 0.
     """
     pred = np.asarray(pred)
     gt = np.asarray(gt)
@@ -99,7 +102,7 @@ def prepare_masks(pred: np.ndarray, gt: np.ndarray) -> tuple[np.ndarray, np.ndar
         )
     if pred.ndim != 3:
         raise ValueError(f"expected 3D volumes, got pred/gt with shape {pred.shape}")
-    keep = gt != IGNORE_LABEL
+    keep = ~labels.ignored(gt)
     return _binarise(pred) & keep, _binarise(gt) & keep
 
 
@@ -455,18 +458,18 @@ class LabelSide:
     val volume): the binarised label and where it is ignored, its surfel borders (SurfaceDice), its
     26-connected components (VOI) and its tiles' feature counts (TopoScore)."""
 
-    keep: np.ndarray  # bool: voxels not ignored (label != 2)
+    keep: np.ndarray  # bool: voxels not ignored (not the spec's ignored value, 2 for Kaggle)
     gt: np.ndarray  # bool: the label's foreground after the ignore step
     surface: _surface.LabelSurface
     components: np.ndarray
     tiles: LabelTiles
 
     @classmethod
-    def of(cls, label: np.ndarray, threads: int = 1) -> LabelSide:
+    def of(cls, label: np.ndarray, threads: int = 1, labels: LabelSpec = KAGGLE) -> LabelSide:
         label = np.asarray(label)
         if label.ndim != 3:
             raise ValueError(f"expected a 3D label volume, got shape {label.shape}")
-        keep = label != IGNORE_LABEL
+        keep = ~labels.ignored(label)
         gt = _binarise(label) & keep
         return cls(
             keep,
@@ -644,20 +647,16 @@ def _shown(values: np.ndarray, limit: int = 6) -> str:
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
-LABEL_VALUES = (0, 1, IGNORE_LABEL)
-
-
-def read_label(path: Path) -> np.ndarray:
-    """A label TIFF whose values are 0 (background), 1 (surface) and 2 (unlabelled) only: any
-    other value would silently count as surface, so it is a one-line error naming the file."""
+def read_label(path: Path, labels: LabelSpec = KAGGLE) -> np.ndarray:
+    """A label TIFF whose values are the spec's only (0 background, 1 surface and 2 unlabelled
+    for Kaggle's): any other value would silently count as surface, so it is a one-line error
+    naming the file."""
     volume = read_volume(Path(path))
-    values = _distinct_values(volume)
-    bad = values[~np.isin(values, LABEL_VALUES)]
-    if bad.size:
-        raise CtsegError(
-            f"{path}: label values outside 0/1/2: {_shown(bad)} (0 background, 1 surface, "
-            "2 unlabelled); fix or re-export the label (ctseg convert --kind label refuses it too)"
-        )
+    labels.check_values(
+        _distinct_values(volume),
+        path,
+        fix="fix or re-export the label (ctseg convert --kind label refuses it too)",
+    )
     return volume
 
 
@@ -677,9 +676,11 @@ def read_prediction(path: Path) -> np.ndarray:
     return volume
 
 
-def _check_pair(pred_tif: Path, gt_tif: Path) -> tuple[np.ndarray, np.ndarray]:
+def _check_pair(
+    pred_tif: Path, gt_tif: Path, labels: LabelSpec = KAGGLE
+) -> tuple[np.ndarray, np.ndarray]:
     pred = read_prediction(pred_tif)
-    gt = read_label(gt_tif)
+    gt = read_label(gt_tif, labels)
     if pred.shape != gt.shape:
         raise CtsegError(
             f"shape mismatch: prediction {pred_tif} has shape {pred.shape}, "

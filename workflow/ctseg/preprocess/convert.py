@@ -42,6 +42,7 @@ import tifffile
 import zarr
 
 from ctseg.io import CtsegError, bytes_on_disk, fresh_output, sha256_file, sha256_files
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.progress import Progress
 from ctseg.store import create_volume, make_compressors
 
@@ -49,7 +50,6 @@ Shape3 = tuple[int, int, int]
 SlabReader = Callable[[int, int, np.ndarray], None]
 
 TIFF_SUFFIXES = (".tif", ".tiff")
-LABEL_VALUES = (0, 1, 2)
 PERCENTILES = {"p0_5": 0.5, "p99_5": 99.5}
 NATIVE_BYTEORDER = "<" if sys.byteorder == "little" else ">"
 
@@ -692,10 +692,11 @@ SHOWN_SLICE_RUNS = 5
 
 
 class _BadLabels:
-    """The z slices where each value outside `LABEL_VALUES` occurs, over the whole volume, so
+    """The z slices where each value outside the label spec's occurs, over the whole volume, so
     that the error names exactly where to look (a chunk row's range would point at 64 slices)."""
 
-    def __init__(self) -> None:
+    def __init__(self, labels: LabelSpec = KAGGLE) -> None:
+        self.labels = labels
         self.slices: dict[int, list[int]] = {}
 
     @property
@@ -705,7 +706,7 @@ class _BadLabels:
     def add(self, rows: np.ndarray, z0: int, counts: np.ndarray) -> None:
         """Rows z0.. of the label and their value counts (`_Histogram.add`)."""
         for value in np.flatnonzero(counts):
-            if value not in LABEL_VALUES:
+            if value not in self.labels.valid_values:
                 where = np.flatnonzero((rows == value).any(axis=(1, 2)))
                 self.slices.setdefault(int(value), []).extend(int(z0 + z) for z in where)
 
@@ -713,11 +714,12 @@ class _BadLabels:
         values = sorted(self.slices)
         shown = [f"{v} in {_slice_runs(self.slices[v])}" for v in values[:SHOWN_BAD_VALUES]]
         more = len(values) - SHOWN_BAD_VALUES
+        first, rest = self.labels.describe().split(" ", 1)
+        unsure = f" ({self.labels.ignore} where unsure)" if self.labels.ignore is not None else ""
         return CtsegError(
-            f"{path}: label values outside {{0, 1, 2}}: {'; '.join(shown)}"
+            f"{path}: label values outside {{{self.labels.values_text(', ')}}}: {'; '.join(shown)}"
             + (f"; and {more} more values" if more > 0 else "")
-            + " (0 is background, 1 surface, 2 unlabelled): set those voxels to one of them "
-            "(2 where unsure)"
+            + f" ({first} is {rest}): set those voxels to one of them{unsure}"
         )
 
 
@@ -759,8 +761,10 @@ def convert_volume(
     memory_budget_mb: float = 256.0,
     expect_shape: Shape3 | None = None,
     like_source: str | Path | None = None,
+    labels: LabelSpec = KAGGLE,
 ) -> dict[str, Any]:
-    """Convert a TIFF volume to a Zarr v3 array at ``dest``. Returns the attributes written."""
+    """Convert a TIFF volume to a Zarr v3 array at ``dest``. Returns the attributes written.
+    A label volume's values must be `labels`' (Kaggle's 0/1/2 by default)."""
     source, dest = Path(source), Path(dest)
     if kind not in ("image", "label"):
         raise CtsegError(f"kind must be 'image' or 'label', got {kind!r}")
@@ -776,7 +780,7 @@ def convert_volume(
                 raise _shape_error(source, kind, src.shape, expected, like_source)
         if digest is None:
             digest = hasher.submit(sha256_files, list(src.files))
-        return _convert(src, dest, kind, chunks, codec, shards, memory_budget_mb, digest)
+        return _convert(src, dest, kind, chunks, codec, shards, memory_budget_mb, digest, labels)
     finally:
         hasher.shutdown(wait=False, cancel_futures=True)
 
@@ -790,6 +794,7 @@ def _convert(
     shards: Shape3 | None,
     memory_budget_mb: float,
     digest: Future,
+    labels: LabelSpec = KAGGLE,
 ) -> dict[str, Any]:
     attrs: dict[str, Any] = {
         "source": str(src.path),
@@ -810,7 +815,7 @@ def _convert(
             np.empty((min(depth, nz), *src.shape[1:]), dtype=src.dtype) for _ in range(n_buffers)
         ]
         pending: list[list[Future]] = [[] for _ in buffers]
-        bad_labels = _BadLabels()
+        bad_labels = _BadLabels(labels)
         with (
             _SlabWriter(arr) as writer,
             _open_reader(src) as read,
@@ -840,6 +845,6 @@ def _convert(
         attrs["source_sha256"] = digest.result()
         attrs.update(histogram.stats())
         if kind == "label":
-            attrs["label_counts"] = {str(v): int(histogram.counts[v]) for v in LABEL_VALUES}
+            attrs["label_counts"] = {str(v): int(histogram.counts[v]) for v in labels.valid_values}
         arr.update_attributes(attrs)  # one metadata write, not one per key
     return attrs

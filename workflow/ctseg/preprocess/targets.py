@@ -1,9 +1,9 @@
 """Offline training targets from a label store, computed blockwise with halos.
 
-`compute_targets` turns a label store (Zarr v3, uint8, 0 background / 1 surface / 2 ignore)
-into the targets group described in `ctseg.store`:
+`compute_targets` turns a label store (Zarr v3, uint8; values as a `ctseg.labels.LabelSpec` says,
+Kaggle's 0 background / 1 surface / 2 ignore by default) into the targets group of `ctseg.store`:
 
-- ``ignore`` = (label == 2) and ``foreground`` = (label == 1), uint8;
+- ``ignore`` = spec.ignored(label) and ``foreground`` = spec.foreground(label), uint8;
 - ``skeleton``: the medial surface of the foreground. ``distance_ridge`` (the default) is the
   ridge of the squared Euclidean distance to the nearest non-foreground voxel, saturated at
   ``RIDGE_CAP`` (255, just under 16^2): a foreground voxel whose depth is >= both of its
@@ -116,6 +116,7 @@ from scipy import ndimage
 from skimage.morphology import skeletonize
 
 from ctseg.io import CtsegError, fresh_output
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.machine import available_cpus
 from ctseg.progress import Progress
 from ctseg.store import TARGET_VOLUMES, create_in_group, open_volume
@@ -137,23 +138,27 @@ RIDGE_CAP = 255
 _U64 = np.uint64
 _MASK64 = (1 << 64) - 1
 Region = tuple[slice, slice, slice]
+Spacing = tuple[float, float, float]  # z, y, x voxel size
 
 
 # ----------------------------------------------------------------------------- the maths
 
 
-def _check_label_values(label: np.ndarray, where: str) -> None:
-    """Raise unless every value is 0, 1 or 2 (cheaply for unsigned ints, the normal case)."""
+def _check_label_values(label: np.ndarray, where: str, labels: LabelSpec = KAGGLE) -> None:
+    """Raise unless every value is one of the spec's (0, 1 or 2 for Kaggle's); cheaply for
+    unsigned ints whose valid values are 0..n, the normal case."""
     if label.size == 0:
         return
-    if label.dtype.kind == "u":
-        bad = int(label.max()) > 2
+    valid = labels.valid_values
+    if label.dtype.kind == "u" and valid == tuple(range(len(valid))):
+        bad = int(label.max()) > valid[-1]
     else:
-        bad = not bool(((label == 0) | (label == 1) | (label == 2)).all())
+        bad = not bool(np.isin(label, valid).all())
     if bad:
         values = np.unique(label)
         shown = ", ".join(str(v) for v in values[:10]) + (", ..." if values.size > 10 else "")
-        raise CtsegError(f"{where}: label values must be 0, 1 or 2; found {shown}")
+        allowed = ", ".join(str(v) for v in valid[:-1]) + f" or {valid[-1]}"
+        raise CtsegError(f"{where}: label values must be {allowed}; found {shown}")
 
 
 def _thin_symmetric(box: np.ndarray) -> np.ndarray:
@@ -296,14 +301,19 @@ def _distance_lut(clip: float) -> tuple[np.ndarray, int]:
 
 
 def _signed_distance(
-    fg: np.ndarray, clip: float, inner: Region | None = None, threads: int = 1
+    fg: np.ndarray,
+    clip: float,
+    inner: Region | None = None,
+    threads: int = 1,
+    spacing: Spacing | None = None,
 ) -> np.ndarray:
     """Clipped signed distance (positive outside) as float16, on the sub-region `inner` of `fg`.
 
     One multi-label `edtsq` pass (labels 1 = background, 2 = foreground) gives each voxel the
     squared distance to the nearest voxel of the other class: edt(background)^2 outside and
     edt(foreground)^2 inside, at the cost of a single binary pass. Uniform crops skip `edt`
-    (which would return inf there anyway).
+    (which would return inf there anyway). `spacing` (z, y, x) measures the distance in those
+    units (edt's anisotropy); None is 1 voxel along every axis.
     """
     inner = inner or (slice(None),) * 3
     shape = fg[inner].shape
@@ -311,8 +321,22 @@ def _signed_distance(
         return np.full(shape, clip, dtype=np.float16)
     if fg.all():
         return np.full(shape, -clip, dtype=np.float16)
-    sq = edt.edtsq(fg + np.uint8(1), black_border=False, parallel=threads)[inner]
-    return _sdt_from_squares(sq, fg[inner], clip)
+    sq = edt.edtsq(fg + np.uint8(1), black_border=False, parallel=threads, **_anisotropy(spacing))
+    if spacing is not None:  # squares that are not integers: the look-up table does not apply
+        return _sdt_from_distances(np.sqrt(sq[inner]), fg[inner], clip)
+    return _sdt_from_squares(sq[inner], fg[inner], clip)
+
+
+def _sdt_from_distances(dist: np.ndarray, fg: np.ndarray, clip: float) -> np.ndarray:
+    """float16 clipped signed distance from unsigned float distances (as targets_reference)."""
+    d = np.float32(clip)
+    np.minimum(dist, d, out=dist)
+    return np.where(fg.astype(bool), -dist, dist).astype(np.float16)
+
+
+def _anisotropy(spacing: Spacing | None) -> dict[str, Spacing]:
+    """edt's keyword for `spacing`, none at all for None (edt's default, 1 along every axis)."""
+    return {} if spacing is None else {"anisotropy": tuple(float(s) for s in spacing)}
 
 
 def _sdt_from_squares(sq: np.ndarray, fg: np.ndarray, clip: float) -> np.ndarray:
@@ -330,21 +354,25 @@ def targets_reference(
     clip_distance: float = 8.0,
     skeleton_method: str = "distance_ridge",
     tube_dilations: int = 2,
+    spacing: Spacing | None = None,
+    labels: LabelSpec = KAGGLE,
 ) -> dict[str, np.ndarray]:
     """The same maths on the whole volume in memory: the ground truth the blockwise path must equal.
 
     Written from the definitions (two binary `edt` calls, scipy's dilation) so that it checks the
     blockwise shortcuts (one multi-label pass, a look-up table, shift-and-OR dilation) rather than
     sharing them. Only the per-slice thinning helper is shared; a test checks it against plain
-    `skeletonize` calls.
+    `skeletonize` calls. `spacing` (z, y, x) measures sdt in those units; the skeleton and tube
+    stay on the voxel grid (a medial surface is a topological target).
     """
     label = np.asarray(label)
     if label.ndim != 3:
         raise CtsegError(f"label array: expected 3D, got shape {label.shape}")
-    _check_label_values(label, "label array")
+    _check_label_values(label, "label array", labels)
     _check_params(clip_distance, skeleton_method, tube_dilations)
-    fg = (label == 1).astype(np.uint8)
-    bg = (label != 1).astype(np.uint8)
+    foreground = labels.foreground(label)
+    fg = foreground.astype(np.uint8)
+    bg = (~foreground).astype(np.uint8)
     skel = _skeleton(fg, skeleton_method)
     if tube_dilations > 0:
         cross = ndimage.generate_binary_structure(3, 1)
@@ -352,10 +380,11 @@ def targets_reference(
     else:
         tube = skel.copy()  # scipy's iterations=0 would mean "until nothing changes"
     d = np.float32(clip_distance)
-    sdt = edt.edt(bg, black_border=False) - edt.edt(fg, black_border=False)
+    scale = _anisotropy(spacing)
+    sdt = edt.edt(bg, black_border=False, **scale) - edt.edt(fg, black_border=False, **scale)
     sdt = np.clip(sdt, -d, d).astype(np.float16)
     return {
-        "ignore": (label == 2).astype(np.uint8),
+        "ignore": labels.ignored(label).astype(np.uint8),
         "foreground": fg,
         "skeleton": skel.astype(np.uint8),
         "tube": tube.astype(np.uint8),
@@ -407,6 +436,8 @@ class _Plan:
     max_samples: int
     seed: int
     edt_threads: int
+    spacing: Spacing | None = None
+    labels: LabelSpec = KAGGLE
 
     @property
     def read_halo(self) -> int:
@@ -474,18 +505,20 @@ def _process_block(
     lo = tuple(a for a, _ in box)
     label = _opened(plan.label_path)[tuple(slice(a, b) for a, b in box)]
     inner = _local(lo, origin, stop)
-    _check_label_values(label[inner], f"{plan.label_path} (block at z,y,x={origin})")
+    _check_label_values(label[inner], f"{plan.label_path} (block at z,y,x={origin})", plan.labels)
 
-    fg = (label == 1).view(np.uint8)
+    fg = plan.labels.foreground(label).view(np.uint8)
     if plan.skeleton_method == "distance_ridge":
         sdt, skel, tube = _block_ridge(plan, fg, lo, origin, stop)
+        if plan.spacing is not None:  # the ridge's shared pass is in voxels: sdt in `spacing`
+            sdt = _block_sdt(plan, fg, lo, origin, stop)
     else:
         # `edt` releases the GIL and 2D thinning does not: run them side by side.
         sdt_future = _threads().submit(_block_sdt, plan, fg, lo, origin, stop)
         skel, tube = _block_skeleton_tube(plan, fg, lo, origin, stop)
         sdt = sdt_future.result()
     out = {
-        "ignore": (label[inner] == 2).view(np.uint8),
+        "ignore": plan.labels.ignored(label[inner]).view(np.uint8),
         "foreground": np.ascontiguousarray(fg[inner]),
         "skeleton": skel.view(np.uint8),
         "tube": tube.view(np.uint8),
@@ -519,7 +552,7 @@ def _block_sdt(
     box = [_grow(o, e, plan.sdt_halo, s) for o, e, s in zip(origin, stop, plan.shape, strict=True)]
     ctx = np.ascontiguousarray(fg[_local(lo, *zip(*box, strict=True))])
     inner = _local(tuple(a for a, _ in box), origin, stop)
-    return _signed_distance(ctx, plan.clip_distance, inner, plan.edt_threads)
+    return _signed_distance(ctx, plan.clip_distance, inner, plan.edt_threads, plan.spacing)
 
 
 def _block_ridge(
@@ -584,6 +617,16 @@ def _block_sample(
 
 
 # ----------------------------------------------------------------------------- driver
+
+
+def _distance_halo(clip_distance: float, spacing: Spacing | None) -> int:
+    """Voxels of context the clipped distance needs: ceil(d) on the voxel grid, ceil(d / the
+    smallest spacing) with `spacing`."""
+    if spacing is None:
+        return math.ceil(clip_distance)
+    if len(spacing) != 3 or not all(math.isfinite(s) and s > 0 for s in spacing):
+        raise CtsegError(f"spacing must be 3 positive numbers (z, y, x), got {spacing!r}")
+    return math.ceil(clip_distance / min(spacing))
 
 
 def _check_params(clip_distance: float, skeleton_method: str, tube_dilations: int) -> None:
@@ -670,6 +713,8 @@ def compute_targets(
     seed: int = 0,
     codec: Mapping[str, Any] | None = None,
     workers: int = 1,
+    spacing: Spacing | None = None,
+    labels: LabelSpec = KAGGLE,
     _sdt_halo: int | None = None,
     _skeleton_halo: int = SKELETON_HALO,
 ) -> dict[str, Any]:
@@ -679,7 +724,11 @@ def compute_targets(
     whole blocks, so peak memory is about workers x (block + 2 x halo)^3 x ~10 bytes. The
     distance is exact everywhere; the skeleton and tube are exact wherever every 2D
     cross-section of the foreground is at most 32 voxels wide (see the module docstring).
-    `_sdt_halo` and `_skeleton_halo` exist for tests that show smaller halos are wrong.
+    `spacing` (z, y, x voxel size, dataset.yaml's) measures sdt in those units, its halo then
+    ceil(d / the smallest spacing) voxels (a distance below d lies within d / s_i voxels along
+    axis i); skeleton and tube stay on the voxel grid. `labels` says which values are
+    foreground and ignored. `_sdt_halo` and `_skeleton_halo` exist for tests that show smaller
+    halos are wrong.
     """
     started = time.perf_counter()
     label_store, dest = Path(label_store), Path(dest)
@@ -701,11 +750,13 @@ def compute_targets(
         clip_distance=float(clip_distance),
         skeleton_method=skeleton_method,
         tube_dilations=int(tube_dilations),
-        sdt_halo=math.ceil(clip_distance) if _sdt_halo is None else int(_sdt_halo),
+        sdt_halo=_distance_halo(clip_distance, spacing) if _sdt_halo is None else int(_sdt_halo),
         skeleton_halo=int(_skeleton_halo),
         max_samples=int(max_samples),
         seed=int(seed),
         edt_threads=max(1, available_cpus() // workers),
+        spacing=None if spacing is None else tuple(float(s) for s in spacing),
+        labels=labels,
     )
     n_blocks = math.prod(-(-s // b) for s, b in zip(plan.shape, plan.block, strict=True))
     _ARRAYS.clear()  # a store rewritten since an earlier call must be opened afresh

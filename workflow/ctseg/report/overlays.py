@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 
 from ctseg.formatting import num
 from ctseg.io import CtsegError
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.report.markup import Sources, esc, missing, png, source_line
 from ctseg.store import open_volume
 
@@ -99,8 +100,8 @@ def _tint(mask: np.ndarray, rgba: tuple[float, float, float, float]) -> np.ndarr
     return layer
 
 
-def _draw_label(ax: Any, label: np.ndarray, *, fill: bool) -> None:
-    fg, ignore = label == 1, label == 2
+def _draw_label(ax: Any, label: np.ndarray, *, fill: bool, labels: LabelSpec = KAGGLE) -> None:
+    fg, ignore = labels.foreground(label), labels.ignored(label)
     if fill:
         ax.imshow(_tint(fg, LABEL_RGBA), interpolation="nearest")
         ax.imshow(_tint(ignore, IGNORE_RGBA), interpolation="nearest")

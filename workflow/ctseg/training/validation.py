@@ -12,16 +12,22 @@ import torch
 from ctseg.data.device_batches import to_device
 from ctseg.data.loader import build_loader
 from ctseg.data.patches import PatchDataset
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.network.losses import compute_losses
 from ctseg.training.distributed import Ranks, gathered
 from ctseg.training.recipe import memory_format
 
 
-def dice_score(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[float, float]:
-    """Hard Dice intersection and denominator over valid voxels (summed over a batch)."""
-    valid = (batch["ignore"] == 0) & (batch["label"] != 2)
+def dice_score(
+    logits: torch.Tensor, batch: Mapping[str, torch.Tensor], labels: LabelSpec = KAGGLE
+) -> tuple[float, float]:
+    """Hard Dice intersection and denominator over valid voxels (summed over a batch).
+
+    A batch from the loader holds its label in Kaggle's values whatever the dataset's
+    (`ctseg.data.packing.unpack_bits`), so `labels` stays `KAGGLE` for those."""
+    valid = (batch["ignore"] == 0) & ~labels.ignored(batch["label"])
     pred = (logits > 0) & valid
-    truth = (batch["label"] == 1) & valid
+    truth = labels.foreground(batch["label"]) & valid
     return float((pred & truth).sum()), float(pred.sum() + truth.sum())
 
 
