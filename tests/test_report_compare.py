@@ -167,7 +167,14 @@ def make_runs(root: Path) -> dict:
     }
     phase = {"batch_size": 2, "workers": 2}
     write_run_settings(
-        exp / "train", base, phase, weights="ema", source_weights=None, run_identity="aaaa"
+        exp / "train",
+        base,
+        phase,
+        phase_id=1,
+        phase_auto=True,
+        weights="ema",
+        source_weights=None,
+        run_identity="aaaa",
     )
 
     full = results / "exp001_full"
@@ -181,7 +188,14 @@ def make_runs(root: Path) -> dict:
         "data": {"patch_size": [48, 64, 64]},
     }
     write_run_settings(
-        full / "train", fine_tune, phase, weights="trained", source_weights="d1g3", run_identity="b"
+        full / "train",
+        fine_tune,
+        phase,
+        phase_id=4,
+        phase_auto=False,
+        weights="trained",
+        source_weights="d1g3",
+        run_identity="b",
     )
     write_scores(
         full / "evaluation",
@@ -297,7 +311,8 @@ def test_comparison_table_is_the_files_numbers(rendered):
     assert exp[hours] == f"{fmt((2 * 3600 + 1800 + 360) / 3600)} GPU-hours"  # cuda:0
     full = table["exp001_full"]
     assert full["steps"] == "60" and full["val Dice (patches, last epoch)"] == "0.700"
-    assert full["phase, train device"] == "not recorded"  # no train log
+    # The phase is settings.json's id, whatever a log says or lacks (exp001_full has no log).
+    assert full["phase, train device"] == "4, device not recorded"
     assert full[hours] == f"{fmt((7200 + 180) / 3600)} device hours (device not recorded)"
     # The ensemble's row counts its members' training: its own 90 s, then theirs.
     ens = table["ens1"]

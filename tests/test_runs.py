@@ -275,7 +275,12 @@ def trained_record(runs: Runs, run: str, phase: int) -> dict:
 
     return json.loads(
         json.dumps(
-            {"experiment": thaw(dict(runs.settings(run))), "phase": thaw(dict(runs.phases[phase]))},
+            {
+                "experiment": thaw(dict(runs.settings(run))),
+                "phase": thaw(dict(runs.phases[phase])),
+                "phase_id": phase,
+                "phase_auto": False,
+            },
             default=str,
         )
     )
@@ -361,13 +366,22 @@ def test_auto_keeps_a_model_trained_without_trials_on_its_phase(config_dirs) -> 
         "settings change or its last.pt is removed",
     )
     assert plan_of(runs, "auto", record, trials=[trial(3, 2.0)]) == TrainingPlan(False, 3, None)
-    # Trained under a phase config/phases.yaml no longer defines: nothing to stay on.
+    # The phase is the recorded id: a phase whose settings config/phases.yaml has changed
+    # since is still that phase, not found again by comparing settings.
     record["phase"]["workers"] = 99
+    assert plan_of(runs, "auto", record, trials=[trial(3, 2.0)]) == TrainingPlan(False, 3, None)
+    # Trained under a phase config/phases.yaml no longer defines: nothing to stay on.
+    record["phase_id"] = 99
     assert plan_of(runs, "auto", record) == TrainingPlan(
         True,
         "auto",
         "exp001: retrains under phase auto, after its trials: its last.pt was trained without "
-        "them, under a phase config/phases.yaml does not define",
+        "them, under phase 99, which config/phases.yaml does not define",
+    )
+    # A settings.json that records no id (written before ids were): no phase to stay on.
+    del record["phase_id"]
+    assert "under a phase no train/settings.json records" in str(
+        plan_of(runs, "auto", record).notice
     )
 
 
@@ -466,3 +480,36 @@ def test_the_plan_s_split_keeps_a_recorded_split_when_a_record_is_added(
     )
     kept = plan.split_table("exp001").set_index("id")["split"]
     assert list(kept.loc[before["id"]]) == list(before["split"])
+
+
+def test_an_experiment_the_stages_refuse_is_refused_at_planning_naming_its_file(
+    config_dirs,
+) -> None:
+    """The workflow passes the loss registry's check (`ctseg.network.losses.check_terms`): an
+    experiment whose terms it refuses stops planning with one line naming the file."""
+    from ctseg.network.losses import check_terms
+
+    experiments, ensembles = config_dirs
+
+    def check(exp) -> None:
+        # The registry's check as if `boundary` were in the schema with no registered function.
+        # (A term weighted 0 is off: the simulated missing function is never called.)
+        weights = exp["loss"]["weights"]
+        check_terms([n + "_unregistered" * (n == "boundary") for n, w in weights.items() if w])
+
+    (experiments / "no_boundary.yaml").write_text(
+        "extends: exp001\nname: no_boundary\nloss: {weights: {boundary: 0.0}}\n"
+    )
+    runs = Runs(
+        records(labelled_test=True),
+        dataset="mine",
+        experiments_dir=experiments,
+        ensembles_dir=ensembles,
+        phases=load_phases(REPO / "config" / "phases.yaml"),
+        demo=False,
+        check_experiment=check,
+    )
+    with pytest.raises(CtsegError, match=r"exp001\.yaml: loss term 'boundary_unregistered' is"):
+        runs.experiment("exp001")  # its weights include boundary
+    # Loaded: boundary is off in it, so its terms pass the check.
+    assert runs.experiment("no_boundary")["loss"]["weights"]["boundary"] == 0.0

@@ -7,7 +7,10 @@ without opening any config file. It holds:
 
 - ``experiment``: the experiment as training used it: ``extends`` resolved, the fold applied,
   the schema's defaults filled in;
-- ``phase``: the loader phase the run trained under (after ``phase: auto`` chose);
+- ``phase``: the settings of the loader phase the run trained under (after ``phase: auto``
+  chose), ``phase_id`` its number in config/phases.yaml and ``phase_auto`` whether ``phase:
+  auto`` chose it: the planner and the report read the phase from these two, never by
+  comparing settings or reading logs (`recorded_phase`);
 - ``weights``: ``ema`` or ``trained``, which weights last.pt holds;
 - ``source_weights``: for a fine-tune, the digest of the weights it started from (else null);
 - ``run_identity``: the digest of everything that determines the trained weights
@@ -31,6 +34,8 @@ def write_run_settings(
     exp: Mapping[str, Any],
     phase: Mapping[str, Any],
     *,
+    phase_id: int | None,
+    phase_auto: bool,
     weights: str,
     source_weights: str | None,
     run_identity: str,
@@ -40,6 +45,8 @@ def write_run_settings(
     record = {
         "experiment": dict(exp),
         "phase": dict(phase),
+        "phase_id": phase_id,
+        "phase_auto": phase_auto,
         "weights": weights,
         "source_weights": source_weights,
         "run_identity": run_identity,
@@ -63,6 +70,17 @@ def read_run_settings(path: Path) -> dict[str, Any]:
             "rewrite it"
         )
     return data
+
+
+def recorded_phase(settings: Mapping[str, Any] | None) -> tuple[int | None, bool]:
+    """(phase id, chosen by auto) as settings.json records them; (None, False) where it
+    records no id (no file, or one written before ids were recorded)."""
+    if not settings:
+        return None, False
+    phase_id = settings.get("phase_id")
+    if isinstance(phase_id, bool) or not isinstance(phase_id, int):
+        return None, False
+    return phase_id, settings.get("phase_auto") is True
 
 
 def flat_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

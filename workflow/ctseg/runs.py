@@ -47,6 +47,7 @@ from ctseg.records import (
     keep_recorded,
     select_records,
 )
+from ctseg.run_settings import recorded_phase
 from ctseg.summaries import TrialSummary
 
 # Directories of results/ that are not runs.
@@ -129,6 +130,7 @@ class Runs:
         demo: bool,
         other_datasets: Sequence[str] = (),
         recorded_split: Callable[[Path], Mapping[str, Any] | None] | None = None,
+        check_experiment: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.records = records
         self.dataset = dataset
@@ -142,6 +144,9 @@ class Runs:
         # The split a run recorded beside its split.csv (`ctseg.records.read_recorded_split`),
         # kept by its next selection; None: no run has recorded one.
         self.recorded_split = recorded_split or (lambda path: None)
+        # What the stages check of a loaded experiment beyond its schema (the workflow passes
+        # the loss registry's `check_terms`): its CtsegError is refused naming the file.
+        self.check_experiment = check_experiment or (lambda exp: None)
         self.root = layout.results_root(dataset)
         self.experiment_names = yaml_names(self.experiments_dir)
         self.ensemble_names = yaml_names(self.ensembles_dir)
@@ -225,6 +230,10 @@ class Runs:
                 )
             exp = load_experiment(path)
             check_trial_phases(exp, self.phases, str(path))
+            try:
+                self.check_experiment(exp)
+            except CtsegError as exc:
+                raise CtsegError(f"{path}: {exc}") from exc
             self._experiments[name] = exp
         return self._experiments[name]
 
@@ -606,9 +615,10 @@ class Runs:
         so a finished run's job declares the trials exactly when the job that wrote its last.pt
         did, whatever the phase now; phase auto declares them when the run trains anyway. Under
         auto, a run trained without its trials stays on the phase it was trained under (the
-        job's --phase) until its training settings change. A change of those settings retrains
-        the run, naming the keys. A last.pt kept under another phase than the job's is set
-        aside should the job run (`TrainingPlan.restart_from`)."""
+        job's --phase) until its training settings change. The phase a run trained under is
+        the id its settings.json records (`ctseg.run_settings.recorded_phase`). A change of
+        those settings retrains the run, naming the keys. A last.pt kept under another phase
+        than the job's is set aside should the job run (`TrainingPlan.restart_from`)."""
         auto = phase == "auto"
         if not last_pt:
             return TrainingPlan(auto, phase, None)
@@ -620,16 +630,16 @@ class Runs:
                 f"{run}: retrains: its experiment's {', '.join(changed)} changed since its "
                 "last.pt was trained",
             )
-        then = None if trained is None else trained.get("phase")
-        number = next((n for n, p in self.phases.items() if thaw(dict(p)) == then), None)
-        if trained is None:
+        recorded, _ = recorded_phase(trained)
+        number = recorded if recorded in self.phases else None
+        if recorded is None:
             under = "a phase no train/settings.json records"
         elif number is None:
-            under = "a phase config/phases.yaml does not define"
+            under = f"phase {recorded}, which config/phases.yaml does not define"
         else:
             under = f"phase {number}"
         chosen = None if trials is None else auto_phase(trials)
-        chosen_same = chosen in self.phases and then == thaw(dict(self.phases[chosen]))
+        chosen_same = number is not None and chosen == number
         if after_trials and trials is None:  # its set of inputs changes either way
             return TrainingPlan(
                 auto,
@@ -638,7 +648,7 @@ class Runs:
                 "written now",
             )
         if not auto:
-            if trained is None or then == thaw(dict(self.phases[phase])):  # type: ignore[index]
+            if trained is None or number == phase:
                 return TrainingPlan(after_trials, phase, None)
             return TrainingPlan(
                 after_trials,

@@ -9,6 +9,7 @@ from pathlib import Path
 from ctseg import layout, rule_args
 from ctseg.config import check_configured_phase, load_phases, settings_used
 from ctseg.io import CtsegError
+from ctseg.network.losses import check_terms
 from ctseg.preprocess.demo_data import demo_dataset
 from ctseg.records import read_records, read_recorded_split
 from ctseg.report.runs import scored_runs
@@ -74,6 +75,8 @@ RUNS = planning(Runs)(
     demo=IS_DEMO,
     other_datasets=layout.other_datasets("resources", config["dataset"]),
     recorded_split=read_recorded_split,
+    # An unregistered loss term is refused here, at planning, naming the experiment's file.
+    check_experiment=lambda exp: check_terms(exp["loss"]["weights"]),
 )
 
 # The run model's answers, as the rules and input functions use them.

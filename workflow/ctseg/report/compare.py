@@ -8,7 +8,8 @@ Each cell is read from the run's own files (named under the table, run by run):
 - the scored split and whether anything was fitted on those volumes (`provenance`);
 - val Dice: the last row of ``train/epochs.csv``; steps: the rows of ``train/steps.csv`` (one
   per optimizer step); samples/s: their mean;
-- phase and device: what ``ctseg train`` printed into its log (`runs.train_log_facts`);
+- phase and device: the phase train/settings.json records (`ctseg.run_settings.recorded_phase`)
+  and the device ``ctseg train`` printed into its log (`runs.train_log_facts`);
 - job hours and device hours: the run's Snakemake benchmark TSVs (`timings.run_hours`); a
   cross-validation's or an ensemble's row adds those of its members (its folds, or the runs it
   averages), named by the ``members`` of its ``evaluation/summary.json`` provenance (the
@@ -38,6 +39,7 @@ from ctseg.report.provenance import Provenance, read_provenance
 from ctseg.report.runs import Run, run_from_dir, train_log_facts
 from ctseg.report.timings import GPU_RULES, RunHours, run_hours
 from ctseg.report.training import unlabelled_note, unlabelled_steps
+from ctseg.run_settings import SETTINGS_JSON, read_run_settings, recorded_phase
 from ctseg.summaries import STEP_REQUIRED
 
 # scores.csv column -> header: the competition score and its three terms.
@@ -63,6 +65,7 @@ class RunFacts:
     baseline: pd.DataFrame | None = None  # baseline/scores.csv (ctseg.evaluation.baseline)
     baseline_summary: dict[str, Any] = field(default_factory=dict)
     weights_note: str = ""  # where the members' weights come from
+    phase: tuple[int | None, bool] = (None, False)  # train/settings.json's (phase_id, auto)
 
     @property
     def total_hours(self) -> tuple[float | None, float | None]:
@@ -114,6 +117,10 @@ def read_run(run: Run, src: Sources) -> RunFacts:
         if epochs_csv.exists():
             facts.epochs = read_table(epochs_csv)
             facts.files.append(src.use(epochs_csv))
+    if run.train_dir is not None and (run.train_dir / SETTINGS_JSON).exists():
+        settings_path = run.train_dir / SETTINGS_JSON
+        facts.phase = recorded_phase(read_run_settings(settings_path))
+        facts.files.append(src.use(settings_path))
     facts.log, log_path = train_log_facts(run)
     if facts.log and log_path is not None:
         facts.files.append(src.use(log_path))
@@ -209,14 +216,16 @@ def _last(frame: pd.DataFrame | None, column: str) -> Any:
     return frame[column].iloc[-1]
 
 
-def _phase(log: dict[str, Any]) -> str:
-    """The phase and device the training printed."""
-    if "phase" not in log and "device" not in log:
+def _phase(facts: RunFacts) -> str:
+    """The phase train/settings.json records (its id, and whether phase auto chose it) and the
+    device the training printed."""
+    phase_id, auto = facts.phase
+    if phase_id is None and "device" not in facts.log:
         return "not recorded"
-    phase = "phase not recorded"
-    if "phase" in log:
-        phase = f"{fmt(log['phase'])} (auto)" if log.get("phase_auto") else fmt(log["phase"])
-    return f"{phase}, {log.get('device', 'device not recorded')}"
+    phase = "phase not recorded" if phase_id is None else str(phase_id)
+    if phase_id is not None and auto:
+        phase += " (auto)"
+    return f"{phase}, {facts.log.get('device', 'device not recorded')}"
 
 
 def _hours(seconds: float | None) -> str:
@@ -261,7 +270,7 @@ def comparison_row(facts: RunFacts) -> list[str]:
         # A combined run trained nothing of its own: the steps column says so, once.
         fmt(_last(facts.epochs, "val_dice"), 3) if trained else "n/a",
         fmt(len(steps)) if steps is not None else ("n/a" if trained else untrained),
-        _phase(facts.log) if trained else "n/a",
+        _phase(facts) if trained else "n/a",
         fmt(steps["samples_per_s"].mean()) if steps is not None else "n/a",
         _total(job_s, facts.hours.job_s, members),
         _total(gpu_s, facts.hours.gpu_s, members, hours_unit(run_devices(facts))),

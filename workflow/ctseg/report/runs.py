@@ -119,7 +119,6 @@ def train_log_facts(run: Run) -> tuple[dict[str, Any], Path | None]:
             except json.JSONDecodeError:
                 continue
             if isinstance(data, dict) and "phase" in data:
-                auto = re.search(r"^phase auto: chose phase", text, re.M) is not None
-                return {**data, "phase_auto": auto}, path
+                return data, path
         return {}, path
     return {}, None

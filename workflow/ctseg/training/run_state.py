@@ -27,6 +27,7 @@ import torch
 from ctseg.io import check_free_space
 from ctseg.network.flops import Efficiency
 from ctseg.network.model import portable_state_dict
+from ctseg.run_settings import write_run_settings
 from ctseg.training.checkpoint import (
     BEST,
     checkpoint_bytes,
@@ -82,6 +83,8 @@ class Run:
     efficiency: Efficiency  # counted FLOPs per sample and the device's peak: steps.csv's MFU
     stopping: Stopping  # stop requests and the checkpoint timer (ctseg.training.stopping)
     log_every: int = 1  # steps between appends of steps.csv
+    phase_id: int | None = None  # the phase's number in config/phases.yaml (settings.json)
+    phase_auto: bool = False  # chosen by phase auto (settings.json)
     step: int = 0
     epoch: int = 0
     sample_index: int = 0  # the next sample of the stream this run's feed takes
@@ -228,3 +231,17 @@ class Run:
             save_checkpoint(folder / BEST, self.final_state())
         elif self.log_dir / BEST != folder / BEST:
             publish_copy(self.log_dir / BEST, folder / BEST)
+
+    def write_settings(self) -> None:
+        """train/settings.json (`ctseg.run_settings`): what this run was trained with, the
+        phase's id included, and which weights last.pt holds."""
+        write_run_settings(
+            self.out_dir,
+            self.exp,
+            self.phase,
+            phase_id=self.phase_id,
+            phase_auto=self.phase_auto,
+            weights="ema" if self.ema is not None else "trained",
+            source_weights=self.identity.get("source_weights"),
+            run_identity=identity_digest(self.identity),
+        )

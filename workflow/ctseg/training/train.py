@@ -36,7 +36,6 @@ from ctseg.network.flops import Efficiency
 from ctseg.network.losses import compute_losses, loss_settings
 from ctseg.network.model import build_model, parameter_digest
 from ctseg.progress import Progress
-from ctseg.run_settings import write_run_settings
 from ctseg.training import recipe
 from ctseg.training.checkpoint import (
     append_rows,
@@ -84,6 +83,8 @@ def train(
     device: str | None = None,
     progress: bool = True,
     stop: StopRequest | None = None,
+    phase_id: int | None = None,
+    phase_auto: bool = False,
 ) -> dict[str, Any]:
     """Train `exp` under `phase`; returns a summary. See the module docstring for the logs, and
     `ctseg.training.distributed` for what changes when torchrun starts several processes.
@@ -100,6 +101,7 @@ def train(
         )
         run = setup(exp, phase, ranks, dev, data, clip, max_steps, out_dir, state_dir, source)
         run.stopping.request = stop
+        run.phase_id, run.phase_auto = phase_id, phase_auto
         resumed = run.resume()
         run.step_model, run.skip_sync = ddp_wrap(run.model, dev, ranks)
         if phase.get("compile"):
@@ -364,14 +366,7 @@ def finish(run: Run, final_weights: Path | None, resumed: Mapping[str, Any]) -> 
     if run.ranks.main and run.stopping.stopped is None:
         publish_logs(run.log_dir, run.out_dir)
         if not run.trial:
-            write_run_settings(
-                run.out_dir,
-                run.exp,
-                run.phase,
-                weights="ema" if run.ema is not None else "trained",
-                source_weights=run.identity.get("source_weights"),
-                run_identity=identity_digest(run.identity),
-            )
+            run.write_settings()
         if final_weights is not None:
             save_checkpoint(final_weights, run.final_state())
             if not run.trial:

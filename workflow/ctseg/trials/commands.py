@@ -121,6 +121,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                 init_from=Path(args.init_from) if args.init_from else None,
                 device=str(device),
                 stop=stop,
+                phase_id=phase_id,
+                phase_auto=args.phase == "auto",
             )
     if first:
         print(strict_json({"phase": phase_id, **summary}, indent=1, default=str))
