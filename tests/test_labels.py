@@ -188,6 +188,55 @@ def test_kaggle_masks_reproduce_the_literals():
     assert no_ignore.valid_values == (0, 1)
 
 
+FOUR = LabelSpec(
+    {"background": 0, "pore": 30, "sheet": 10, "fibre": 20}, ignore=255, source="four.yaml"
+)
+
+
+def test_stored_spec():
+    assert KAGGLE.stored() == KAGGLE
+    assert KAGGLE.n_classes == 1 and KAGGLE.out_channels == 1
+    stored = FOUR.stored()
+    assert dict(stored.labels) == {"background": 0, "sheet": 1, "fibre": 2, "pore": 3}
+    assert stored.ignore == 4 and stored.classes == ("sheet", "fibre", "pore")
+    assert FOUR.n_classes == 3 and FOUR.out_channels == 4
+    assert stored.stored() == stored
+    no_ignore = LabelSpec({"background": 0, "a": 7, "b": 3})
+    assert no_ignore.stored().ignore is None
+    assert dict(no_ignore.stored().labels) == {"background": 0, "b": 1, "a": 2}
+    regions = LabelSpec({"background": 0, "a": 7, "b": 3}, regions={"r": ["a"]})
+    assert regions.stored().region_values("r") == (2,)
+
+
+def test_to_and_from_stored():
+    values = np.array([[0, 10, 20], [30, 255, 0]], dtype=np.uint8)
+    stored = FOUR.to_stored(values)
+    assert stored.dtype == np.uint8
+    np.testing.assert_array_equal(stored, [[0, 1, 2], [3, 4, 0]])
+    np.testing.assert_array_equal(FOUR.from_stored(stored), values)
+    rng = np.random.default_rng(1)
+    kaggle = rng.integers(0, 3, size=(4, 5, 6)).astype(np.uint8)
+    assert KAGGLE.to_stored(kaggle).tobytes() == kaggle.tobytes()
+    assert KAGGLE.from_stored(kaggle).tobytes() == kaggle.tobytes()
+    np.testing.assert_array_equal(FOUR.to_stored(values.astype(np.int64)), stored)
+
+
+@pytest.mark.parametrize(
+    ("call", "bad", "pattern"),
+    [
+        ("to_stored", [0, 5], r"^v\.tif: label values outside 0/10/20/30/255: \[5\] .*four\.yaml$"),
+        ("from_stored", [0, 7], r"^v\.tif: label values outside 0/1/2/3/4: \[7\] .*four\.yaml"),
+        ("to_stored", [0, 300], r"^v\.tif: label values outside 0/10/20/30/255: \[300\]"),
+        ("to_stored", [0.5], r"^v\.tif: label values of type float64; .*uint8$"),
+    ],
+)
+def test_unknown_values_are_refused(call, bad, pattern):
+    with pytest.raises(CtsegError) as err:
+        getattr(FOUR, call)(np.array(bad), "v.tif")
+    assert "\n" not in str(err.value)
+    assert re.search(pattern, str(err.value))
+
+
 def test_spec_is_frozen():
     with pytest.raises(AttributeError):
         KAGGLE.ignore = 3  # type: ignore[misc]

@@ -206,6 +206,64 @@ class LabelSpec:
             values.append(self.ignore)
         return tuple(sorted(values))
 
+    @property
+    def n_classes(self) -> int:
+        """K, the number of foreground classes (1 for a binary spec)."""
+        return len(self.classes)
+
+    @property
+    def out_channels(self) -> int:
+        """A network's output channels for this spec: 1 (sigmoid) when binary, else K+1
+        (softmax, background first)."""
+        return 1 if self.is_binary else self.n_classes + 1
+
+    # ------------------------------------------------------------------ stored values
+    def stored(self) -> LabelSpec:
+        """The spec of the values `ctseg convert --kind label` stores: background 0, the classes
+        1..K in this spec's value order (names kept), the ignored value (if any) K+1. The Kaggle
+        spec's stored spec is itself."""
+        labels = {BACKGROUND: 0} | {name: i + 1 for i, name in enumerate(self.classes)}
+        ignore = None if self.ignore is None else self.n_classes + 1
+        stored = LabelSpec(labels=labels, ignore=ignore, regions=dict(self.regions))
+        object.__setattr__(stored, "source", f"{self.source} (stored values)")
+        return stored if stored != self else self
+
+    def _values(self) -> list[int]:
+        return list(self.labels.values()) + ([self.ignore] if self.ignore is not None else [])
+
+    def _map(self, array: Any, to_stored: bool, path: str | Path) -> np.ndarray:
+        stored = self.stored()
+        source, target = (self, stored) if to_stored else (stored, self)
+        table = np.zeros(MAX_VALUE + 1, dtype=np.uint8)
+        known = np.zeros(MAX_VALUE + 1, dtype=bool)
+        table[source._values()] = target._values()
+        known[source._values()] = True
+        values = np.asarray(array)
+        if values.dtype != np.uint8:
+            if not np.issubdtype(values.dtype, np.integer):
+                raise CtsegError(
+                    f"{path}: label values of type {values.dtype}; label volumes hold integers "
+                    f"0..{MAX_VALUE}; convert the volume to uint8"
+                )
+            outside = (values < 0) | (values > MAX_VALUE)
+            if outside.any():
+                source.check_values(np.unique(values[outside]), path)
+            values = values.astype(np.uint8)
+        bad = ~known[values]
+        if bad.any():
+            source.check_values(np.unique(values[bad]), path)
+        return table[values]
+
+    def to_stored(self, array: Any, path: str | Path = "label volume") -> np.ndarray:
+        """`array` (this spec's values) as stored uint8 values (`stored`); a value outside the spec
+        is refused with `check_values`' one-line error naming `path`."""
+        return self._map(array, True, path)
+
+    def from_stored(self, array: Any, path: str | Path = "label volume") -> np.ndarray:
+        """`array` (stored values, `stored`) as this spec's uint8 values: the inverse of
+        `to_stored`; a value outside the stored spec is refused naming `path`."""
+        return self._map(array, False, path)
+
     def region_values(self, region: str) -> tuple[int, ...]:
         return tuple(self.labels[name] for name in self.regions[region])
 
