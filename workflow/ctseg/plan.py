@@ -198,22 +198,55 @@ def write_plan(path: str | Path, plan: RunPlan) -> bool:
     return True
 
 
-def read_plan(path: str | Path) -> RunPlan:
-    """A run's plan.json, checked: a missing, damaged or other-version file is one line naming
-    it and the fix."""
+def write_dataset_plan(path: str | Path, plan: DatasetPlan) -> bool:
+    """The dataset's plan (`DatasetPlan`) beside its runs, for the steps that run per volume
+    rather than per run (convert, targets, evaluation); unchanged, the file is left as is."""
     path = Path(path)
+    text = strict_json({"version": PLAN_VERSION, **plan.to_dict()}, indent=1, sort_keys=True)
+    try:
+        if path.read_text() == text + "\n":
+            return False
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text + "\n")
+    return True
+
+
+def read_dataset_plan(path: str | Path) -> DatasetPlan:
+    """A dataset plan written by `write_dataset_plan`, checked as `read_plan` checks a run's."""
+    data = _read_json(Path(path), "dataset plan")
+    if data.get("version") != PLAN_VERSION:
+        raise CtsegError(
+            f"{path}: dataset plan version {data.get('version')!r}, this ctseg reads version "
+            f"{PLAN_VERSION}; rerun snakemake to write it again"
+        )
+    try:
+        return DatasetPlan.from_dict(data)
+    except (KeyError, TypeError) as exc:
+        raise CtsegError(f"{path}: not a dataset plan ({exc}); rerun snakemake") from exc
+
+
+def _read_json(path: Path, what: str) -> Mapping[str, Any]:
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
         raise CtsegError(
-            f"{path}: cannot read the run plan ({exc.strerror or exc}); the workflow writes it: "
+            f"{path}: cannot read the {what} ({exc.strerror or exc}); the workflow writes it: "
             "rerun snakemake"
         ) from exc
     except json.JSONDecodeError as exc:
         raise CtsegError(
-            f"{path}: the run plan is not valid JSON (line {exc.lineno}); delete it and rerun "
+            f"{path}: the {what} is not valid JSON (line {exc.lineno}); delete it and rerun "
             "snakemake"
         ) from exc
     if not isinstance(data, Mapping):
-        raise CtsegError(f"{path}: not a run plan; delete it and rerun snakemake")
-    return RunPlan.from_dict(data, str(path))
+        raise CtsegError(f"{path}: not a {what}; delete it and rerun snakemake")
+    return data
+
+
+def read_plan(path: str | Path) -> RunPlan:
+    """A run's plan.json, checked: a missing, damaged or other-version file is one line naming
+    it and the fix."""
+    return RunPlan.from_dict(_read_json(Path(path), "run plan"), str(path))

@@ -7,9 +7,10 @@
 - `run_plan`: one run's experiment (fold applied) with its patch resolved, and its phase. An
   experiment's ``data.patch_size: auto`` is planned from the spacing and the images' median
   shape, within ``data.patch_voxels`` voxels (`ctseg.network.patch_plan.plan_patch`), in
-  multiples of the network's downsampling; ``data.augment.spacing`` is filled with an anisotropic
-  dataset's spacing relative to its finest axis (null, the schema's isotropic, otherwise), so that augmentation only swaps axes of equal
-  spacing (`ctseg.data.augment.permutable_groups`).
+  multiples of the network's downsampling. ``data.augment.spacing`` is filled with an
+  anisotropic dataset's spacing relative to its finest axis (null, the schema's isotropic,
+  otherwise), so that augmentation only swaps axes of equal spacing
+  (`ctseg.data.augment.permutable_groups`).
 """
 
 from __future__ import annotations
@@ -116,4 +117,3 @@ def image_shapes_of(sources: Sequence[str | Path]) -> list[tuple[int, ...]]:
                 f"{path}: cannot read the TIFF header for the patch plan ({exc})"
             ) from exc
     return shapes
-
