@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ctseg import __version__
+from ctseg.cli_types import from_plan
 from ctseg.evaluation import commands as evaluation
 from ctseg.inference import commands as inference
 from ctseg.io import CtsegError, disk_full, os_error_line
@@ -54,11 +55,18 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except CtsegError as exc:  # a file an option names (an experiment, a plan) is refused
+        words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+        print(f"ctseg {words[0] if words else ''}: error: {exc.line()}", file=sys.stderr)
+        return 2
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if on_main_thread else None
     func: Callable[[argparse.Namespace], None] = args.func
     try:
+        if hasattr(args, "plan"):
+            from_plan(args)
         if getattr(args, "fold", None) is not None:
             from ctseg.config import with_fold
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from typing import Any
 
 # `ArgumentParser.add_subparsers().add_parser`: each subcommand's builder adds itself with it.
 AddParser = Callable[..., argparse.ArgumentParser]
@@ -68,3 +69,58 @@ def _fold_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         help="run fold I of an experiment with split.folds (the run <experiment>.fold<I>)",
     )
+
+
+def _plan(path: str) -> object:
+    from ctseg.plan import read_plan
+
+    return read_plan(path)
+
+
+def plan_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plan",
+        type=_plan,
+        default=None,
+        help="results/plans/<run>.json: the run's experiment (fold applied, patch resolved) and "
+        "dataset (labels, spacing), instead of --experiment and --fold",
+    )
+
+
+def from_plan(args: argparse.Namespace) -> None:
+    """--plan in place of --experiment and --fold: the plan's experiment is the run's own."""
+    from ctseg.io import CtsegError
+
+    if args.plan is None:
+        if args.experiment is None:
+            raise CtsegError("give --experiment (config/experiments/<name>.yaml) or --plan")
+        return
+    if args.experiment is not None or args.fold is not None:
+        raise CtsegError("give --plan or --experiment (with --fold), not both")
+    args.experiment = args.plan.experiment
+
+
+def _dataset_plan(path: str) -> object:
+    from ctseg.plan import read_dataset_plan
+
+    return read_dataset_plan(path)
+
+
+def dataset_plan_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dataset-plan",
+        type=_dataset_plan,
+        default=None,
+        help="results/plans/dataset.json: the dataset's labels and voxel spacing (default: "
+        "the Kaggle labels 0/1/2, isotropic)",
+    )
+
+
+def dataset_of(args: argparse.Namespace) -> Any:
+    """The `ctseg.plan.DatasetPlan` --dataset-plan names, or the Kaggle layout's own."""
+    from ctseg.labels import KAGGLE
+    from ctseg.plan import ISOTROPIC, DatasetPlan
+
+    if args.dataset_plan is not None:
+        return args.dataset_plan
+    return DatasetPlan(KAGGLE, ISOTROPIC, "the Kaggle default (no --dataset-plan)")

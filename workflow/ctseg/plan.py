@@ -1,4 +1,4 @@
-"""The run plan: one typed, versioned record per run, ``results/<run>/plan.json``, the contract
+"""The run plan: one typed, versioned record per run, ``results/plans/<run>.json``, the contract
 between the workflow's planning and the steps of that run (modelled on nnU-Net v2's plans file).
 
 Planning (`ctseg.planning.build`) resolves it once from the dataset and the configuration:
@@ -31,7 +31,6 @@ from ctseg.io import CtsegError, atomic_path, strict_json
 from ctseg.labels import LabelSpec
 
 PLAN_VERSION = 1
-PLAN_FILE = "plan.json"
 SECTIONS = ("dataset", "experiment", "patch", "phase")
 Shape3 = tuple[int, int, int]
 Spacing = tuple[float, float, float]
@@ -63,6 +62,16 @@ class DatasetPlan:
             "spacing": list(self.spacing),
             "spacing_source": self.spacing_source,
         }
+
+    def digest(self, *keys: str) -> str:
+        """A short digest of the named values (``labels``, ``spacing``; both without names):
+        what a per-volume rule passes as a param, so its job reruns when they change and not
+        when only the spacing's recorded source does."""
+        values = {k: v for k, v in self.to_dict().items() if k != "spacing_source"}
+        unknown = [k for k in keys if k not in values]
+        if unknown:
+            raise CtsegError(f"dataset plan: no value {unknown[0]!r}; values: {list(values)}")
+        return _digest({k: values[k] for k in (keys or values)})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DatasetPlan:
@@ -144,9 +153,7 @@ class RunPlan:
         unknown = [n for n in names if n not in sections]
         if unknown:
             raise CtsegError(f"run plan: no section {unknown[0]!r}; sections: {list(SECTIONS)}")
-        chosen = {n: sections[n] for n in (names or SECTIONS)}
-        text = json.dumps(chosen, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return _digest({n: sections[n] for n in (names or SECTIONS)})
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "run": self.run, **self.sections()}
@@ -170,6 +177,11 @@ class RunPlan:
             phase=PhasePlan.from_dict(data["phase"]),
             version=version,
         )
+
+
+def _digest(data: Mapping[str, Any]) -> str:
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _triple(values: Any, kind: type) -> Any:
@@ -247,6 +259,6 @@ def _read_json(path: Path, what: str) -> Mapping[str, Any]:
 
 
 def read_plan(path: str | Path) -> RunPlan:
-    """A run's plan.json, checked: a missing, damaged or other-version file is one line naming
-    it and the fix."""
+    """A run's plan (results/plans/<run>.json), checked: a missing, damaged or other-version
+    file is one line naming it and the fix."""
     return RunPlan.from_dict(_read_json(Path(path), "run plan"), str(path))

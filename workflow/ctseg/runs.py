@@ -51,7 +51,7 @@ from ctseg.run_settings import recorded_phase
 from ctseg.summaries import TrialSummary
 
 # Directories of results/ that are not runs.
-RESERVED = frozenset({"preprocessed", "scratch", "logs", "benchmarks", "bench", "report"})
+RESERVED = frozenset({"preprocessed", "scratch", "logs", "benchmarks", "bench", "report", "plans"})
 KINDS = ("trained", "cv", "ensemble")
 CV_SUFFIX = ".cv"
 

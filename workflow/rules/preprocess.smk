@@ -24,6 +24,7 @@ rule convert_label:
     input:
         label=label_source,
         image=IMAGE_STORE,
+        dataset_plan=ancient(dataset_plan_file),
     output:
         directory(LABEL_STORE),
     log:
@@ -37,15 +38,18 @@ rule convert_label:
         shards=rule_args.shards_arg(config["convert"]["shards"]),
         codec=rule_args.codec_arg(config["convert"]["codec"]),
         budget=config["convert"]["memory_budget_mb"],
+        labels=lambda wildcards: dataset_plan().digest("labels"),
     shell:
         "ctseg convert {input.label:q} {output:q} --kind label --like {input.image:q} "
         "--chunks {params.chunks} {params.shards} --codec {params.codec:q} "
-        "--memory-budget-mb {params.budget} > {log} 2>&1"
+        "--memory-budget-mb {params.budget} --dataset-plan {input.dataset_plan:q} "
+        "> {log} 2>&1"
 
 
 rule targets:
     input:
-        LABEL_STORE,
+        label=LABEL_STORE,
+        dataset_plan=ancient(dataset_plan_file),
     output:
         directory(TARGET_STORE),
     log:
@@ -63,11 +67,13 @@ rule targets:
         max_samples=config["targets"]["max_samples"],
         seed=config["targets"]["seed"],
         codec=rule_args.codec_arg(config["convert"]["codec"]),
+        dataset=lambda wildcards: dataset_plan().digest(),
     shell:
-        "ctseg targets {input:q} {output:q} --clip-distance {params.clip} "
+        "ctseg targets {input.label:q} {output:q} --clip-distance {params.clip} "
         "--skeleton-method {params.method} --tube-dilations {params.tube} "
         "--block {params.block} --max-samples {params.max_samples} --seed {params.seed} "
-        "--codec {params.codec:q} --workers {threads} > {log} 2>&1"
+        "--codec {params.codec:q} --workers {threads} --dataset-plan {input.dataset_plan:q} "
+        "> {log} 2>&1"
 
 
 rule precompute_targets:

@@ -3,6 +3,7 @@ rule train_trial:
         unpack(training_data),
         split=f"{ROOT}/{{exp}}/split.csv",
         previous=previous_trial,
+        plan=ancient(run_plan_file),
     output:
         summary=f"{ROOT}/{{exp}}/phases/phase{{phase}}/summary.json",
         steps=f"{ROOT}/{{exp}}/phases/phase{{phase}}/steps.csv",
@@ -29,11 +30,11 @@ rule train_trial:
         ctseg=lambda wildcards: rule_args.launcher(
             phase_gpus(wildcards.exp, int(wildcards.phase))
         ),
-        experiment=lambda wildcards: experiment_file(wildcards.exp),
         phases=PHASES_FILE,
         settings=lambda wildcards: settings_used(
             experiment(wildcards.exp), PHASES[int(wildcards.phase)], "trial"
         ),
+        plan=lambda wildcards: run_plan(wildcards.exp).digest("dataset", "patch"),
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.summary).parent,
         previous=lambda wildcards, input: (
@@ -42,7 +43,7 @@ rule train_trial:
         keep_log=rule_args.KEEP_ATTEMPT_LOG,
     shell:
         "{params.keep_log} {log:q} && "
-        "{params.ctseg} trial --experiment {params.experiment:q} --phases {params.phases:q} "
+        "{params.ctseg} trial --plan {input.plan:q} --phases {params.phases:q} "
         "--phase {wildcards.phase} {params.scratch} --split {input.split:q} "
         "--out {params.out:q} {params.previous} > {log:q} 2>&1"
 
@@ -69,6 +70,7 @@ rule train_model:
         trials=train_trials,
         # A fine-tune's starting weights (init_from), trained first.
         init=lambda wildcards: init_weights(wildcards.exp),
+        plan=ancient(run_plan_file),
     output:
         weights=f"{ROOT}/{{exp}}/last.pt",
         # Written beside --weights: the weights of the best validation (ctseg.training.run_state).
@@ -97,10 +99,9 @@ rule train_model:
         ),
     params:
         ctseg=lambda wildcards: rule_args.launcher(train_gpus(wildcards.exp)),
-        experiment=lambda wildcards: experiment_file(wildcards.exp),
-        fold=lambda wildcards: rule_args.fold_arg(fold_of(wildcards.exp)),
         phases=PHASES_FILE,
         settings=lambda wildcards: train_settings(wildcards.exp),
+        plan=lambda wildcards: run_plan(wildcards.exp).digest("dataset", "patch"),
         # Not compared between runs: a phase changes how a run trains, not its result, so a
         # last.pt trained under another phase is kept (common.smk prints a line saying so).
         phase=lambda wildcards: rule_args.Untracked(train_phase(wildcards.exp)),
@@ -120,7 +121,7 @@ rule train_model:
     shell:
         "{params.keep_log} {log:q} && "
         "{params.record_trials} {params.trials_record:q} {input.trials:q} && "
-        "exec {params.ctseg} train --experiment {params.experiment:q} {params.fold} "
+        "exec {params.ctseg} train --plan {input.plan:q} "
         "--phases {params.phases:q} --phase {params.phase} --trials {input.trials:q} "
         "{params.scratch} --split {input.split:q} --out {params.out:q} "
         "--state-dir {params.state:q} --weights {output.weights:q} {params.init} > {log:q} 2>&1"
@@ -165,9 +166,7 @@ rule dataset_summary:
         "../../environment.yml"
     params:
         store=STORE,
-        patch=lambda wildcards: " ".join(
-            map(str, experiment(wildcards.exp)["data"]["patch_size"])
-        ),
+        patch=lambda wildcards: " ".join(map(str, run_plan(wildcards.exp).patch.size)),
     shell:
         "python -m ctseg.dataset_summary --run {wildcards.exp} --split {input.split:q} "
         "--store {params.store:q} --patch {params.patch} --out {output:q} 2>&1 | tee {log:q}"

@@ -6,19 +6,24 @@ import argparse
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ctseg.cli_types import AddParser
+from ctseg.cli_types import AddParser, dataset_of, dataset_plan_arg
 from ctseg.io import strict_json
 
 
 def cmd_score(args: argparse.Namespace) -> None:
     from ctseg.evaluation.metrics import score_files
 
-    print(strict_json(score_files(Path(args.pred), Path(args.gt)), indent=1))
+    dataset = dataset_of(args)
+    scores = score_files(
+        Path(args.pred), Path(args.gt), labels=dataset.labels, spacing=dataset.relative_spacing
+    )
+    print(strict_json(scores, indent=1))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from ctseg.evaluation.metrics import evaluate_pairs
 
+    dataset = dataset_of(args)
     summary = evaluate_pairs(
         [Path(p) for p in args.predictions],
         [Path(p) for p in args.labels],
@@ -26,6 +31,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         workers=args.workers,
         topo_method=args.topo_method,
         provenance=dict(args.provenance or []),
+        label_spec=dataset.labels,
+        spacing=dataset.relative_spacing,
     )
     print(strict_json(summary, indent=1))
 
@@ -56,6 +63,7 @@ def _score_parser(add_parser: AddParser) -> None:
     p = add_parser("score", help="every part of the competition score for one pair")
     p.add_argument("pred", help="predicted mask, multi-page TIFF")
     p.add_argument("gt", help="ground-truth label TIFF (0/1/2)")
+    dataset_plan_arg(p)
     p.set_defaults(func=cmd_score)
 
 
@@ -85,6 +93,7 @@ def _evaluate_parser(add_parser: AddParser) -> None:
         metavar="KEY=VALUE",
         help="recorded verbatim under provenance in summary.json (repeatable)",
     )
+    dataset_plan_arg(p)
     p.set_defaults(func=cmd_evaluate)
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +62,8 @@ from ctseg.evaluation.thinning import slices_skeleton
 from ctseg.io import CtsegError, strict_json
 from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.machine import available_cpus
+
+ISOTROPIC = _surface.ISOTROPIC
 
 TopoMethod = Literal["betti_matching", "betti_counts"]
 TOPO_METHODS = ("betti_matching", "betti_counts")
@@ -111,14 +113,25 @@ def prepare_masks(
 
 
 def surface_dice(
-    pred: np.ndarray, gt: np.ndarray, tolerance: float = 2.0, *, threads: int = 1
+    pred: np.ndarray,
+    gt: np.ndarray,
+    tolerance: float = 2.0,
+    *,
+    threads: int = 1,
+    spacing: Sequence[float] = ISOTROPIC,
 ) -> float:
-    """Surfel-based surface Dice at `tolerance` voxels, spacing (1, 1, 1): surface-distance's
-    method and values, computed by `ctseg.evaluation.surface_dice` (its docstring has the steps)."""
-    return _surface.surface_dice(pred, gt, tolerance, threads=threads)
+    """Surfel-based surface Dice at `tolerance` (in units of `spacing`; the competition's is
+    (1, 1, 1), voxels): surface-distance's method and values, computed by
+    `ctseg.evaluation.surface_dice` (its docstring has the steps)."""
+    return _surface.surface_dice(pred, gt, tolerance, threads=threads, spacing=spacing)
 
 
-def surface_dice_reference(pred: np.ndarray, gt: np.ndarray, tolerance: float = 2.0) -> float:
+def surface_dice_reference(
+    pred: np.ndarray,
+    gt: np.ndarray,
+    tolerance: float = 2.0,
+    spacing: Sequence[float] = ISOTROPIC,
+) -> float:
     """The same number through surface-distance itself (scipy's EDT): the oracle of the tests
     and the baseline of bench/metrics.py, about 30 s at 320^3.
 
@@ -135,7 +148,7 @@ def surface_dice_reference(pred: np.ndarray, gt: np.ndarray, tolerance: float = 
     with warnings.catch_warnings():
         # surface-distance 0.1 uses the deprecated scipy.ndimage.filters/morphology namespaces.
         warnings.simplefilter("ignore", DeprecationWarning)
-        distances = surface_distance.compute_surface_distances(gt, pred, (1.0, 1.0, 1.0))
+        distances = surface_distance.compute_surface_distances(gt, pred, tuple(spacing))
     return float(surface_distance.compute_surface_dice_at_tolerance(distances, tolerance))
 
 
@@ -465,7 +478,13 @@ class LabelSide:
     tiles: LabelTiles
 
     @classmethod
-    def of(cls, label: np.ndarray, threads: int = 1, labels: LabelSpec = KAGGLE) -> LabelSide:
+    def of(
+        cls,
+        label: np.ndarray,
+        threads: int = 1,
+        labels: LabelSpec = KAGGLE,
+        spacing: Sequence[float] = ISOTROPIC,
+    ) -> LabelSide:
         label = np.asarray(label)
         if label.ndim != 3:
             raise ValueError(f"expected a 3D label volume, got shape {label.shape}")
@@ -474,7 +493,7 @@ class LabelSide:
         return cls(
             keep,
             gt,
-            _surface.LabelSurface.of(gt),
+            _surface.LabelSurface.of(gt, spacing=spacing),
             cc3d.connected_components(gt, connectivity=26),
             LabelTiles.of(gt, threads),
         )
@@ -569,6 +588,8 @@ def score_volume(
     topo_method: TopoMethod = "betti_matching",
     threads: int | None = None,
     implementation: Implementation = "ctseg",
+    labels: LabelSpec = KAGGLE,
+    spacing: Sequence[float] = ISOTROPIC,
 ) -> dict[str, Any]:
     """Score one predicted volume against its label volume (0 / 1 / 2 = ignore).
 
@@ -580,11 +601,15 @@ def score_volume(
     "reference" is the previous path, kept as the baseline and oracle: SurfaceDice through
     surface-distance and the Betti matching run in every dimension of every tile, one by one;
     it gives the same values, at about 60 s instead of a few at 320^3.
+
+    `labels`: the label's values (the Kaggle spec by default); `spacing`: the voxel spacing
+    SurfaceDice measures its tolerance in (a dataset's relative to its finest axis; the
+    competition's is isotropic).
     """
     threads = available_cpus() if threads is None else max(1, int(threads))
     if implementation == "reference":
-        pred_bin, gt_bin = prepare_masks(pred, gt)
-        sd = surface_dice_reference(pred_bin, gt_bin, tolerance)
+        pred_bin, gt_bin = prepare_masks(pred, gt, labels)
+        sd = surface_dice_reference(pred_bin, gt_bin, tolerance, spacing)
         split, merge = voi(pred_bin, gt_bin)
         voi_s = voi_score_from_total(split + merge, voi_alpha)
         counts, used = topo_counts(pred_bin, gt_bin, topo_method, every_dim=True)
@@ -599,7 +624,7 @@ def score_volume(
         result["dice"] = dice(pred_bin, gt_bin)
         result["cldice"] = cldice(pred_bin, gt_bin)
     elif implementation == "ctseg":
-        pred_bin, gt_bin = prepare_masks(pred, gt)  # its checks and messages
+        pred_bin, gt_bin = prepare_masks(pred, gt, labels)  # its checks and messages
         # clDice (a diagnostic) on one thread beside the score's terms: its kernels and the
         # Betti matching's release the GIL, and the matching's tiles leave a core idle at
         # their end (five dear tiles of eight at 320^3), which clDice's 1.8 s then fills.
@@ -607,7 +632,7 @@ def score_volume(
 
         with ThreadPoolExecutor(1) as pool:
             cldice_value = pool.submit(cldice, pred_bin, gt_bin, 1)
-            label = LabelSide.of(np.asarray(gt), threads)
+            label = LabelSide.of(np.asarray(gt), threads, labels, spacing)
             result = competition_terms(
                 pred_bin,
                 label,
@@ -696,7 +721,8 @@ def score_files(pred_tif: Path, gt_tif: Path, **kwargs: Any) -> dict[str, Any]:
     that are not a mask (prediction) or not 0/1/2 (label), or mismatched shapes. Keyword
     arguments go to score_volume.
     """
-    pred, gt = _check_pair(Path(pred_tif), Path(gt_tif))
+    labels = kwargs.get("labels", KAGGLE)
+    pred, gt = _check_pair(Path(pred_tif), Path(gt_tif), labels)
     return score_volume(pred, gt, **kwargs)
 
 
@@ -720,13 +746,18 @@ SUMMARY_COLUMNS = (
 WORKER_MEMORY_GB = 2.0
 
 
-def _score_pair(pair: tuple[Path, Path, str, int]) -> dict[str, Any]:
+def _score_pair(pair: tuple[Path, Path, str, int, LabelSpec, tuple[float, ...]]) -> dict[str, Any]:
     """One evaluate row (a module-level function so that a process pool can pickle it)."""
-    pred, label, topo_method, threads = pair
-    return {
-        "id": Path(pred).stem,
-        **score_files(Path(pred), Path(label), topo_method=topo_method, threads=threads),
-    }
+    pred, label, topo_method, threads, labels, spacing = pair
+    scores = score_files(
+        Path(pred),
+        Path(label),
+        topo_method=topo_method,
+        threads=threads,
+        labels=labels,
+        spacing=spacing,
+    )
+    return {"id": Path(pred).stem, **scores}
 
 
 def plan_workers(cores: int, volumes: int) -> tuple[int, int]:
@@ -745,8 +776,11 @@ def evaluate_pairs(
     workers: int = 1,
     topo_method: TopoMethod = "betti_matching",
     provenance: dict[str, str] | None = None,
+    label_spec: LabelSpec = KAGGLE,
+    spacing: Sequence[float] = ISOTROPIC,
 ) -> dict[str, Any]:
-    """Score each prediction against its label; write scores.csv (one row per volume) and
+    """Score each prediction against its label (values as `label_spec` says; SurfaceDice's
+    tolerance in units of `spacing`); write scores.csv (one row per volume) and
     summary.json (the means, the number of volumes, the topology method used, and
     `provenance`: key/value pairs the caller records verbatim, e.g. which split was scored).
 
@@ -774,10 +808,11 @@ def evaluate_pairs(
     # Every file is checked (readable, values, shapes) before any volume is scored, so a bad
     # one fails in seconds, not after the volumes before it.
     for pred_path, label_path in zip(predictions, labels, strict=True):
-        _check_pair(Path(pred_path), Path(label_path))
+        _check_pair(Path(pred_path), Path(label_path), label_spec)
     processes, threads = plan_workers(workers, len(predictions))
     jobs = [
-        (Path(p), Path(g), topo_method, threads) for p, g in zip(predictions, labels, strict=True)
+        (Path(p), Path(g), topo_method, threads, label_spec, tuple(spacing))
+        for p, g in zip(predictions, labels, strict=True)
     ]
     workers = processes
     if workers == 1:

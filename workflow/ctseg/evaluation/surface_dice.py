@@ -53,8 +53,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-Spacing = tuple[float, float, float]
-ISOTROPIC: Spacing = (1.0, 1.0, 1.0)
+from ctseg.plan import ISOTROPIC, Spacing
 
 FULL = 255
 # Bit of each voxel of the 2x2x2 neighbourhood, indexed by its offset (0 or 1 per axis) from the

@@ -6,7 +6,16 @@ import argparse
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ctseg.cli_types import AddParser, _codec, _experiment, _fold_arg, _json, _shape
+from ctseg.cli_types import (
+    AddParser,
+    _codec,
+    _experiment,
+    _fold_arg,
+    _json,
+    _shape,
+    dataset_of,
+    dataset_plan_arg,
+)
 from ctseg.io import CtsegError, strict_json
 
 
@@ -47,6 +56,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         memory_budget_mb=args.memory_budget_mb,
         expect_shape=expect_shape,
         like_source=like,
+        labels=dataset_of(args).labels,
     )
     print(strict_json(attrs, indent=1))
 
@@ -54,6 +64,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def cmd_targets(args: argparse.Namespace) -> None:
     from ctseg.preprocess.targets import compute_targets
 
+    dataset = dataset_of(args)
     summary = compute_targets(
         Path(args.label),
         Path(args.dest),
@@ -65,6 +76,9 @@ def cmd_targets(args: argparse.Namespace) -> None:
         seed=args.seed,
         codec=args.codec,
         workers=args.workers,
+        labels=dataset.labels.stored(),
+        # The signed distance in voxels of the finest axis; isotropic: edt's own (None).
+        spacing=None if dataset.isotropic else dataset.relative_spacing,
     )
     print(strict_json(summary, indent=1))
 
@@ -126,7 +140,9 @@ def _convert_parser(add_parser: AddParser) -> None:
         "--kind",
         choices=["image", "label"],
         default="image",
-        help="image: intensity statistics; label: values checked to be 0, 1 or 2",
+        help="image: intensity statistics; label: values checked against the dataset's labels "
+        "(--dataset-plan; default 0, 1 or 2) and stored as 0 background, 1..K classes, K+1 "
+        "ignored",
     )
     p.add_argument("--like", default=None, help="image .zarr whose shape the label must match")
     p.add_argument("--chunks", type=_shape, default=(64, 64, 64), help="Z,Y,X chunk shape")
@@ -139,6 +155,7 @@ def _convert_parser(add_parser: AddParser) -> None:
     p.add_argument(
         "--memory-budget-mb", type=float, default=256.0, help="bound on the slabs held, MB"
     )
+    dataset_plan_arg(p)
     p.set_defaults(func=cmd_convert)
 
 
@@ -167,6 +184,7 @@ def _targets_parser(add_parser: AddParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the foreground sample")
     p.add_argument("--codec", type=_codec, default=None, help="as for convert")
     p.add_argument("--workers", type=int, default=1, help="processes computing blocks")
+    dataset_plan_arg(p)
     p.set_defaults(func=cmd_targets)
 
 

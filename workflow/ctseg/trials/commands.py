@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ctseg.cli_types import AddParser, _experiment, _fold_arg, _phases
+from ctseg.cli_types import AddParser, _experiment, _fold_arg, _phases, plan_arg
 from ctseg.io import strict_json
 
 if TYPE_CHECKING:
@@ -133,9 +133,13 @@ def cmd_train(args: argparse.Namespace) -> None:
 def _training_args(p: argparse.ArgumentParser) -> None:
     """What `trial` and `train` share: the settings files, the data and the device."""
     p.add_argument(
-        "--experiment", type=_experiment, required=True, help="config/experiments/<name>.yaml"
+        "--experiment",
+        type=_experiment,
+        default=None,
+        help="config/experiments/<name>.yaml (or --plan)",
     )
     _fold_arg(p)
+    plan_arg(p)
     p.add_argument("--phases", type=_phases, required=True, help="config/phases.yaml")
     p.add_argument("--scratch", required=True, help="staged scratch directory ($VARS)")
     p.add_argument("--stage-from", default=None, help="stage the split's records from here first")
