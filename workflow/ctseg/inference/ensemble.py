@@ -22,6 +22,13 @@ on the shape and on the sliding-window settings infer records (`WINDOW_ATTRIBUTE
 differently blended maps is not what either model was scored with, so that is an error naming
 both files.
 
+Multi-class members (stores of shape (C, Z, Y, X), one softmax channel per class) are averaged
+channel by channel, the same weighted mean of every channel, so the mean's channels still sum to
+1; the members must agree on their classes and label spec (the ``classes`` and ``labels``
+attributes `ctseg.inference.volume.infer_volume` writes), which the result keeps. A member of
+other classes, or a binary member among multi-class ones, is an error naming both files.
+`tune_weights` scores binary masks only: it refuses multi-class members.
+
 `tune_weights` chooses the weights by the exact competition score (`ctseg.postprocess.tuning.
 competition_score`, the functions of `ctseg.evaluation.metrics`) of the ensemble thresholded with
 the default post-processing (`ctseg.postprocess.masks.PostprocessSettings()`: threshold 0.5, nothing
@@ -53,12 +60,14 @@ import zarr
 
 from ctseg.config import check_weights, default_step
 from ctseg.io import CtsegError, atomic_path, check_id, strict_json
+from ctseg.postprocess.write import CLASSES_ATTRIBUTE, LABELS_ATTRIBUTE
 from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume, open_volume
 
 # What ctseg.inference.volume.infer_volume records about its blending; members must agree on all of
 # them.
 WINDOW_ATTRIBUTES = ("window", "overlap", "tta_flips", "blending")
-# float32 sum + float32 weighted member + float16 member slab + float16 result, per voxel.
+# float32 sum + float32 weighted member + float16 member slab + float16 result, per voxel (and
+# per channel of a multi-class store).
 BYTES_PER_VOXEL = 12
 MAX_GRID_POINTS = 512
 WEIGHTS_JSON = "weights.json"
@@ -66,7 +75,8 @@ WEIGHTS_JSON = "weights.json"
 
 # ----------------------------------------------------------------------------- stores
 def open_member(path: Path) -> zarr.Array:
-    """A probability store written by `ctseg infer` (or `ctseg ensemble`), checked."""
+    """A probability store written by `ctseg infer` (or `ctseg ensemble`), checked: 3D, or 4D
+    (C, Z, Y, X) with the names of its C channels."""
     path = Path(path)
     if not path.exists():
         raise CtsegError(f"{path}: probability store not found")
@@ -76,8 +86,13 @@ def open_member(path: Path) -> zarr.Array:
         raise CtsegError(
             f"{path}: cannot open the probability store as a Zarr array: {exc}"
         ) from exc
-    if arr.ndim != 3 or 0 in arr.shape:
+    if arr.ndim not in (3, 4) or 0 in arr.shape:
         raise CtsegError(f"{path}: expected a non-empty 3D probability volume, got {arr.shape}")
+    if arr.ndim == 4 and not isinstance(arr.attrs.get(CLASSES_ATTRIBUTE), list):
+        raise CtsegError(
+            f"{path}: a 4D store of shape {arr.shape} without the {CLASSES_ATTRIBUTE!r} "
+            "attribute: not a multi-class probability store of ctseg infer"
+        )
     missing = [k for k in WINDOW_ATTRIBUTES if k not in arr.attrs]
     if missing:
         raise CtsegError(
@@ -87,11 +102,18 @@ def open_member(path: Path) -> zarr.Array:
 
 
 def open_members(paths: Sequence[Path]) -> list[zarr.Array]:
-    """Every member store; a shape or sliding-window setting that differs from the first
-    member's is an error naming both files."""
+    """Every member store; classes, a shape or a sliding-window setting that differs from the
+    first member's is an error naming both files."""
     arrays = [open_member(Path(p)) for p in paths]
     first, ref = Path(paths[0]), arrays[0]
     for path, arr in zip(paths[1:], arrays[1:], strict=True):
+        for key in (CLASSES_ATTRIBUTE, LABELS_ATTRIBUTE):
+            a, b = ref.attrs.get(key), arr.attrs.get(key)
+            if a != b:
+                raise CtsegError(
+                    f"members disagree: {first} has {key} {_or_binary(a)}, {path} has "
+                    f"{key} {_or_binary(b)}: an ensemble averages models of the same classes"
+                )
         if tuple(arr.shape) != tuple(ref.shape):
             raise CtsegError(
                 f"members disagree: {first} has shape {tuple(ref.shape)}, {path} has shape "
@@ -105,6 +127,10 @@ def open_members(paths: Sequence[Path]) -> list[zarr.Array]:
                     "infer every member with the same window, overlap and TTA"
                 )
     return arrays
+
+
+def _or_binary(value: Any) -> str:
+    return "none (a binary store)" if value is None else repr(value)
 
 
 def weighted_mean(
@@ -126,12 +152,15 @@ def weighted_mean(
 
 
 def slab_depth(shape: Sequence[int], chunk_z: int, memory_budget_mb: float) -> int:
-    """z-planes per slab under the budget: whole output chunks when one fits, else fewer."""
-    plane = BYTES_PER_VOXEL * int(shape[1]) * int(shape[2])
+    """z-planes per slab under the budget: whole output chunks when one fits, else fewer.
+    `shape` is (Z, Y, X), or (C, Z, Y, X): a plane of each of the C channels."""
+    channels = math.prod(int(s) for s in shape[:-3])
+    depth, height, width = (int(s) for s in shape[-3:])
+    plane = BYTES_PER_VOXEL * channels * height * width
     planes = max(1, int(memory_budget_mb * 2**20) // plane)
     if planes >= chunk_z:
         planes -= planes % chunk_z  # every output chunk written once
-    return min(planes, int(shape[0]))
+    return min(planes, depth)
 
 
 def ensemble_volume(
@@ -152,7 +181,8 @@ def ensemble_volume(
     arrays = open_members(members)
     ref = arrays[0]
     shape = tuple(int(s) for s in ref.shape)
-    depth = slab_depth(shape, int(ref.chunks[0]), memory_budget_mb)
+    lead = (slice(None),) * (len(shape) - 3)  # a multi-class store's channels
+    depth = slab_depth(shape, int(ref.chunks[-3]), memory_budget_mb)
     attributes = {
         **{k: v for k, v in dict(ref.attrs).items() if k not in ("ensemble", WEIGHTS_ATTRIBUTE)},
         "ensemble": {"members": [str(p) for p in members], "weights": norm},
@@ -163,12 +193,13 @@ def ensemble_volume(
     t0 = time.perf_counter()
     with atomic_path(out) as tmp:
         store = create_volume(tmp, shape, np.float16, ref.chunks, attributes=attributes)
-        for z0 in range(0, shape[0], depth):
-            z1 = min(z0 + depth, shape[0])
-            store[z0:z1] = weighted_mean(
-                lambda i, z0=z0, z1=z1: np.asarray(arrays[i][z0:z1]),
+        for z0 in range(0, shape[-3], depth):
+            z1 = min(z0 + depth, shape[-3])
+            where_z = (*lead, slice(z0, z1))
+            store[where_z] = weighted_mean(
+                lambda i, where_z=where_z: np.asarray(arrays[i][where_z]),
                 norm,
-                (z1 - z0, *shape[1:]),
+                (*shape[:-3], z1 - z0, *shape[-2:]),
             )
     seconds = time.perf_counter() - t0
     return {
@@ -177,8 +208,8 @@ def ensemble_volume(
         "members": [str(p) for p in members],
         "weights": norm,
         "slab_depth": depth,
-        "slabs": math.ceil(shape[0] / depth),
-        "slab_mb": BYTES_PER_VOXEL * depth * shape[1] * shape[2] / 2**20,
+        "slabs": math.ceil(shape[-3] / depth),
+        "slab_mb": BYTES_PER_VOXEL * math.prod(shape[:-3]) * depth * shape[-2] * shape[-1] / 2**20,
         "seconds": seconds,
     }
 
@@ -281,6 +312,14 @@ def tune_weights(
     if workers < 1:
         raise CtsegError(f"workers={workers!r}: expected >= 1")
     ids = check_held_out(members, labels)
+    for name, stores in members:
+        first = open_member(Path(stores[0]))
+        if first.ndim == 4:
+            raise CtsegError(
+                f"tune-ensemble: member {name!r}: {stores[0]} holds the probabilities of "
+                f"classes {first.attrs[CLASSES_ATTRIBUTE]}; the weights are tuned by the binary "
+                "competition score only: give the ensemble fixed weights"
+            )
     n = len(members)
     step = default_step(n) if step is None else float(step)
     grid = weight_grid(n, step)

@@ -42,6 +42,13 @@ folder is refused whatever its scratch folder, while the workflow's one job per 
 folder run side by side. A disk that fills while a mask is written is one line naming the mask.
 The figures of every mask in ``out`` are kept in one JSON file (`SUMMARY_FILE` there, unless
 another path is given; `write_summary`), to which each predict adds its volumes' rows.
+
+A run of a multi-class model (its weights record a label spec of K >= 2 classes,
+`ctseg.inference.run.load_checkpoint`) predicts label maps: each ``<out>/<id>.tif`` is the argmax
+over the classes' probabilities in the dataset's own label values
+(`ctseg.postprocess.write.write_mask`), its row in the summary names the classes, their values
+and each one's voxel count, and the post-processing must be the defaults (refused otherwise,
+before any inference). The members of a combined run must have the same label spec.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ import torch
 from ctseg.config import check_weights, load_ensemble, load_experiment
 from ctseg.inference.ensemble import ensemble_volume, load_weights
 from ctseg.inference.inputs import input_volumes
-from ctseg.inference.run import load_model
+from ctseg.inference.run import LoadedModel, load_checkpoint
 from ctseg.inference.settings import InferenceSettings
 from ctseg.inference.volume import infer_volume
 from ctseg.io import (
@@ -77,9 +84,10 @@ from ctseg.io import (
     strict_json,
     work_folder,
 )
+from ctseg.labels import LabelSpec
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
-from ctseg.postprocess.write import write_mask
+from ctseg.postprocess.write import channel_names, check_label_map_settings, write_mask
 from ctseg.preprocess.convert import convert_volume, read_header
 from ctseg.progress import Progress
 from ctseg.runs import cv_base
@@ -245,10 +253,28 @@ def _check_outside(folder: Path, outputs: dict[str, Path | None]) -> None:
             )
 
 
-def load_models(run: PredictRun, device: torch.device) -> list[tuple[torch.nn.Module, Any]]:
-    """Each member's model and training patch, its weights file checked against its checksum
-    first (`ctseg.inference.run.load_model`): a damaged file is named as damaged."""
-    return [load_model(f, device) for f in run.weight_files]
+def load_models(run: PredictRun, device: torch.device) -> list[LoadedModel]:
+    """Each member's model, training patch and label spec, its weights file checked against its
+    checksum first (`ctseg.inference.run.load_checkpoint`): a damaged file is named as damaged.
+    Members of different label specs are refused, naming both files."""
+    models = [load_checkpoint(f, device) for f in run.weight_files]
+    first = models[0].labels
+    for path, loaded in zip(run.weight_files[1:], models[1:], strict=True):
+        if loaded.labels != first:
+            raise CtsegError(
+                f"{path}: labels {loaded.labels.describe()}, but {run.weight_files[0]} has "
+                f"{first.describe()}: the members of {run.name} must be models of the same classes"
+            )
+    return models
+
+
+def describe_masks(labels: LabelSpec, postprocess: PostprocessSettings) -> str:
+    """What the masks are, for the log and the summary line: the post-processing of a binary
+    run's masks, or a multi-class run's classes and their values."""
+    if labels.is_binary:
+        return f"post-processing {postprocess.label()}"
+    values = ", ".join(f"{name} {value}" for name, value in labels.labels.items())
+    return f"label maps (argmax of {labels.out_channels} class probabilities: {values})"
 
 
 @contextlib.contextmanager
@@ -282,7 +308,7 @@ def _work_folder(scratch: Path | None, out_dir: Path, ids: Sequence[str]) -> Ite
 
 def predict_folder(
     run: PredictRun,
-    models: Sequence[tuple[torch.nn.Module, Any]],
+    models: Sequence[LoadedModel],
     folder: Path,
     out_dir: Path,
     inference: InferenceSettings,
@@ -296,9 +322,13 @@ def predict_folder(
     """``<out_dir>/<id>.tif`` of every volume of `folder` (or of the ids in `only`) by `run`,
     whose `models` are `load_models`'; returns what was done, one row per volume (module
     docstring). The log (stderr) names the run, its models and weights, and the
-    post-processing with `postprocess_from`, its source."""
+    post-processing with `postprocess_from`, its source (a multi-class run: its classes).
+    The summary's ``masks`` says what the masks are (`describe_masks`)."""
     folder, out_dir = Path(folder), Path(out_dir)
     outputs = {"--output": out_dir, "--probabilities": probabilities_dir, "--scratch": scratch}
+    labels = models[0].labels
+    if not labels.is_binary:
+        check_label_map_settings(postprocess, f"{run.directory} ({postprocess_from})")
     _check_outside(folder, outputs)
     volumes = input_volumes(folder)
     ids = _selected(volumes, only, folder)
@@ -311,9 +341,14 @@ def predict_folder(
             Path(where).mkdir(parents=True, exist_ok=True)  # a folder in the way: now
     rows = []
     with _claimed(out_dir, ids), _work_folder(scratch, out_dir, ids) as work:
+        masks = (
+            f"post-processing {postprocess.label()}: {postprocess_from}"
+            if labels.is_binary
+            else describe_masks(labels, postprocess)
+        )
         print(
             f"predict: {len(ids)} volume(s) of {folder} by {run.describe()} on {device}\n"
-            f"predict: post-processing {postprocess.label()}: {postprocess_from}",
+            f"predict: {masks}",
             file=sys.stderr,
         )
         for rid in Progress(ids, unit="volume", desc="predict", file=sys.stderr):
@@ -331,7 +366,10 @@ def predict_folder(
                     postprocess,
                 )  # fmt: skip
             )
+    classes = {} if labels.is_binary else {"classes": channel_names(labels)}
     return {
+        **classes,
+        "masks": describe_masks(labels, postprocess),
         "run": str(run.directory),
         "kind": run.kind,
         "members": list(run.members),
@@ -345,7 +383,7 @@ def predict_folder(
 
 def _predict_volume(
     run: PredictRun,
-    models: Sequence[tuple[torch.nn.Module, Any]],
+    models: Sequence[LoadedModel],
     digests: Sequence[str | None],
     rid: str,
     source: Path,
@@ -359,12 +397,13 @@ def _predict_volume(
     convert_volume(source, image, kind="image")
     prob = Path(probabilities_dir) / f"{rid}.zarr" if probabilities_dir else work / f"{rid}.zarr"
     if run.kind == "trained":
-        model, patch = models[0]
-        info = infer_volume(model, image, prob, inference.with_window(patch), digests[0])
+        model, patch, labels = models[0]
+        info = infer_volume(model, image, prob, inference.with_window(patch), digests[0], labels)
     else:
         member_probs = [work / "members" / m / f"{rid}.zarr" for m in run.members]
-        for (model, patch), member_prob, digest in zip(models, member_probs, digests, strict=True):
-            infer_volume(model, image, member_prob, inference.with_window(patch), digest)
+        for loaded, member_prob, digest in zip(models, member_probs, digests, strict=True):
+            window = inference.with_window(loaded.patch)
+            infer_volume(loaded.model, image, member_prob, window, digest, loaded.labels)
         info = ensemble_volume(
             member_probs,
             run.weights,
@@ -374,7 +413,7 @@ def _predict_volume(
         )
         for member_prob in member_probs:
             remove_path(member_prob)
-    mask = _write_mask(prob, out_dir / f"{rid}.tif", postprocess, info["shape"])
+    mask = _write_mask(prob, out_dir / f"{rid}.tif", postprocess, info["shape"][-3:])
     remove_path(image)
     if not probabilities_dir:
         remove_path(prob)
@@ -383,8 +422,8 @@ def _predict_volume(
         "source": str(source),
         "mask": str(out_dir / f"{rid}.tif"),
         "probabilities": str(prob) if probabilities_dir else None,
-        "shape": info["shape"],
-        **{k: v for k, v in mask.items() if k.endswith("_voxels")},
+        "shape": info["shape"][-3:],
+        **{k: v for k, v in mask.items() if k in ("classes", "values") or k.endswith("_voxels")},
     }
 
 

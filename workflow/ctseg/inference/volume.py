@@ -18,6 +18,18 @@ streamed (below). Both paths read with the same function, run the same windows i
 order, and divide by the same factorised weights, so they agree to float32 rounding before the
 float16 store (bit for bit on the test's pointwise model).
 
+Multi-class models
+------------------
+A model of a multi-class label spec (background and K classes, K >= 2) has C = K + 1 output
+channels (`ctseg.labels.LabelSpec.out_channels`): each window's probabilities are the softmax over
+them (in float32, after the forward), flips are averaged and windows blended per channel with
+the same weights, and the store is float16 of shape (C, Z, Y, X), chunked (1, *the input's
+chunks*), with the attributes of a binary store plus ``classes`` (the channels' names, background
+first) and ``labels`` (the dataset's spec), ``value`` saying "class probabilities (softmax)".
+Every buffer that holds probabilities holds C channels, and the budgets count them
+(`ctseg.inference.windows.resident_bytes`, `_plane_bytes`). A binary model (one channel,
+sigmoid) is run and written as it always was.
+
 Batches are made of (window, flip) pairs: with ``tta_flips`` the 8 flipped copies of a window
 share forwards with other windows, so every forward but the last is ``batch_size`` inputs.
 
@@ -70,7 +82,14 @@ from ctseg.inference.windows import (
     window_starts,
 )
 from ctseg.io import CtsegError, fresh_output
-from ctseg.postprocess.write import open_checked
+from ctseg.labels import LabelSpec
+from ctseg.postprocess.write import (
+    CLASSES_ATTRIBUTE,
+    LABELS_ATTRIBUTE,
+    MULTICLASS_VALUE,
+    channel_names,
+    open_checked,
+)
 from ctseg.progress import Progress
 from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume
 
@@ -140,12 +159,31 @@ def _device_input(
 
 
 # ----------------------------------------------------------------------------- model
-def _check_output(logits: torch.Tensor, x: torch.Tensor) -> None:
-    if logits.shape != x.shape:
+def _check_output(logits: torch.Tensor, x: torch.Tensor, channels: int = 1) -> None:
+    expected = (x.shape[0], channels, *x.shape[2:])
+    if tuple(logits.shape) == expected:
+        return
+    if channels == 1:
         raise CtsegError(
             f"model output of shape {tuple(logits.shape)} for input {tuple(x.shape)}: "
-            "expected one channel of the input's size"
+            "expected one channel of the input's size (a model with several channels is a "
+            "multi-class model: pass the labels its checkpoint records)"
         )
+    raise CtsegError(
+        f"model output of shape {tuple(logits.shape)} for input {tuple(x.shape)}: expected "
+        f"{channels} channels (background and each class of the labels) of the input's size"
+    )
+
+
+def _probabilities(logits: torch.Tensor, channels: int) -> torch.Tensor:
+    """(B, C, Z, Y, X) float32 probabilities: sigmoid of one channel, softmax of several."""
+    if channels == 1:
+        return torch.sigmoid(logits.float())
+    return torch.softmax(logits.float(), dim=1)
+
+
+def _channels(labels: LabelSpec | None) -> int:
+    return 1 if labels is None else labels.out_channels
 
 
 def predict_windows(
@@ -156,8 +194,10 @@ def predict_windows(
     tta_flips: bool,
     device: torch.device,
     amp: bool,
+    channels: int = 1,
 ) -> np.ndarray:
-    """Gaussian-weighted probabilities (B, Z, Y, X) float32 for a batch of windows (B, Z, Y, X)."""
+    """Gaussian-weighted probabilities (B, Z, Y, X) float32 for a batch of windows (B, Z, Y, X);
+    (B, C, Z, Y, X) for a model of C > 1 channels."""
     x = torch.from_numpy(crops)[:, None].to(device)
     flips = FLIP_DIMS if tta_flips else ((),)
     total: torch.Tensor | None = None
@@ -165,35 +205,44 @@ def predict_windows(
         xi = x.flip(dims) if dims else x
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(xi)
-        _check_output(logits, xi)
-        p = torch.sigmoid(logits.float())
+        _check_output(logits, xi, channels)
+        p = _probabilities(logits, channels)
         p = p.flip(dims) if dims else p
         total = p if total is None else total.add_(p)
     assert total is not None
-    prob = total[:, 0].div_(len(flips)).mul_(weight)
+    prob = (total[:, 0] if channels == 1 else total).div_(len(flips)).mul_(weight)
     return prob.cpu().numpy()
 
 
 # ----------------------------------------------------------------------------- streamed
 class BlendAccumulator:
-    """Weighted probabilities of the z-range [z0, z0 + depth) that is not yet written.
+    """Weighted probabilities of the z-range [z0, z0 + depth) that is not yet written, of one
+    channel (Z, Y, X), or of `channels` > 1 (C, Z, Y, X).
 
     The weight sum is not accumulated: it is the outer product of three 1D sums
     (`ctseg.inference.windows.weight_norms`), applied when a finished range is flushed.
     """
 
-    def __init__(self, shape: Shape3, starts: Sequence[Sequence[int]], window: Shape3) -> None:
+    def __init__(
+        self,
+        shape: Shape3,
+        starts: Sequence[Sequence[int]],
+        window: Shape3,
+        channels: int = 1,
+    ) -> None:
         self.shape = shape
+        self.lead: tuple[int, ...] = () if channels == 1 else (channels,)
         self.z0 = 0
-        self.acc = np.zeros((0, *shape[1:]), np.float32)
+        self.acc = np.zeros((*self.lead, 0, *shape[1:]), np.float32)
         self.peak_bytes = 0
         self.norm_z, self.norm_yx = weight_norms(shape, starts, window)
 
     def grow_to(self, z1: int) -> None:
         """Extend the held range to end at z1, keeping the unflushed remainder."""
-        if self.z0 + self.acc.shape[0] < z1:
-            grown = np.zeros((z1 - self.z0, *self.shape[1:]), np.float32)
-            grown[: self.acc.shape[0]] = self.acc
+        held = self.acc.shape[-3]
+        if self.z0 + held < z1:
+            grown = np.zeros((*self.lead, z1 - self.z0, *self.shape[1:]), np.float32)
+            grown[..., :held, :, :] = self.acc
             self.acc = grown
         self.peak_bytes = max(self.peak_bytes, self.acc.nbytes)
 
@@ -202,29 +251,35 @@ class BlendAccumulator:
         for (z, y, x), p in zip(positions, probs, strict=True):
             corner = (z, y, x)
             dz, dy, dx = (
-                min(w, s - o) for w, s, o in zip(p.shape, self.shape, corner, strict=True)
+                min(w, s - o) for w, s, o in zip(p.shape[-3:], self.shape, corner, strict=True)
             )
-            self.acc[z - self.z0 : z - self.z0 + dz, y : y + dy, x : x + dx] += p[:dz, :dy, :dx]
+            z_in = z - self.z0
+            self.acc[..., z_in : z_in + dz, y : y + dy, x : x + dx] += p[..., :dz, :dy, :dx]
 
     def flush(self, z_to: int, out: zarr.Array) -> None:
         """Divide [z0, z_to) by the weights, write it as float16 and drop it."""
         n = z_to - self.z0
         if n <= 0:
             return
-        final = self.acc[:n]
+        final = self.acc[..., :n, :, :]
         final /= self.norm_yx
         final /= self.norm_z[self.z0 : z_to, None, None]
-        out[self.z0 : z_to] = final.astype(np.float16)
-        self.acc = self.acc[n:]
+        if self.lead:
+            out[:, self.z0 : z_to] = final.astype(np.float16)
+        else:
+            out[self.z0 : z_to] = final.astype(np.float16)
+        self.acc = self.acc[..., n:, :, :]
         self.z0 = z_to
 
 
-def _plane_bytes(image: zarr.Array, window: Shape3) -> tuple[int, int]:
-    """Bytes per z-plane of the accumulator and of the input slab, for the slab plan."""
+def _plane_bytes(image: zarr.Array, window: Shape3, channels: int = 1) -> tuple[int, int]:
+    """Bytes per z-plane of the accumulator (of every channel) and of the input slab, for the
+    slab plan."""
     plane = image.shape[1] * image.shape[2]
     padded = max(image.shape[1], window[1]) * max(image.shape[2], window[2])
-    # accumulator float32 (4) + growth copy (4) + float16 flush copy (2); raw + float32 input.
-    return plane * 10, plane * image.dtype.itemsize + padded * 4
+    # accumulator float32 (4) + growth copy (4) + float16 flush copy (2) per channel; raw +
+    # float32 input.
+    return plane * 10 * channels, plane * image.dtype.itemsize + padded * 4
 
 
 def _crops(x: np.ndarray, z0: int, batch: Sequence[Shape3], window: Shape3) -> np.ndarray:
@@ -243,13 +298,14 @@ def _blend_streamed(
     settings: InferenceSettings,
     device: torch.device,
     progress: Progress,
+    channels: int = 1,
 ) -> int:
     """Slab by slab into `out`; returns the accumulator's peak bytes."""
     shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
     win = settings.checked_window()
     padded = (win[0], max(shape[1], win[1]), max(shape[2], win[2]))
     weight = device_importance_map(win, device)
-    blend = BlendAccumulator(shape, starts, win)
+    blend = BlendAccumulator(shape, starts, win, channels)
     amp = settings.use_amp(device)
     for slab in slabs:
         blend.grow_to(slab.z1)
@@ -264,6 +320,7 @@ def _blend_streamed(
                 tta_flips=settings.tta_flips,
                 device=device,
                 amp=amp,
+                channels=channels,
             )
             blend.add(probs, batch)
             progress.update(len(batch))
@@ -286,8 +343,10 @@ def _blend_resident(
     settings: InferenceSettings,
     device: torch.device,
     progress: Progress | None = None,
+    channels: int = 1,
 ) -> np.ndarray:
-    """Blended probabilities of the whole volume, computed on `device`, as a float16 host array.
+    """Blended probabilities of the whole volume, computed on `device`, as a float16 host array
+    (Z, Y, X), or (C, Z, Y, X) for a model of `channels` > 1.
 
     The caller puts the model in eval mode on `device` and holds `torch.inference_mode`.
     """
@@ -295,15 +354,16 @@ def _blend_resident(
     win = settings.checked_window()
     padded = padded_shape(shape, win)
     x = _device_input(image, low, high, padded, device)
-    acc = torch.zeros(padded, dtype=torch.float32, device=device)
+    lead = () if channels == 1 else (channels,)
+    acc = torch.zeros((*lead, *padded), dtype=torch.float32, device=device)
     flips = FLIP_DIMS if settings.tta_flips else ((),)
     weight = device_importance_map(win, device)
     if len(flips) > 1:
         weight = weight / len(flips)  # the TTA mean folded into the weight (exact: 2^3)
     # (window, flip) pairs in window-major order; FLIP_DIMS index (B, C, Z, Y, X), a crop is
-    # (Z, Y, X).
+    # (Z, Y, X) and a window's probabilities (Z, Y, X) or (C, Z, Y, X): counted from the end.
     items = [
-        (pos, tuple(d - 2 for d in dims)) for pos in itertools.product(*starts) for dims in flips
+        (pos, tuple(d - 5 for d in dims)) for pos in itertools.product(*starts) for dims in flips
     ]
     wz, wy, wx = win
     amp = settings.use_amp(device)
@@ -314,15 +374,16 @@ def _blend_resident(
         )[:, None]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(crops)
-        _check_output(logits, crops)
-        probs = torch.sigmoid(logits.float())[:, 0].mul_(weight)
+        _check_output(logits, crops, channels)
+        probs = _probabilities(logits, channels)
+        probs = (probs[:, 0] if channels == 1 else probs).mul_(weight)
         for ((z, y, xx), dims), p in zip(batch, probs, strict=True):
-            acc[z : z + wz, y : y + wy, xx : xx + wx] += _flip(p, dims)
+            acc[..., z : z + wz, y : y + wy, xx : xx + wx] += _flip(p, dims)
         if progress is not None:
             progress.update(len(batch) / len(flips))
     del x
     norm_z, norm_yx = weight_norms(shape, starts, win)
-    result = acc[: shape[0], : shape[1], : shape[2]]
+    result = acc[..., : shape[0], : shape[1], : shape[2]]
     result /= torch.from_numpy(norm_yx).to(device)
     result /= torch.from_numpy(norm_z).to(device)[:, None, None]
     return result.half().cpu().numpy()
@@ -346,9 +407,13 @@ def _starts(shape: Sequence[int], settings: InferenceSettings) -> list[list[int]
 
 
 def predict_volume(
-    model: torch.nn.Module, image_store: Path, settings: InferenceSettings
+    model: torch.nn.Module,
+    image_store: Path,
+    settings: InferenceSettings,
+    labels: LabelSpec | None = None,
 ) -> np.ndarray:
-    """Blended probabilities of a whole volume, held on the device, as a float16 host array.
+    """Blended probabilities of a whole volume, held on the device, as a float16 host array:
+    (Z, Y, X), or (C, Z, Y, X) for a model of the multi-class spec `labels`.
 
     The resident path of `infer_volume` without the store: the volume must fit the device.
     """
@@ -361,9 +426,36 @@ def predict_volume(
     model.to(dev, memory_format=settings.memory_format(dev)).eval()
     try:
         with torch.inference_mode():
-            return _blend_resident(model, image, low, high, starts, settings, dev)
+            return _blend_resident(
+                model, image, low, high, starts, settings, dev, channels=_channels(labels)
+            )
     finally:
         model.to(memory_format=layout).train(was_training)
+
+
+def _store_attributes(
+    image_store: Path,
+    settings: InferenceSettings,
+    weights_sha256: str | None,
+    labels: LabelSpec | None,
+) -> dict[str, Any]:
+    """What a probability store records: its source, the sliding-window settings, what its
+    values are, the weights' digest, and a multi-class store's classes and label spec."""
+    attributes: dict[str, Any] = {
+        "source": str(image_store),
+        "window": list(settings.checked_window()),
+        "overlap": settings.overlap,
+        "tta_flips": bool(settings.tta_flips),
+        "blending": f"gaussian sigma=window*{SIGMA_SCALE}",
+        "value": "foreground probability (sigmoid)",
+    }
+    if weights_sha256 is not None:
+        attributes[WEIGHTS_ATTRIBUTE] = [weights_sha256]
+    if labels is not None and not labels.is_binary:
+        attributes["value"] = MULTICLASS_VALUE
+        attributes[CLASSES_ATTRIBUTE] = channel_names(labels)
+        attributes[LABELS_ATTRIBUTE] = labels.to_dict()
+    return attributes
 
 
 def infer_volume(
@@ -372,10 +464,13 @@ def infer_volume(
     prob_store: Path,
     settings: InferenceSettings,
     weights_sha256: str | None = None,
+    labels: LabelSpec | None = None,
 ) -> dict[str, Any]:
     """Blended sliding-window probabilities of `image_store`, written to a float16 Zarr store.
     `weights_sha256`: the digest of the weights file the model was loaded from, kept in the
-    store's attributes (`ctseg.store.WEIGHTS_ATTRIBUTE`).
+    store's attributes (`ctseg.store.WEIGHTS_ATTRIBUTE`). `labels`: the label spec the model
+    was trained on (`ctseg.inference.run.load_checkpoint`); a multi-class one gives a store of
+    one channel per class (module docstring); None or a binary spec, the one-channel store.
 
     Resident on the device when `resident_bytes` fits the device budget (module docstring),
     else streamed in z-slabs under ``memory_budget_mb``. The model is moved to the device and
@@ -389,25 +484,21 @@ def infer_volume(
     dev = settings.torch_device()
     starts = _starts(shape, settings)
     n_flips = len(FLIP_DIMS) if settings.tta_flips else 1
-    needed = resident_bytes(shape, win, image.dtype.itemsize, settings.batch_size)
+    channels = _channels(labels)
+    needed = resident_bytes(shape, win, image.dtype.itemsize, settings.batch_size, channels)
     device_budget = settings.device_budget_bytes()
     resident = needed <= device_budget
-    plane_acc, plane_in = _plane_bytes(image, win)
+    plane_acc, plane_in = _plane_bytes(image, win, channels)
     budget = settings.memory_budget_mb * 2**20
     slabs = plan_slabs(
         shape[0], win[0], starts[0], int(image.chunks[0]), plane_acc, plane_in, budget
     )
     n_windows = math.prod(len(s) for s in starts)
-    attributes = {
-        "source": str(image_store),
-        "window": list(win),
-        "overlap": settings.overlap,
-        "tta_flips": bool(settings.tta_flips),
-        "blending": f"gaussian sigma=window*{SIGMA_SCALE}",
-        "value": "foreground probability (sigmoid)",
-    }
-    if weights_sha256 is not None:
-        attributes[WEIGHTS_ATTRIBUTE] = [weights_sha256]
+    attributes = _store_attributes(image_store, settings, weights_sha256, labels)
+    store_shape: tuple[int, ...] = shape
+    store_chunks: tuple[int, ...] = tuple(int(c) for c in image.chunks)
+    if channels > 1:
+        store_shape, store_chunks = (channels, *shape), (1, *store_chunks)
 
     # Each forward frees and reallocates the same activation buffers (28 MB per tensor for a
     # batch of four 48^3 windows at 16 channels); glibc would hand them back to the OS and
@@ -426,19 +517,23 @@ def infer_volume(
             fresh_output(prob_store, what=f"write the probabilities of {image_store.name}") as tmp,
             torch.inference_mode(),
         ):
-            out = create_volume(tmp, shape, np.float16, image.chunks, attributes=attributes)
+            out = create_volume(tmp, store_shape, np.float16, store_chunks, attributes=attributes)
             if resident:
-                out[...] = _blend_resident(model, image, low, high, starts, settings, dev, bar)
-                accumulator_bytes = 4 * math.prod(padded_shape(shape, win))
+                out[...] = _blend_resident(
+                    model, image, low, high, starts, settings, dev, bar, channels
+                )
+                accumulator_bytes = 4 * channels * math.prod(padded_shape(shape, win))
             else:
                 accumulator_bytes = _blend_streamed(
-                    model, image, low, high, starts, slabs, out, settings, dev, bar
+                    model, image, low, high, starts, slabs, out, settings, dev, bar, channels
                 )
     finally:
         bar.close()
         model.to(memory_format=layout).train(was_training)
     seconds = time.perf_counter() - t0
+    classes = {CLASSES_ATTRIBUTE: attributes[CLASSES_ATTRIBUTE]} if channels > 1 else {}
     return {
+        **classes,
         "shape": list(shape),
         "window": list(win),
         "windows": n_windows,

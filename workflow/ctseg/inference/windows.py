@@ -18,7 +18,9 @@ axis, normalised to a maximum of 1 (as nnU-Net; the scale cancels in the divisio
 summed; the result is sum(w * p) / sum(w). The map is the outer product of three 1D Gaussians
 and the window starts form a Cartesian grid, so sum(w) factorises into three 1D sums
 (`weight_norms`): the weight volume is never stored. The analytic Gaussian is >= exp(-8) at the
-window faces, so the sum is never zero.
+window faces, so the sum is never zero. A model with several output channels (a multi-class
+model: background and each class) gives each window the softmax over its channels instead, and
+every channel is blended with the same weights, so the blended channels still sum to 1.
 
 Flip TTA averages the probabilities over all 8 combinations of flips of the three axes
 (`FLIP_DIMS`, identity included), at 8x the cost. The Gaussian map is symmetric under every
@@ -177,14 +179,19 @@ def slab_costs(slabs: Sequence[Slab], plane_acc: int, plane_in: int) -> list[int
 
 
 def resident_bytes(
-    shape: Sequence[int], window: Sequence[int], itemsize: int, batch_size: int
+    shape: Sequence[int],
+    window: Sequence[int],
+    itemsize: int,
+    batch_size: int,
+    channels: int = 1,
 ) -> int:
     """Working set of the resident path (`ctseg.inference.volume`), model activations excluded
-    as in the streaming budget: float32 input and accumulator of the padded volume, the raw
-    volume, the float16 result on the device and on the host, and a batch of crops, outputs and
-    flipped outputs in float32."""
+    as in the streaming budget: the float32 input and the float32 accumulator of each of the
+    `channels` output channels over the padded volume, the raw volume, the float16 result of
+    each channel on the device and on the host, and a batch of crops, and of outputs and
+    flipped outputs of each channel, in float32."""
     return (
-        8 * math.prod(padded_shape(shape, window))
-        + (itemsize + 4) * math.prod(shape)
-        + 12 * batch_size * math.prod(window)
+        4 * (1 + channels) * math.prod(padded_shape(shape, window))
+        + (itemsize + 4 * channels) * math.prod(shape)
+        + 4 * (1 + 2 * channels) * batch_size * math.prod(window)
     )

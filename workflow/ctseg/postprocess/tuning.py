@@ -131,6 +131,7 @@ from ctseg.postprocess.masks import (
     PostprocessSettings,
     settings_from_mapping,
 )
+from ctseg.postprocess.write import CLASSES_ATTRIBUTE
 from ctseg.progress import Progress
 from ctseg.store import WEIGHTS_ATTRIBUTE
 
@@ -362,6 +363,11 @@ def _volume_masks(path: str) -> MaskCache:
         arr = open_volume(path)
     except Exception as exc:
         raise CtsegError(f"{path}: cannot open the probability store: {exc}") from exc
+    if arr.ndim == 4 and CLASSES_ATTRIBUTE in arr.attrs:
+        raise CtsegError(
+            f"{path}: the probabilities of classes {arr.attrs[CLASSES_ATTRIBUTE]}, whose mask "
+            "is their argmax: the post-processing search applies to a binary model's store only"
+        )
     if arr.ndim != 3:
         raise CtsegError(f"{path}: expected a 3D probability volume, got shape {arr.shape}")
     return MaskCache(np.asarray(arr[...]))
