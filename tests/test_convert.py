@@ -17,6 +17,7 @@ import zarr.codecs
 from ctseg.chunks import RECORD, record_stores
 from ctseg.cli import main as cli_main
 from ctseg.io import CtsegError, sha256_file, sha256_files
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.preprocess.convert import (
     MIN_PAIR_PIECE,
     _Histogram,
@@ -218,6 +219,45 @@ def test_labels_are_counted(tmp_path):
     assert attrs["kind"] == "label"
     assert attrs["label_counts"] == {str(v): int((labels == v).sum()) for v in (0, 1, 2)}
     assert_stats_match_numpy(attrs, labels)
+
+
+def test_kaggle_labels_are_stored_byte_identical(tmp_path):
+    labels = labels_volume()
+    source = write_tiff(tmp_path / "lab.tif", labels)
+    convert(source, tmp_path / "plain.zarr", kind="label")
+    convert(source, tmp_path / "kaggle.zarr", kind="label", labels=KAGGLE)
+    assert KAGGLE.stored() == KAGGLE
+    assert chunk_files(tmp_path / "plain.zarr") == chunk_files(tmp_path / "kaggle.zarr")
+    assert open_volume(tmp_path / "kaggle.zarr")[:].tobytes() == labels.tobytes()
+
+
+MULTI = LabelSpec({"background": 0, "sheet": 10, "fibre": 20, "pore": 30}, ignore=5)
+
+
+def test_multiclass_labels_are_stored_as_stored_values(tmp_path):
+    values = np.uint8([0, 10, 20, 30, 5])
+    labels = np.random.default_rng(3).choice(values, SHAPE)
+    source = write_tiff(tmp_path / "lab.tif", labels)
+
+    attrs = convert(source, tmp_path / "lab.zarr", kind="label", labels=MULTI)
+
+    stored = open_volume(tmp_path / "lab.zarr")[:]
+    # background 0, the classes 1..3 in value order, the ignored value (5, below them) 4
+    expected = np.select([labels == v for v in values], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(stored, expected)
+    np.testing.assert_array_equal(MULTI.from_stored(stored), labels)
+    assert attrs["label_counts"] == {
+        str(s): int((labels == v).sum()) for v, s in zip(values, range(5), strict=True)
+    }
+
+
+def test_multiclass_bad_values_are_named_in_the_datasets_values(tmp_path):
+    labels = np.random.default_rng(3).choice(np.uint8([0, 10, 20]), SHAPE)
+    labels[35, 1, 1] = 1  # a stored value, but not one of the dataset's
+    source = write_tiff(tmp_path / "lab.tif", labels)
+
+    message = expect_error(source, tmp_path / "lab.zarr", kind="label", labels=MULTI)
+    assert message.startswith(f"{source}: label values outside {{0, 5, 10, 20, 30}}: 1 in slice 35")
 
 
 @pytest.mark.parametrize(

@@ -207,7 +207,14 @@ def test_coarse_ignore_region_changes_no_deep_supervision_term():
 def test_total_is_the_weighted_sum_of_the_reported_terms():
     batch = make_batch()
     logits = torch.randn(SHAPE, generator=torch.Generator().manual_seed(8))
-    weights = {"bce": 0.7, "dice": 1.3, "cldice": 0.5, "skel_recall": 2.0, "boundary": 0.25}
+    weights = {
+        "bce": 0.7,
+        "dice": 1.3,
+        "cldice": 0.5,
+        "skel_recall": 2.0,
+        "boundary": 0.25,
+        "ce": 0.4,
+    }
     total, terms = compute_losses(logits, batch, weights, clip_distance=CLIP)
     assert set(terms) == set(TERMS)
     expected = sum(weights[k] * float(terms[k]) for k in TERMS)

@@ -41,6 +41,13 @@ from ctseg.io import CtsegError
 DEFAULT_CODEC: dict[str, Any] = {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
 TARGET_VOLUMES = ("ignore", "foreground", "skeleton", "tube", "sdt")
 MASK_BITS = {"foreground": 1, "ignore": 2, "skeleton": 4, "tube": 8}
+# Bits 4-7 of the mask byte: a multi-class spec's stored class (0 background, 1..K; K <= 15) of
+# each voxel; always 0 for a binary spec. A target store's ``foreground`` array holds the same
+# byte's bits 0 and 4-7 (1 + 16 * class on a foreground voxel of a multi-class spec, 1 for a
+# binary spec's), so `pack_masks` of the target arrays keeps the class.
+CLASS_SHIFT = 4
+CLASS_BITS = 0xF0
+MAX_CLASSES = 15
 # A probability store's attribute naming the weights files it was made with: their sha256
 # (`ctseg.training.checkpoint.stored_digest`), in member order for an ensemble. tuned.json
 # keeps it, so that `ctseg predict` can tell settings tuned for other weights.
@@ -48,10 +55,15 @@ WEIGHTS_ATTRIBUTE = "weights_sha256"
 
 
 def pack_masks(targets: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The four binary targets as one uint8 array of bit flags."""
+    """The four binary targets as one uint8 array of bit flags (`MASK_BITS`), and a multi-class
+    spec's class (bits 4-7), which ``foreground`` carries (`CLASS_SHIFT`)."""
     packed = np.zeros(np.shape(targets["foreground"]), np.uint8)
     for name, bit in MASK_BITS.items():
-        packed |= np.asarray(targets[name], np.uint8) * np.uint8(bit)
+        values = np.asarray(targets[name], np.uint8)
+        if name == "foreground":
+            packed |= values & np.uint8(bit | CLASS_BITS)
+        else:
+            packed |= values * np.uint8(bit)
     return packed
 
 

@@ -4,7 +4,8 @@
 transfer and unpacks them there into what the model and the losses use:
 - ``image``: float32 (B, 1, Z, Y, X), scaled to [0, 1] by the volume's [p0_5, p99_5] and
   clipped, then intensity-augmented (values outside [0, 1] only from the added noise);
-- ``label`` (0/1/2), ``ignore``, ``skeleton``, ``tube`` (0/1): uint8 (B, 1, Z, Y, X), a quarter
+- ``label`` (stored values: 0/1/2 for Kaggle's, 0..K+1 for K classes), ``ignore``,
+  ``skeleton``, ``tube`` (0/1): uint8 (B, 1, Z, Y, X), a quarter
   of the bytes of float; losses cast them (`.float()`, `== 1`) where they need to;
 - ``sdt``: float32 (B, 1, Z, Y, X), clipped signed distance, positive outside the foreground;
 - ``intensity``, ``aug``: float32 (B, 2) and (B, 6) on the device; ``index``, ``worker``:
@@ -46,7 +47,7 @@ def _packed_to_device(
     fields = batch.layout.fields(batch.rows.to(device, non_blocking=non_blocking))
     intensity = fields["intensity"].contiguous()
     out: dict[str, Any] = {"image": _normalised(fields["image"], intensity, host["aug"].clone())}
-    out.update(unpack_planes(fields["bits"]))
+    out.update(unpack_planes(fields["bits"], batch.layout.n_classes))
     out["sdt"] = fields["sdt"].to(torch.float32).contiguous()
     out["intensity"] = intensity
     out["aug"] = fields["aug"].contiguous()

@@ -11,8 +11,9 @@ header. `ctseg.data.device_batches.to_device` unpacks it on the device.
 
 The host layout, `SAMPLE_KEYS`, is what `ctseg.data.patches.PatchDataset.__getitem__` returns and
 `default_collate` batches (and what ``packed_batch[key]`` unpacks on the host): image and sdt
-as stored, the planes label (0/1/2), ignore, skeleton, tube as uint8, intensity (p0_5, p99_5)
-and aug float32, index int64, worker an int.
+as stored, the planes label (stored values, `ctseg.labels.LabelSpec.stored`: 0/1/2 for
+Kaggle's), ignore, skeleton, tube as uint8, intensity (p0_5, p99_5) and aug float32, index int64,
+worker an int.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from ctseg.data import augment as aug
 from ctseg.data.slots import Slot, mapped_rows
 from ctseg.labels import KAGGLE, LabelSpec
-from ctseg.store import MASK_BITS
+from ctseg.store import CLASS_SHIFT, MASK_BITS
 
 SAMPLE_KEYS = (
     "image",
@@ -48,27 +49,38 @@ def pack_bits(
     label: np.ndarray, skeleton: np.ndarray, tube: np.ndarray, labels: LabelSpec = KAGGLE
 ) -> np.ndarray:
     """Bit flags as in `ctseg.store.MASK_BITS`, from a label (values as `labels` says) and two
-    binary targets. The flags keep foreground and ignore only: `unpack_bits` gives the label
-    back in the Kaggle values (0/1/2), whatever the dataset's."""
-    packed = labels.foreground(label).view(np.uint8) * np.uint8(MASK_BITS["foreground"])
+    binary targets. The flags keep foreground and ignore, and for a multi-class spec the class
+    (bits 4-7, `ctseg.store.CLASS_SHIFT`): `unpack_bits` gives the label back in stored values
+    (`LabelSpec.stored`: 0/1/2 for a binary spec with an ignored value), whatever the dataset's."""
+    foreground = labels.foreground(label).view(np.uint8)
+    packed = foreground * np.uint8(MASK_BITS["foreground"])
+    if not labels.is_binary:
+        packed |= (labels.to_stored(label) * foreground) << np.uint8(CLASS_SHIFT)
     packed |= labels.ignored(label).view(np.uint8) * np.uint8(MASK_BITS["ignore"])
     packed |= np.asarray(skeleton, bool).view(np.uint8) * np.uint8(MASK_BITS["skeleton"])
     packed |= np.asarray(tube, bool).view(np.uint8) * np.uint8(MASK_BITS["tube"])
     return packed
 
 
-def unpack_bits(bits: Any) -> dict[str, Any]:
-    """label (0/1/2), ignore, skeleton and tube (0/1) from `ctseg.store.MASK_BITS` flags.
+def unpack_bits(bits: Any, n_classes: int = 1) -> dict[str, Any]:
+    """label, ignore, skeleton and tube (0/1) from `ctseg.store.MASK_BITS` flags; the label in
+    stored values (`LabelSpec.stored`) of a spec with `n_classes` (K) foreground classes: 0..K,
+    and K+1 where ignored.
 
     `bits` is a uint8 NumPy array or torch tensor (on any device); each plane comes back as the
-    same kind, dtype and shape. foreground is bit 1 and ignore bit 2, so bits & 3 is the label;
-    should both be set, XOR with (ignore & foreground) turns the 3 into 2 (ignore wins). Bit
-    operations only: np.minimum on uint8 measured 10x slower than a shift here.
+    same kind, dtype and shape. Binary (K = 1): foreground is bit 1 and ignore bit 2, so bits & 3
+    is the label; should both be set, XOR with (ignore & foreground) turns the 3 into 2 (ignore
+    wins). Multi-class: the class is bits 4-7, and ignore wins there too. Bit operations only:
+    np.minimum on uint8 measured 10x slower than a shift here.
     """
     shift = {name: bit.bit_length() - 1 for name, bit in MASK_BITS.items()}
     ignore = (bits >> shift["ignore"]) & 1
+    if n_classes == 1:
+        label = (bits & 3) ^ (ignore & bits)
+    else:
+        label = (bits >> CLASS_SHIFT) * (ignore ^ 1) + ignore * (n_classes + 1)
     return {
-        "label": (bits & 3) ^ (ignore & bits),
+        "label": label,
         "ignore": ignore,
         "skeleton": (bits >> shift["skeleton"]) & 1,
         "tube": (bits >> shift["tube"]) & 1,
@@ -97,6 +109,7 @@ class PackedLayout:
 
     patch: tuple[int, int, int]
     image_dtype: str
+    n_classes: int = 1  # K of the run's label spec: how the bit flags hold the label
 
     @property
     def voxels(self) -> int:
@@ -230,7 +243,7 @@ class PackedBatch:
         if key not in SAMPLE_KEYS:
             raise KeyError(key)
         if key in ("label", "ignore", "skeleton", "tube"):
-            return unpack_planes(self.layout.fields(self.rows)["bits"])[key]
+            return unpack_planes(self.layout.fields(self.rows)["bits"], self.layout.n_classes)[key]
         return self.unpacked(keys=(key,))[key]
 
     def unpacked(self, keys: Sequence[str] = SAMPLE_KEYS) -> dict[str, torch.Tensor]:
@@ -239,7 +252,7 @@ class PackedBatch:
         fields = self.layout.fields(self.rows)
         out: dict[str, torch.Tensor] = {}
         if any(k in keys for k in ("label", "ignore", "skeleton", "tube")):
-            out.update(unpack_planes(fields["bits"]))
+            out.update(unpack_planes(fields["bits"], self.layout.n_classes))
         for key in ("image", "sdt"):
             out[key] = fields[key]
         for key in ("intensity", "aug", "index", "worker"):
@@ -255,15 +268,16 @@ class PackedBatch:
         return int(self.rows.shape[0])
 
 
-def unpack_planes(bits: torch.Tensor) -> dict[str, torch.Tensor]:
+def unpack_planes(bits: torch.Tensor, n_classes: int = 1) -> dict[str, torch.Tensor]:
     """`unpack_bits` of a uint8 tensor: NumPy on the host, torch elsewhere.
 
     On the host torch spreads each uint8 op over its OpenMP threads; on 2 busy cores that
     measured 24 ms per op on a 72x136x136 patch, NumPy 0.05 ms.
     """
     if bits.device.type == "cpu":
-        return {k: torch.from_numpy(v) for k, v in unpack_bits(bits.numpy()).items()}
-    return {k: v.contiguous() for k, v in unpack_bits(bits).items()}
+        planes = unpack_bits(bits.numpy(), n_classes)
+        return {k: torch.from_numpy(v) for k, v in planes.items()}
+    return {k: v.contiguous() for k, v in unpack_bits(bits, n_classes).items()}
 
 
 def _from_mapped_slot(layout: PackedLayout, slot: Slot, batch: int) -> PackedBatch:

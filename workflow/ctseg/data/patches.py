@@ -38,10 +38,11 @@ from ctseg.data.heap import tune_malloc
 from ctseg.data.packing import PackedBatch, PackedLayout, pack_bits, unpack_bits
 from ctseg.data.slots import SlotPool
 from ctseg.io import CtsegError, check_id
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.layout import SCRATCH_FORMATS, TARGET_PARAM_KEYS, ScratchRecord, open_record
-from ctseg.store import MASK_BITS
+from ctseg.store import CLASS_BITS, CLASS_SHIFT, MASK_BITS
 
-MASK_PAD = MASK_BITS["ignore"]  # label 2 outside the volume
+MASK_PAD = MASK_BITS["ignore"]  # ignored outside the volume (label 2 for Kaggle's, K+1)
 # Redraws of a centre whose patch holds no labelled voxel, uniform over the volume, before the
 # last resort of a foreground location.
 LABELLED_TRIES = 16
@@ -105,7 +106,9 @@ class PatchDataset(Dataset):
     `augment` is the experiment's ``data.augment`` mapping (flip, permute, intensity, elastic,
     scale, optional spacing). `target_params` (clip_distance, skeleton_method, tube_dilations,
     halo) override what the scratch metadata says; clip_distance is needed always (it pads sdt),
-    the rest only with `runtime_targets`.
+    the rest only with `runtime_targets`. `labels` is the run's label spec (the dataset's or
+    its stored one): the samples' labels are in its stored values (`LabelSpec.stored`), with a
+    multi-class spec's class in the mask byte (`ctseg.store.CLASS_SHIFT`).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class PatchDataset(Dataset):
         length: int,
         runtime_targets: bool = False,
         target_params: Mapping[str, Any] | None = None,
+        labels: LabelSpec = KAGGLE,
     ) -> None:
         self.scratch = Path(scratch)
         if fmt not in SCRATCH_FORMATS:
@@ -149,6 +153,7 @@ class PatchDataset(Dataset):
         self.length = int(length)
         self.runtime_targets = bool(runtime_targets)
         self.target_params = dict(target_params or {})
+        self.labels = labels.stored()
         # Opened per process on first use; a pid change (a forked worker) starts afresh, so
         # no handle opened in the parent is ever used in a child.
         self._records: dict[int, ScratchRecord] | None = None
@@ -197,19 +202,28 @@ class PatchDataset(Dataset):
         lo, box = self._clipped_box(record, start, size)
         bits = None
         for name, bit in MASK_BITS.items():
-            flag = (np.asarray(record.planes[name][box]) != 0).view(np.uint8) * np.uint8(bit)
+            plane = np.asarray(record.planes[name][box])
+            if name == "foreground":  # with a multi-class spec's class in bits 4-7
+                flag = plane & np.uint8(bit | CLASS_BITS)
+            else:
+                flag = (plane != 0).view(np.uint8) * np.uint8(bit)
             bits = flag if bits is None else np.bitwise_or(bits, flag, out=bits)
         return bits, lo
 
     def _read_label(
         self, record: ScratchRecord, start: np.ndarray, size: Sequence[int]
     ) -> np.ndarray:
-        """The 0/1/2 label of a box inside the volume (no padding)."""
+        """The label (stored values) of a box inside the volume (no padding)."""
         box = tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size, strict=True))
+        k = self.labels.n_classes
         if record.masks is not None:
-            return unpack_bits(np.asarray(record.masks[box]))["label"]
-        label = (np.asarray(record.planes["foreground"][box]) != 0).view(np.uint8).copy()
-        label[np.asarray(record.planes["ignore"][box]) != 0] = 2
+            return unpack_bits(np.asarray(record.masks[box]), k)["label"]
+        foreground = np.asarray(record.planes["foreground"][box])
+        if k == 1:
+            label = (foreground != 0).view(np.uint8).copy()
+        else:
+            label = foreground >> np.uint8(CLASS_SHIFT)
+        label[np.asarray(record.planes["ignore"][box]) != 0] = k + 1
         return label
 
     def _runtime_sources(
@@ -233,8 +247,9 @@ class PatchDataset(Dataset):
             clip_distance=params["clip_distance"],
             skeleton_method=params["skeleton_method"],
             tube_dilations=params["tube_dilations"],
+            labels=self.labels,
         )
-        packed = pack_bits(label, targets["skeleton"], targets["tube"])
+        packed = pack_bits(label, targets["skeleton"], targets["tube"], self.labels)
         sdt = np.asarray(targets["sdt"]).astype(np.float16, copy=False)
         return (packed, lo), (sdt, lo)
 
@@ -345,7 +360,7 @@ class PatchDataset(Dataset):
             raise IndexError("a packed batch needs at least one sample")
         # One layout per batch: a batch mixing uint8 and uint16 volumes carries uint16.
         dtype = np.result_type(*(self._record(p.record).image.dtype for p in plans))
-        layout = PackedLayout(self.patch_size, np.dtype(dtype).name)
+        layout = PackedLayout(self.patch_size, np.dtype(dtype).name, self.labels.n_classes)
         slot, by_name = None, False
         if pool is None:
             rows = torch.empty((len(plans), layout.nbytes), dtype=torch.uint8)

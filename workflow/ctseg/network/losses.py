@@ -1,6 +1,6 @@
 """Loss terms for sheet segmentation, each restricted to the labelled voxels.
 
-Inputs: ``logits`` (B, 1, Z, Y, X) and a batch dict on the same device with
+Inputs: ``logits`` (B, C, Z, Y, X) and a batch dict on the same device with
 ``label`` (values as a `ctseg.labels.LabelSpec` says; `KAGGLE` by default: 0 background,
 1 sheet, 2 unlabelled), ``ignore`` (1 = not labelled), and the offline
 targets ``skeleton``, ``tube`` (0/1) and ``sdt`` (signed distance to the sheet in voxels,
@@ -21,11 +21,19 @@ Conventions shared by every term:
   term, with zero (finite) gradients.
 - Reductions are in float32 with autocast disabled, so bf16/fp16 logits are safe.
 
+A binary spec (one foreground class) has C = 1 output channel and p = sigmoid(logits). A
+multi-class spec (K >= 2 classes) has C = K+1 channels, background first, and p = softmax over
+them; its targets add ``classes``, one channel per class (`prepare_targets`), and only ``ce``
+and ``dice`` apply (`check_terms` refuses the binary-only terms in one line).
+
 Terms (all are minimised by the perfect prediction p = (label == 1) on valid voxels):
-- ``bce``: BCEWithLogits with ``pos_weight``, mean over valid voxels; minimum 0.
-- ``dice``: 1 - (2 sum(p t) + s) / (sum(p) + sum(t) + s); minimum 0.
+- ``bce``: BCEWithLogits with ``pos_weight``, mean over valid voxels; minimum 0. Binary only.
+- ``dice``: 1 - (2 sum(p t) + s) / (sum(p) + sum(t) + s); minimum 0. Multi-class: the mean of
+  that over the classes 1..K, each class's channel of the softmax against its own target.
+- ``ce``: cross-entropy, mean over valid voxels: softmax over the K+1 channels (multi-class);
+  binary: the two-class cross-entropy of the sigmoid, ``bce`` with pos_weight 1. Minimum 0.
 - ``cldice``: clDice (Shit et al. 2021) between the soft skeleton of p and the precomputed GT
-  skeleton; minimum 0.
+  skeleton; minimum 0. Binary only, as are ``skel_recall`` and ``boundary``.
 - ``skel_recall``: Skeleton Recall (Kirchhoff et al. 2024), 1 - soft recall of p on the tube;
   the paper's loss is -recall, shifted here by 1 so that perfect = 0; minimum 0.
 - ``boundary``: boundary loss (Kervadec et al.), mean over valid voxels of p * sdt / d. Its
@@ -42,7 +50,8 @@ docs/training.md lists the terms; tests/test_loss_registry.py keeps the registry
 Deep supervision (a list of logits [full, 1/2, 1/4, ...] from `ctseg.network.model.UNet3D`): level
 k's
 targets come from the full-resolution ones with 2**k x 2**k x 2**k cells (ceil-mode, matching
-the model's far-end padding), see `downsample_targets`. Level weights default to 1, 1/2, 1/4, ...
+the model's far-end padding; a multi-class spec's by the cell's first voxel, nearest), see
+`downsample_targets`. Level weights default to 1, 1/2, 1/4, ...
 normalised to sum 1 (nnU-Net's halving; nnU-Net also zeroes the lowest level, which our model
 has no head for anyway). The total is sum_k w_k total_k, and each **logged term is the same
 level-weighted sum** sum_k w_k term_k, so total == sum_name weight_name * terms[name] always
@@ -103,6 +112,11 @@ def prepare_targets(
         valid = valid & (_as_5d("ignore", batch["ignore"], shape) == 0)
     target = labels.foreground(label) & valid
     out = {"valid": valid.float(), "target": target.float()}
+    if not labels.is_binary:
+        # One channel per class, background first (the network's softmax channels), 0 where
+        # not valid.
+        values = (labels.background, *labels.foreground_values)
+        out["classes"] = torch.cat([(label == v) & valid for v in values], dim=1).float()
     for key in ("skeleton", "tube"):
         if key in needed:
             out[key] = ((_as_5d(key, batch[key], shape) != 0) & target).float()
@@ -127,6 +141,9 @@ def downsample_targets(targets: Mapping[str, torch.Tensor], factor: int) -> dict
     """
     if factor == 1:
         return dict(targets)
+    if "classes" in targets:
+        # Multi-class: the cell's first voxel (nearest), so each coarse voxel keeps one class.
+        return {k: v[..., ::factor, ::factor, ::factor] for k, v in targets.items()}
     out = {k: _pool_max(v, factor) for k, v in targets.items() if k not in ("valid", "sdt")}
     all_valid = -_pool_max(-targets["valid"], factor)
     out["valid"] = torch.maximum(out["target"], all_valid)
@@ -186,7 +203,24 @@ def bce_term(logits: torch.Tensor, t: dict[str, torch.Tensor], pos_weight: float
     return (loss * t["valid"]).sum() / t["valid"].sum().clamp_min(1.0)
 
 
+def ce_term(logits: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy, mean over valid voxels: softmax over the K+1 channels (multi-class), or
+    the two-class cross-entropy of one sigmoid channel (binary: ``bce`` with pos_weight 1)."""
+    if "classes" not in t:
+        return bce_term(logits, t, 1.0)
+    loss = -(t["classes"] * F.log_softmax(logits, dim=1)).sum(dim=1, keepdim=True)
+    return (loss * t["valid"]).sum() / t["valid"].sum().clamp_min(1.0)
+
+
 def dice_term(p: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Soft Dice loss of the sheet (binary), or the mean over the foreground classes 1..K of
+    each class's soft Dice loss on the softmax (multi-class); batch sums either way."""
+    if "classes" in t:
+        dims = (0, *range(2, p.ndim))
+        target = t["classes"][:, 1:]
+        fg = p[:, 1:]
+        ratio = _ratio(2.0 * (fg * target).sum(dims), fg.sum(dims) + target.sum(dims))
+        return 1.0 - ratio.mean()
     target = t["target"]
     return 1.0 - _ratio(2.0 * (p * target).sum(), p.sum() + target.sum())
 
@@ -237,6 +271,7 @@ class LossTerm:
     targets: tuple[str, ...] = ()  # batch entries beyond label and ignore (`prepare_targets`)
     options: tuple[str, ...] = ()  # of OPTIONS
     on_logits: bool = False
+    binary_only: bool = False  # refused for a multi-class spec (`check_terms`)
 
     def __post_init__(self) -> None:
         for kind, given, known in (
@@ -255,11 +290,24 @@ def _registry(*terms: LossTerm) -> dict[str, LossTerm]:
 # A plain dict of plain Python functions: torch.compile (`Run.compile_step`) traces the lookup
 # as a constant. The order is the order of the terms in steps.csv.
 TERMS: dict[str, LossTerm] = _registry(
-    LossTerm("bce", bce_term, options=("pos_weight",), on_logits=True),
+    LossTerm("bce", bce_term, options=("pos_weight",), on_logits=True, binary_only=True),
     LossTerm("dice", dice_term),
-    LossTerm("cldice", cldice_term, targets=("skeleton",), options=("cldice_iterations",)),
-    LossTerm("skel_recall", skel_recall_term, targets=("tube",)),
-    LossTerm("boundary", boundary_term, targets=("sdt",), options=("clip_distance",)),
+    LossTerm(
+        "cldice",
+        cldice_term,
+        targets=("skeleton",),
+        options=("cldice_iterations",),
+        binary_only=True,
+    ),
+    LossTerm("skel_recall", skel_recall_term, targets=("tube",), binary_only=True),
+    LossTerm(
+        "boundary",
+        boundary_term,
+        targets=("sdt",),
+        options=("clip_distance",),
+        binary_only=True,
+    ),
+    LossTerm("ce", ce_term, on_logits=True),
 )
 
 
@@ -271,15 +319,40 @@ def unregistered(name: object) -> str:
     return f"loss term {name!r} is not registered; registered: {', '.join(registered)}{hint}"
 
 
-def check_terms(weights_or_names: Mapping[str, Any] | Iterable[str] | str) -> list[str]:
+def binary_only(name: str, labels: LabelSpec) -> str:
+    """The one line refusing a binary-only term `name` for the multi-class spec `labels`."""
+    binary = ", ".join(n for n, term in TERMS.items() if term.binary_only)
+    multi = ", ".join(n for n, term in TERMS.items() if not term.binary_only)
+    return (
+        f"loss term {name!r} is for one foreground class ({binary}); {labels.source} has "
+        f"{labels.n_classes} ({', '.join(labels.classes)}): use {multi} (set {name} to 0)"
+    )
+
+
+def check_terms(
+    weights_or_names: Mapping[str, Any] | Iterable[str] | str, labels: LabelSpec = KAGGLE
+) -> list[str]:
     """The names (a weights mapping's keys, or names) in registry order; raises CtsegError with
-    `unregistered`'s line for the first one that is not in `TERMS`. For planning: a misspelt or
-    unregistered term stops the workflow before any job starts."""
+    `unregistered`'s line for the first one that is not in `TERMS`, and for a multi-class
+    `labels` with `binary_only`'s line for the first binary-only one. For planning: a misspelt,
+    unregistered or unsuitable term stops the workflow before any job starts. A mapping's
+    terms of weight 0 are not checked against `labels` (they are never computed)."""
     names = [weights_or_names] if isinstance(weights_or_names, str) else list(weights_or_names)
     for name in names:
         if name not in TERMS:
             raise CtsegError(unregistered(name))
+    if not labels.is_binary:
+        used = names
+        if isinstance(weights_or_names, Mapping):
+            used = [n for n in names if not _is_zero(weights_or_names[n])]
+        for name in used:
+            if TERMS[name].binary_only:
+                raise CtsegError(binary_only(name, labels))
     return [name for name in TERMS if name in names]
+
+
+def _is_zero(weight: Any) -> bool:
+    return isinstance(weight, int | float) and not isinstance(weight, bool) and weight == 0
 
 
 def needed_targets(names: Iterable[str]) -> list[str]:
@@ -302,7 +375,10 @@ def level_terms(
     # Masking the logits before the sigmoid keeps even NaN or inf in the ignore region from
     # reaching a term or a gradient (0 * NaN is NaN in backward, a zeroed input is not).
     logits = torch.where(valid, logits.float(), 0.0)
-    p = torch.where(valid, torch.sigmoid(logits), 0.0)
+    if "classes" in t:  # multi-class: softmax over the K+1 channels
+        p = torch.where(valid, torch.softmax(logits, dim=1), 0.0)
+    else:
+        p = torch.where(valid, torch.sigmoid(logits), 0.0)
     options = {
         "pos_weight": pos_weight,
         "cldice_iterations": cldice_iterations,
@@ -324,8 +400,8 @@ def deep_supervision_weights(n_levels: int) -> list[float]:
     return [w / sum(raw) for w in raw]
 
 
-def _check_weights(weights: Mapping[str, float]) -> dict[str, float]:
-    check_terms(weights)
+def _check_weights(weights: Mapping[str, float], labels: LabelSpec = KAGGLE) -> dict[str, float]:
+    check_terms(weights, labels)
     for name, w in weights.items():
         if not w >= 0:  # also rejects NaN
             raise CtsegError(f"loss weight {name}={w!r}: must be >= 0")
@@ -363,7 +439,7 @@ def compute_losses(
     ``clip_distance`` must be the d the sdt was clipped at; ``labels`` is the dataset's label
     convention (which values are ignored, which foreground).
     """
-    active = _check_weights(weights)
+    active = _check_weights(weights, labels)
     if clip_distance <= 0:
         raise CtsegError(f"clip_distance={clip_distance!r}: must be > 0")
     if cldice_iterations < 0:
@@ -373,23 +449,30 @@ def compute_losses(
         raise CtsegError("no logits given")
     level_w = _check_level_weights(ds_weights, len(outputs))
     full = outputs[0]
-    if full.ndim != 5 or full.shape[1] != 1:
-        raise CtsegError(f"logits of shape {tuple(full.shape)}: expected (B, 1, Z, Y, X)")
+    channels = labels.out_channels
+    if full.ndim != 5 or full.shape[1] != channels:
+        raise CtsegError(
+            f"logits of shape {tuple(full.shape)}: expected (B, {channels}, Z, Y, X) for "
+            f"{labels.n_classes} foreground class(es)"
+        )
     names = list(active)
     needed = needed_targets(names)
 
     # Autocast off: the loss runs in float32 whatever precision the network ran in.
     with torch.autocast(device_type=full.device.type, enabled=False):
-        targets = prepare_targets(batch, full.shape, needed, labels)
+        # The targets have one channel (``classes`` K+1): the label is (B, 1, Z, Y, X).
+        shape = torch.Size((full.shape[0], 1, *full.shape[2:]))
+        targets = prepare_targets(batch, shape, needed, labels)
         terms: dict[str, Any] = {}
         for k, (logits, w) in enumerate(zip(outputs, level_w, strict=True)):
             if w == 0:
                 continue
             t = downsample_targets(targets, 2**k)
-            if logits.shape != t["target"].shape:
+            expected = t["classes" if "classes" in t else "target"].shape
+            if logits.shape != expected:
                 raise CtsegError(
                     f"output {k} has shape {tuple(logits.shape)}; expected "
-                    f"{tuple(t['target'].shape)} (1/{2**k} of {tuple(full.shape[2:])}, ceil)"
+                    f"{tuple(expected)} (1/{2**k} of {tuple(full.shape[2:])}, ceil)"
                 )
             level = level_terms(
                 logits,

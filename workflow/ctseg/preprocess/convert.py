@@ -764,7 +764,9 @@ def convert_volume(
     labels: LabelSpec = KAGGLE,
 ) -> dict[str, Any]:
     """Convert a TIFF volume to a Zarr v3 array at ``dest``. Returns the attributes written.
-    A label volume's values must be `labels`' (Kaggle's 0/1/2 by default)."""
+    A label volume's values must be `labels`' (Kaggle's 0/1/2 by default); they are stored as
+    `labels.stored()` values (background 0, classes 1..K, ignored K+1: Kaggle's unchanged), and
+    the attribute ``label_counts`` counts the voxels by stored value."""
     source, dest = Path(source), Path(dest)
     if kind not in ("image", "label"):
         raise CtsegError(f"kind must be 'image' or 'label', got {kind!r}")
@@ -816,6 +818,8 @@ def _convert(
         ]
         pending: list[list[Future]] = [[] for _ in buffers]
         bad_labels = _BadLabels(labels)
+        # A label is stored in `labels.stored()` values; the Kaggle spec's are its own.
+        remap = kind == "label" and labels.stored() != labels
         with (
             _SlabWriter(arr) as writer,
             _open_reader(src) as read,
@@ -833,11 +837,16 @@ def _convert(
                     r1 = min(r0 + unit_depth, z1)
                     rows = slab[r0 - z0 : r1 - z0]
                     read(r0, r1, rows)
+                    if remap:  # counted and checked in the dataset's values, then mapped
+                        bad_labels.add(rows, r0, histogram.add(rows))
+                        if not bad_labels.found:
+                            rows[...] = labels.to_stored(rows, src.path)
                     if not bad_labels.found:  # past a bad value, only the search goes on
                         pending[k] += writer.submit(r0, rows)
-                    counts = histogram.add(rows)
-                    if kind == "label":
-                        bad_labels.add(rows, r0, counts)
+                    if not remap:
+                        counts = histogram.add(rows)
+                        if kind == "label":
+                            bad_labels.add(rows, r0, counts)
                     progress.update(r1 - r0)
             writer.wait([future for futures in pending for future in futures])
         if bad_labels.found:
@@ -845,6 +854,10 @@ def _convert(
         attrs["source_sha256"] = digest.result()
         attrs.update(histogram.stats())
         if kind == "label":
-            attrs["label_counts"] = {str(v): int(histogram.counts[v]) for v in labels.valid_values}
+            values = np.array(labels.valid_values, dtype=np.uint8)
+            stored = dict(zip(labels.valid_values, labels.to_stored(values).tolist(), strict=True))
+            attrs["label_counts"] = {
+                str(stored[v]): int(histogram.counts[v]) for v in labels.valid_values
+            }
         arr.update_attributes(attrs)  # one metadata write, not one per key
     return attrs

@@ -3,7 +3,10 @@
 `compute_targets` turns a label store (Zarr v3, uint8; values as a `ctseg.labels.LabelSpec` says,
 Kaggle's 0 background / 1 surface / 2 ignore by default) into the targets group of `ctseg.store`:
 
-- ``ignore`` = spec.ignored(label) and ``foreground`` = spec.foreground(label), uint8;
+- ``ignore`` = spec.ignored(label) and ``foreground`` = spec.foreground(label), uint8; for a
+  multi-class spec (K >= 2 classes) ``foreground`` also carries each voxel's stored class 1..K in
+  bits 4-7 (1 + 16 * class), the loader's mask byte (`ctseg.store.CLASS_SHIFT`). Every target
+  below is of the union of the classes;
 - ``skeleton``: the medial surface of the foreground. ``distance_ridge`` (the default) is the
   ridge of the squared Euclidean distance to the nearest non-foreground voxel, saturated at
   ``RIDGE_CAP`` (255, just under 16^2): a foreground voxel whose depth is >= both of its
@@ -119,7 +122,13 @@ from ctseg.io import CtsegError, fresh_output
 from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.machine import available_cpus
 from ctseg.progress import Progress
-from ctseg.store import TARGET_VOLUMES, create_in_group, open_volume
+from ctseg.store import (
+    CLASS_SHIFT,
+    MAX_CLASSES,
+    TARGET_VOLUMES,
+    create_in_group,
+    open_volume,
+)
 
 SkeletonMethod = Literal["distance_ridge", "medial_surface", "medial_surface_fast", "lee3d"]
 SKELETON_METHODS: tuple[str, ...] = (
@@ -370,6 +379,7 @@ def targets_reference(
         raise CtsegError(f"label array: expected 3D, got shape {label.shape}")
     _check_label_values(label, "label array", labels)
     _check_params(clip_distance, skeleton_method, tube_dilations)
+    _check_classes(labels)
     foreground = labels.foreground(label)
     fg = foreground.astype(np.uint8)
     bg = (~foreground).astype(np.uint8)
@@ -385,11 +395,28 @@ def targets_reference(
     sdt = np.clip(sdt, -d, d).astype(np.float16)
     return {
         "ignore": labels.ignored(label).astype(np.uint8),
-        "foreground": fg,
+        "foreground": _foreground_byte(labels, label, fg),
         "skeleton": skel.astype(np.uint8),
         "tube": tube.astype(np.uint8),
         "sdt": sdt,
     }
+
+
+def _foreground_byte(labels: LabelSpec, label: np.ndarray, fg: np.ndarray) -> np.ndarray:
+    """The ``foreground`` target: `fg` (0/1) for a binary spec; for a multi-class one also the
+    stored class (1..K) in bits 4-7, the mask byte's layout (`ctseg.store.CLASS_SHIFT`)."""
+    if labels.is_binary:
+        return np.ascontiguousarray(fg)
+    classes = labels.to_stored(label) * fg
+    return np.ascontiguousarray(fg | (classes << np.uint8(CLASS_SHIFT)))
+
+
+def _check_classes(labels: LabelSpec) -> None:
+    if labels.n_classes > MAX_CLASSES:
+        raise CtsegError(
+            f"{labels.source}: {labels.n_classes} foreground labels; the targets hold at most "
+            f"{MAX_CLASSES} classes: merge labels into regions or drop some"
+        )
 
 
 # ----------------------------------------------------------------------------- sampling keys
@@ -519,7 +546,7 @@ def _process_block(
         sdt = sdt_future.result()
     out = {
         "ignore": plan.labels.ignored(label[inner]).view(np.uint8),
-        "foreground": np.ascontiguousarray(fg[inner]),
+        "foreground": _foreground_byte(plan.labels, label[inner], fg[inner]),
         "skeleton": skel.view(np.uint8),
         "tube": tube.view(np.uint8),
         "sdt": sdt,
@@ -726,13 +753,14 @@ def compute_targets(
     cross-section of the foreground is at most 32 voxels wide (see the module docstring).
     `spacing` (z, y, x voxel size, dataset.yaml's) measures sdt in those units, its halo then
     ceil(d / the smallest spacing) voxels (a distance below d lies within d / s_i voxels along
-    axis i); skeleton and tube stay on the voxel grid. `labels` says which values are
-    foreground and ignored. `_sdt_halo` and `_skeleton_halo` exist for tests that show smaller
-    halos are wrong.
+    axis i); skeleton and tube stay on the voxel grid. `labels` is the spec of the store's
+    values: a converted store's are `spec.stored()` (`ctseg.labels`). `_sdt_halo` and
+    `_skeleton_halo` exist for tests that show smaller halos are wrong.
     """
     started = time.perf_counter()
     label_store, dest = Path(label_store), Path(dest)
     _check_params(clip_distance, skeleton_method, tube_dilations)
+    _check_classes(labels)
     if workers < 1 or max_samples < 0 or len(block_shape) != 3 or min(block_shape) < 1:
         raise CtsegError(
             f"need workers >= 1, max_samples >= 0 and a positive 3D block_shape; got "

@@ -28,6 +28,7 @@ import torch
 from ctseg.data.device_batches import DevicePrefetcher, to_device
 from ctseg.data.loader import build_loader
 from ctseg.data.patches import PatchDataset
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.training.distributed import Ranks
 
 Fed = tuple[dict[str, Any], float, float]  # (batch on the device, data_wait_s, h2d_s)
@@ -82,11 +83,12 @@ def training_feed(
     train_ids: list[str],
     dev: torch.device,
     ranks: Ranks,
-    *,
     start: int,
     stop: int,
+    labels: LabelSpec = KAGGLE,
 ) -> Iterator[Fed]:
-    """This rank's share of the training stream's samples ``start`` to ``stop``, on `dev`."""
+    """This rank's share of the training stream's samples ``start`` to ``stop``, on `dev`, their
+    labels in `labels`' stored values (`ctseg.labels.LabelSpec.stored`)."""
     dcfg, seed = exp["data"], int(exp["train"]["seed"])
     dataset = PatchDataset(
         scratch,
@@ -98,6 +100,7 @@ def training_feed(
         seed=seed,
         length=stop,
         runtime_targets=dcfg["runtime_targets"],
+        labels=labels,
     )
     loader = build_loader(
         dataset, phase, seed=seed, start=start, device=dev, rank=ranks.rank, world=ranks.world

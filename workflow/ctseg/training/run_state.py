@@ -7,7 +7,8 @@ and collects its log rows. `Run.resume` picks up this run's checkpoint where the
 optimizer, scheduler, grad scaler and EMA states, the RNG states, the position in the sample
 stream and the current epoch's log rows; `Run.restore` puts them back. The final weights
 (`Run.final_state`) are what inference and a fine-tune read: the EMA's weights where the run
-keeps one (`ctseg.training.ema`), else the trained ones, with the model settings and patch size.
+keeps one (`ctseg.training.ema`), else the trained ones, with the model settings, patch size and
+the dataset's label spec (``labels``, `ctseg.labels.LabelSpec.to_dict`).
 best.pt (`Run.keep_best`, `Run.publish_best`) is the same for the epoch whose validation scored
 best so far; the resume checkpoint keeps that score, so a resumed run keeps the same best.pt.
 """
@@ -24,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ctseg.io import check_free_space
+from ctseg.io import CtsegError, check_free_space
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.network.flops import Efficiency
 from ctseg.network.model import portable_state_dict
 from ctseg.run_settings import write_run_settings
@@ -49,6 +51,22 @@ from ctseg.training.stopping import Stopping
 # and weights are the experiment's choice, while Dice scores the thresholded masks that inference
 # delivers, and is comparable between runs. A tie keeps the earlier epoch's weights.
 BEST_BY = "val_dice"
+
+
+def model_config(model: Mapping[str, Any], labels: LabelSpec = KAGGLE) -> dict[str, Any]:
+    """The experiment's model settings for a dataset of `labels`: its ``out_channels`` (the run
+    plan fills it) must be the spec's (`LabelSpec.out_channels`: 1 binary, K+1 multi-class); a
+    multi-class spec's is filled in where the settings leave it out."""
+    channels, given = labels.out_channels, model.get("out_channels")
+    if given is not None and int(given) != channels:
+        raise CtsegError(
+            f"{labels.source}: {labels.n_classes} foreground class(es) need model.out_channels "
+            f"{channels}, the experiment has {given}; set it to {channels} (the run plan fills "
+            "it: 1 binary, K+1 multi-class)"
+        )
+    if given is None and channels != 1:
+        return {**model, "out_channels": channels}
+    return dict(model)
 
 
 @dataclass
@@ -100,6 +118,7 @@ class Run:
     # in log_dir; None before a validation has scored (`keep_best`).
     best: dict[str, Any] | None = None
     live: Any = None  # rank 0's TensorBoard writer and progress plot (ctseg.training.live_view)
+    labels: LabelSpec = KAGGLE  # the dataset's label spec: checkpoints record it
 
     @property
     def weights(self) -> torch.nn.Module:
@@ -143,6 +162,7 @@ class Run:
             "world_size": self.ranks.world,
             "fingerprint": identity_digest(self.identity),
             "identity": self.identity,
+            "labels": self.labels.to_dict(),
         }
 
     def resume(self) -> dict[str, Any]:
@@ -205,10 +225,11 @@ class Run:
         return {
             "model": portable_state_dict(self.weights),
             "weights": "ema" if self.ema is not None else "trained",
-            "model_config": dict(self.exp["model"]),
+            "model_config": model_config(self.exp["model"], self.labels),
             "patch_size": list(self.exp["data"]["patch_size"]),
             "fingerprint": identity_digest(self.identity),
             "step": self.step,
+            "labels": self.labels.to_dict(),  # the dataset's values, for its masks
         }
 
     def keep_best(self, val: Mapping[str, float]) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.layout import staged_clip_distance
 from ctseg.network.backend import announce_start, run_record
 from ctseg.network.flops import Efficiency
@@ -60,7 +61,7 @@ from ctseg.training.finetune import Source, load_source, source_weights
 from ctseg.training.live_view import open_live_view
 from ctseg.training.preempt import StopRequest, shielded
 from ctseg.training.probes import GpuMonitor, host_rss_bytes
-from ctseg.training.run_state import Run
+from ctseg.training.run_state import Run, model_config
 from ctseg.training.step_values import add_pending, device_event, materialise
 from ctseg.training.stopping import Stopping
 from ctseg.training.validation import evaluate
@@ -85,9 +86,12 @@ def train(
     stop: StopRequest | None = None,
     phase_id: int | None = None,
     phase_auto: bool = False,
+    labels: LabelSpec = KAGGLE,
 ) -> dict[str, Any]:
     """Train `exp` under `phase`; returns a summary. See the module docstring for the logs, and
     `ctseg.training.distributed` for what changes when torchrun starts several processes.
+    `labels`: the dataset's label spec (the staged labels are in its stored values; checkpoints
+    record it).
     `init_from`: the weights a fine-tune starts from (the experiment's ``init_from`` run's last.pt).
     With a set `stop` request the run checkpoints after its current step and returns early, its
     summary's ``stopped`` naming the signal; no final weights are written then."""
@@ -99,7 +103,8 @@ def train(
         clip = staged_clip_distance(
             scratch, train_ids + val_ids, exp["scratch_format"], clip_distance
         )
-        run = setup(exp, phase, ranks, dev, data, clip, max_steps, out_dir, state_dir, source)
+        where = (out_dir, state_dir, source, labels)
+        run = setup(exp, phase, ranks, dev, data, clip, max_steps, *where)
         run.stopping.request = stop
         run.phase_id, run.phase_auto = phase_id, phase_auto
         resumed = run.resume()
@@ -109,7 +114,7 @@ def train(
         end = run.sample_index + (run.total_steps - run.step) * run.effective_batch
         with shielded(stop):  # the loader workers start here (or at the first batch)
             batches = training_feed(
-                exp, phase, scratch, train_ids, dev, ranks, start=run.sample_index, stop=end
+                exp, phase, scratch, train_ids, dev, ranks, run.sample_index, end, labels
             )
             if no_data:  # the compute ceiling: the same steps on one step's batches, resident
                 batches = iter(ResidentBatches(batches, run.micro_steps))
@@ -151,10 +156,11 @@ def setup(
     out_dir: Path,
     state_dir: Path | None,
     source: Source | None = None,
+    labels: LabelSpec = KAGGLE,
 ) -> Run:
     """Seeds and backend flags, then the step plan, model (from `source`'s weights for a
-    fine-tune), optimizer, schedule, EMA, losses and the run identity (`data`: the staged
-    records' fingerprints)."""
+    fine-tune; its output channels `labels`'), optimizer, schedule, EMA, losses (in `labels`'
+    stored values) and the run identity (`data`: the staged records' fingerprints)."""
     tcfg = exp["train"]
     # Before the seeds: off a known card, the peak's probe draws from torch's global RNG.
     efficiency = Efficiency.for_run(exp, phase, dev, ranks.world)
@@ -167,13 +173,14 @@ def setup(
     layout = recipe.memory_format(phase)
     if ranks.main:  # a padded patch, a known-bad convolution backend: said at the start
         announce_start(exp["model"], efficiency.flops.patch, dev, dtype)
-    model = build_model(exp["model"])
+    model = build_model(model_config(exp["model"], labels))
     if source is not None:
         load_source(model, source)
     model = model.to(dev, memory_format=layout)
     lr = recipe.scaled_lr(tcfg, effective_batch)
     optimizer = recipe.build_optimizer(model, tcfg, lr, fused=recipe.fused_optimizer(phase))
     losses_cfg = loss_settings({**exp["loss"], "clip_distance": clip_distance})
+    losses_cfg["labels"] = labels.stored()
     return Run(
         exp=exp,
         phase=phase,
@@ -210,6 +217,7 @@ def setup(
         efficiency=efficiency,
         stopping=Stopping.every(tcfg.get("checkpoint_minutes"), None, ranks.world),
         log_every=int(tcfg.get("log_every") or 1),
+        labels=labels,
     )
 
 

@@ -41,6 +41,7 @@ import psutil
 import torch
 
 from ctseg.io import CtsegError, strict_json
+from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.machine import available_cpus
 from ctseg.network.backend import conv_backend
 from ctseg.network.flops import Efficiency, padding_warning
@@ -103,8 +104,10 @@ def run_trial(
     previous: Path | None = None,
     device: str | None = None,
     ranks: Ranks | None = None,
+    labels: LabelSpec = KAGGLE,
 ) -> TrialSummary:
-    """Run one phase trial; rank 0 writes ``out_dir/summary.json`` (train writes steps.csv).
+    """Run one phase trial; rank 0 writes ``out_dir/summary.json`` (train writes steps.csv),
+    training with `labels`, the dataset's label spec.
 
     Every rank of a torchrun job calls this with its `ranks` (default: one process). Each runs
     the same two collective runs; a failure on any rank is recorded by rank 0 alone.
@@ -133,9 +136,8 @@ def run_trial(
     _setup_notes(summary, exp, phase)
     if ranks.main:
         out_dir.mkdir(parents=True, exist_ok=True)
-    common = dict(
-        scratch=scratch, train_ids=train_ids, val_ids=[], clip_distance=clip_distance, device=device
-    )
+    common = dict(scratch=scratch, train_ids=train_ids, val_ids=[], labels=labels)
+    common.update(clip_distance=clip_distance, device=device)
     # The profile watches the ceiling's last steps, after its measured ones; every rank runs
     # them (the runs are collective), rank 0 profiles.
     profiled = profile_steps(trial)
