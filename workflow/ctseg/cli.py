@@ -21,6 +21,7 @@ from ctseg.evaluation import commands as evaluation
 from ctseg.inference import commands as inference
 from ctseg.io import CtsegError, disk_full, os_error_line
 from ctseg.network import commands as network
+from ctseg.planning import commands as planning
 from ctseg.postprocess import commands as postprocess
 from ctseg.preprocess import commands as preprocess
 from ctseg.report import commands as report
@@ -28,7 +29,9 @@ from ctseg.trials import commands as trials
 
 # Every subcommand, each once, in the order `ctseg --help` lists them: the pipeline's.
 COMMANDS = (
-    (preprocess, ("demo-data", "convert", "targets", "split", "stage")),
+    (preprocess, ("demo-data", "convert", "targets")),
+    (planning, ("plan-dataset", "plan")),
+    (preprocess, ("split", "stage")),
     (trials, ("trial", "train")),
     (inference, ("infer", "predict")),
     (postprocess, ("tune-postprocess", "postprocess")),

@@ -41,7 +41,6 @@ rule evaluate_run:
             prediction(wildcards.exp, i) for i in eval_ids(wildcards.exp)
         ],
         labels=lambda wildcards: [label_file(i) for i in eval_ids(wildcards.exp)],
-        dataset_plan=ancient(dataset_plan_file),
     output:
         scores=report(
             f"{ROOT}/{{exp}}/evaluation/scores.csv",
@@ -76,11 +75,12 @@ rule evaluate_run:
         provenance=lambda wildcards: rule_args.provenance_args(
             provenance(wildcards.exp, config["infer"]["postprocess"])
         ),
+        dataset_plan=DATASET_PLAN,
         dataset=lambda wildcards: dataset_plan().digest(),
     shell:
         "ctseg evaluate --predictions {input.predictions:q} --labels {input.labels:q} "
         "--out {params.out:q} --workers {threads} {params.provenance} "
-        "--dataset-plan {input.dataset_plan:q} > {log:q} 2>&1"
+        "--dataset-plan {params.dataset_plan:q} > {log:q} 2>&1"
 
 
 # A reference score beside each run's (ctseg.evaluation.baseline): the image above a threshold

@@ -1,9 +1,8 @@
-# The plans (ctseg.plan), built once when the workflow loads and written where the steps read
-# them, in results/.../plans/: the dataset's (labels and spacing), dataset.json, and each
-# trained run's, <run>.json.
-# A plan is written when its content changes only, and the rules take it as ancient() input
-# with the digests of the sections their step reads as params: Snakemake reruns exactly the
-# jobs whose sections changed.
+# The plans (ctseg.plan) in results/.../plans/: the dataset's labels and spacing
+# (dataset.json) and each trained run's experiment, patch and phase (<run>.json), built as the
+# workflow loads and written before any job runs (onstart; not in a dry run), when their
+# content changed only. A rule passes a plan's path and, as params, the digests of the
+# sections its step reads, so Snakemake reruns exactly the jobs whose sections changed.
 from ctseg.io import CtsegError
 from ctseg.plan import write_dataset_plan, write_plan
 from ctseg.planning.build import dataset_plan as build_dataset_plan
@@ -16,8 +15,8 @@ DATASET_PLAN = f"{PLANS}/dataset.json"
 
 @functools.cache
 def dataset_plan():
-    first = next((RECORDS[i]["image"] for i in sorted(RECORDS)), None)
-    return planning(build_dataset_plan)(DATASET_DIR, first)
+    first_image = RECORDS[min(RECORDS)]["image"]
+    return planning(build_dataset_plan)(DATASET_DIR, first_image)
 
 
 @functools.cache
@@ -38,25 +37,19 @@ def run_plan(run):
     return planning(build_run_plan_of)(run)
 
 
+def run_plan_file(run):
+    return f"{PLANS}/{run}.json"
+
+
 def write_plans():
-    """The dataset's plan, and the plan of every trained run whose experiment loads (a broken
-    one was warned about, and a target that needs it is refused by `run_plan_file`), written
-    before the DAG is built: Snakemake sees them as inputs that exist."""
-    planning(write_dataset_plan)(DATASET_PLAN, dataset_plan())
-    for run in RUNS.experiment_names:
+    """The dataset's plan and the plan of every trained run whose experiment plans (a broken
+    one was warned about; a target that needs it was refused while the DAG was built).
+    """
+    write_dataset_plan(DATASET_PLAN, dataset_plan())
+    for name in RUNS.experiment_names:
         try:
-            runs = [run, *RUNS.fold_runs(run)]
-            plans = [(r, build_run_plan_of(r)) for r in runs]
+            plans = {r: build_run_plan_of(r) for r in [name, *RUNS.fold_runs(name)]}
         except CtsegError:
             continue
-        for r, plan in plans:
-            planning(write_plan)(f"{PLANS}/{r}.json", plan)
-
-
-def dataset_plan_file(wildcards):
-    return DATASET_PLAN
-
-
-def run_plan_file(wildcards):
-    run_plan(wildcards.exp)  # a run whose plan could not be written is refused here
-    return f"{PLANS}/{wildcards.exp}.json"
+        for run, plan in plans.items():
+            write_plan(run_plan_file(run), plan)

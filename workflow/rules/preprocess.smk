@@ -24,7 +24,6 @@ rule convert_label:
     input:
         label=label_source,
         image=IMAGE_STORE,
-        dataset_plan=ancient(dataset_plan_file),
     output:
         directory(LABEL_STORE),
     log:
@@ -38,18 +37,18 @@ rule convert_label:
         shards=rule_args.shards_arg(config["convert"]["shards"]),
         codec=rule_args.codec_arg(config["convert"]["codec"]),
         budget=config["convert"]["memory_budget_mb"],
+        dataset_plan=DATASET_PLAN,
         labels=lambda wildcards: dataset_plan().digest("labels"),
     shell:
         "ctseg convert {input.label:q} {output:q} --kind label --like {input.image:q} "
         "--chunks {params.chunks} {params.shards} --codec {params.codec:q} "
-        "--memory-budget-mb {params.budget} --dataset-plan {input.dataset_plan:q} "
+        "--memory-budget-mb {params.budget} --dataset-plan {params.dataset_plan:q} "
         "> {log} 2>&1"
 
 
 rule targets:
     input:
         label=LABEL_STORE,
-        dataset_plan=ancient(dataset_plan_file),
     output:
         directory(TARGET_STORE),
     log:
@@ -67,12 +66,13 @@ rule targets:
         max_samples=config["targets"]["max_samples"],
         seed=config["targets"]["seed"],
         codec=rule_args.codec_arg(config["convert"]["codec"]),
+        dataset_plan=DATASET_PLAN,
         dataset=lambda wildcards: dataset_plan().digest(),
     shell:
         "ctseg targets {input.label:q} {output:q} --clip-distance {params.clip} "
         "--skeleton-method {params.method} --tube-dilations {params.tube} "
         "--block {params.block} --max-samples {params.max_samples} --seed {params.seed} "
-        "--codec {params.codec:q} --workers {threads} --dataset-plan {input.dataset_plan:q} "
+        "--codec {params.codec:q} --workers {threads} --dataset-plan {params.dataset_plan:q} "
         "> {log} 2>&1"
 
 

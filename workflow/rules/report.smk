@@ -22,6 +22,9 @@ rule report:
         overlays=rule_args.overlay_args(overlay_ids(), IMAGE_STORE, LABEL_STORE),
         # Timings of every job so far; the report lists the files it read.
         benchmarks=f"{ROOT}/benchmarks",
+        dataset_plan=DATASET_PLAN,
+        labels=dataset_plan().digest("labels"),
     shell:
         "ctseg report --out {output:q} {params.runs} {params.overlays} "
-        "--benchmarks-dir {params.benchmarks:q} > {log:q} 2>&1"
+        "--benchmarks-dir {params.benchmarks:q} --dataset-plan {params.dataset_plan:q} "
+        "> {log:q} 2>&1"

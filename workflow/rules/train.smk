@@ -3,7 +3,6 @@ rule train_trial:
         unpack(training_data),
         split=f"{ROOT}/{{exp}}/split.csv",
         previous=previous_trial,
-        plan=ancient(run_plan_file),
     output:
         summary=f"{ROOT}/{{exp}}/phases/phase{{phase}}/summary.json",
         steps=f"{ROOT}/{{exp}}/phases/phase{{phase}}/steps.csv",
@@ -34,7 +33,8 @@ rule train_trial:
         settings=lambda wildcards: settings_used(
             experiment(wildcards.exp), PHASES[int(wildcards.phase)], "trial"
         ),
-        plan=lambda wildcards: run_plan(wildcards.exp).digest("dataset", "patch"),
+        plan=lambda wildcards: run_plan_file(wildcards.exp),
+        planned=lambda wildcards: run_plan(wildcards.exp).digest("dataset", "patch"),
         scratch=scratch_args,
         out=lambda wildcards, output: Path(output.summary).parent,
         previous=lambda wildcards, input: (
@@ -43,7 +43,7 @@ rule train_trial:
         keep_log=rule_args.KEEP_ATTEMPT_LOG,
     shell:
         "{params.keep_log} {log:q} && "
-        "{params.ctseg} trial --plan {input.plan:q} --phases {params.phases:q} "
+        "{params.ctseg} trial --plan {params.plan:q} --phases {params.phases:q} "
         "--phase {wildcards.phase} {params.scratch} --split {input.split:q} "
         "--out {params.out:q} {params.previous} > {log:q} 2>&1"
 
@@ -70,7 +70,6 @@ rule train_model:
         trials=train_trials,
         # A fine-tune's starting weights (init_from), trained first.
         init=lambda wildcards: init_weights(wildcards.exp),
-        plan=ancient(run_plan_file),
     output:
         weights=f"{ROOT}/{{exp}}/last.pt",
         # Written beside --weights: the weights of the best validation (ctseg.training.run_state).
@@ -101,7 +100,8 @@ rule train_model:
         ctseg=lambda wildcards: rule_args.launcher(train_gpus(wildcards.exp)),
         phases=PHASES_FILE,
         settings=lambda wildcards: train_settings(wildcards.exp),
-        plan=lambda wildcards: run_plan(wildcards.exp).digest("dataset", "patch"),
+        plan=lambda wildcards: run_plan_file(wildcards.exp),
+        planned=lambda wildcards: run_plan(wildcards.exp).digest("dataset", "patch"),
         # Not compared between runs: a phase changes how a run trains, not its result, so a
         # last.pt trained under another phase is kept (common.smk prints a line saying so).
         phase=lambda wildcards: rule_args.Untracked(train_phase(wildcards.exp)),
@@ -121,7 +121,7 @@ rule train_model:
     shell:
         "{params.keep_log} {log:q} && "
         "{params.record_trials} {params.trials_record:q} {input.trials:q} && "
-        "exec {params.ctseg} train --plan {input.plan:q} "
+        "exec {params.ctseg} train --plan {params.plan:q} "
         "--phases {params.phases:q} --phase {params.phase} --trials {input.trials:q} "
         "{params.scratch} --split {input.split:q} --out {params.out:q} "
         "--state-dir {params.state:q} --weights {output.weights:q} {params.init} > {log:q} 2>&1"
@@ -172,10 +172,12 @@ rule dataset_summary:
         "--store {params.store:q} --patch {params.patch} --out {output:q} 2>&1 | tee {log:q}"
 
 
-# Before any job runs (not in a dry run): for each training this invocation runs, the line of a
-# last.pt retrained under another phase (its finished checkpoints set aside), its estimated time
-# on this machine, and the volumes smaller than its patch.
+# Before any job runs (not in a dry run): the plans the steps read (plan.smk), then for each
+# training this invocation runs, the line of a last.pt retrained under another phase (its
+# finished checkpoints set aside), its estimated time on this machine, and the volumes smaller
+# than its patch.
 onstart:
+    write_plans()
     for _run in trainings_to_run():
         for _line in training_start(_run):
             print(f"ctseg: {_line}", file=sys.stderr)

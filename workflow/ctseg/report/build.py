@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ctseg.io import CtsegError, atomic_path
+from ctseg.labels import KAGGLE, LabelSpec
+from ctseg.report.classes import per_class_section
 from ctseg.report.compare import RunFacts, comparison_section, members_block, read_run
 from ctseg.report.dataset import dataset_section
 from ctseg.report.headline import headline_section
@@ -40,6 +42,7 @@ def build_report(
     title: str = "ctseg report",
     root: Path | None = None,
     postprocess_dir: Path | None = None,
+    labels: LabelSpec = KAGGLE,
 ) -> None:
     """Write the one-run report to `out_html` atomically; see the module docstring.
 
@@ -60,16 +63,19 @@ def build_report(
         training_section(train_dir, src),
         settings_section([run], src),
         evaluation_section(evaluation_dir, src),
+        per_class_section(evaluation_dir, src, required=not labels.is_binary),
         provenance_block(read_provenance(run, src)),
         postprocess_section(postprocess_dir, src),
-        overlay_section(overlays, src),
+        overlay_section(overlays, src, labels),
         timing_section(benchmarks_dir, src),
     ]
     sections.append(sources_section(src))
     _write(out_html, page(title, experiment, sections))
 
 
-def _run_sections(run: Run, src: Sources, facts: RunFacts | None = None) -> str:
+def _run_sections(
+    run: Run, src: Sources, facts: RunFacts | None = None, labels: LabelSpec = KAGGLE
+) -> str:
     """One run's own sections, as the one-run page has them, nested under the run's heading."""
     parts = []
     if run.trained:
@@ -89,6 +95,7 @@ def _run_sections(run: Run, src: Sources, facts: RunFacts | None = None) -> str:
             parts.append(members_block(facts))
     parts += [
         evaluation_section(run.evaluation_dir, src),
+        per_class_section(run.evaluation_dir, src, required=not labels.is_binary),
         provenance_block(read_provenance(run, src)),
         postprocess_section(run.postprocess_dir, src),
         timing_section(run.benchmarks_dir, src),
@@ -105,8 +112,11 @@ def build_runs_report(
     benchmarks_dir: Path | None = None,
     title: str = "ctseg report",
     root: Path | None = None,
+    labels: LabelSpec = KAGGLE,
 ) -> None:
     """Write one report of several runs (results/<run> directories) to `out_html` atomically.
+    `labels`: the dataset's label spec (a multi-class one adds the per-class tables and colours
+    each class in the overlays).
 
     `overlays` holds (id, image zarr, label zarr or None); each run's prediction of a volume
     is its predictions/<id>.tif. `benchmarks_dir` holds the timings of jobs no run owns
@@ -124,8 +134,10 @@ def build_runs_report(
     sections = [
         comparison_section(facts),
         settings_section(loaded, src),
-        runs_overlay_section(overlays, [(r.name, r.predictions_dir) for r in loaded], src),
-        *(_run_sections(run, src, f) for run, f in zip(loaded, facts, strict=True)),
+        runs_overlay_section(
+            overlays, [(r.name, r.predictions_dir) for r in loaded], src, labels=labels
+        ),
+        *(_run_sections(run, src, f, labels) for run, f in zip(loaded, facts, strict=True)),
         timing_section(benchmarks_dir, src, "Shared timings (jobs of no run: preprocessing)"),
         sources_section(src),
     ]

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ctseg.cli_types import AddParser
+from ctseg.cli_types import AddParser, dataset_of, dataset_plan_arg
 from ctseg.io import CtsegError
 
 
@@ -23,6 +23,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         [Path(r) for r in args.run],
         overlays=[(i, Path(image), Path(label)) for i, image, label in args.overlay or []],
         benchmarks_dir=Path(args.benchmarks_dir) if args.benchmarks_dir else None,
+        labels=dataset_of(args).labels,
     )
 
 
@@ -44,6 +45,7 @@ def _report_parser(add_parser: AddParser) -> None:
         "predictions/<ID>.tif (repeatable)",
     )
     p.add_argument("--benchmarks-dir", default=None, help="Snakemake benchmark: TSVs")
+    dataset_plan_arg(p)
     p.set_defaults(func=cmd_report)
 
 
