@@ -116,3 +116,16 @@ def test_every_subcommand_is_registered_once() -> None:
     modules = [importlib.import_module(name) for name in sorted(on_disk)]
     defined = {getattr(m, name) for m in modules for name in vars(m) if name.startswith("cmd_")}
     assert len(set(funcs)) == len(funcs) and set(funcs) == defined
+
+
+SHARED_RULES = ("common.smk", "settings.smk")
+MAX_SHARED_RULE_LINES = 300
+
+
+def test_the_workflows_shared_rules_files_stay_short() -> None:
+    """common.smk and settings.smk hold the constants and input functions the rules read and
+    the calls that check the config; what they do is the package's (ctseg.workflow_checks,
+    ctseg.planned_runs), where unit tests reach it."""
+    rules = PACKAGE.parent / "rules"
+    lines = {name: len((rules / name).read_text().splitlines()) for name in SHARED_RULES}
+    assert sum(lines.values()) <= MAX_SHARED_RULE_LINES, f"{lines}: {sum(lines.values())} lines"

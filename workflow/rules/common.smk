@@ -1,83 +1,44 @@
-# The workflow's view of the dataset and its runs. The run model is ctseg.runs (unit-tested
-# without Snakemake); this file builds it from the config and hands its answers to the rules,
-# a refusal as one line naming the file (`refuse`, settings.smk).
+# The workflow's view of the dataset and its runs. The run model is ctseg.runs, built from the
+# config by ctseg.planned_runs (both unit-tested without Snakemake); this file hands its answers
+# to the rules, a refusal as one line naming the file (`planning`, ctseg.workflow_checks).
 import functools
 import sys
 import time
 from pathlib import Path
 
-from ctseg import layout, rule_args
+from ctseg import layout, planned_runs, rule_args
 from ctseg.config import check_configured_phase, load_phases, settings_used
-from ctseg.io import CtsegError
 from ctseg.network.losses import check_terms
+from ctseg.planned_runs import TrainingPlans, dataset_runs, default_runs, load_records
 from ctseg.preprocess.demo_data import demo_dataset
-from ctseg.records import read_records, read_recorded_split
+from ctseg.preprocess.stage import expand_scratch
 from ctseg.report.runs import scored_runs
-from ctseg.run_settings import SETTINGS_JSON, read_run_settings
-from ctseg.runs import Runs, base_of, cv_base, fold_of, forced_on_command_line
-from ctseg.summaries import TrialSummary
+from ctseg.runs import base_of, cv_base, fold_of
 from ctseg.training.restart import restart_line
 from ctseg.training.start import start_lines
+from ctseg.workflow_checks import configured_scratch
 
 ID_REGEX = "[A-Za-z0-9_.-]+"
 DATASET_DIR = Path("resources") / config["dataset"]
 IS_DEMO = config["dataset"] == layout.DEMO_DATASET
-# The dataset's runs, logs, job timings and report: results/ for the demo, results/<dataset>/
-# for any other (ctseg.layout.results_root), so datasets never share a run folder.
+# The dataset's runs, logs, job timings and report (results/ for the demo, else
+# results/<dataset>/) and its preprocessed stores (zarr/images|labels/<id>.zarr, targets/<id>.zarr
+# under a root of their own, the layout `ctseg stage` reads from any source): ctseg.layout.
 ROOT = layout.results_root(config["dataset"])
-# Each dataset's preprocessed stores under a root of their own, so that two datasets with a
-# common id never overwrite each other's. Below the root is the layout `ctseg stage` reads from
-# any source, local or remote: zarr/images/<id>.zarr, zarr/labels/<id>.zarr, targets/<id>.zarr.
 STORE = layout.store_root(config["dataset"])
 IMAGE_STORE = layout.image_store(STORE, "{id}")
 LABEL_STORE = layout.label_store(STORE, "{id}")
 TARGET_STORE = layout.target_store(STORE, "{id}")
 # EXPERIMENTS_DIR, ENSEMBLES_DIR and PHASES_FILE are ctseg.config's (imported in settings.smk).
 STARTED = time.time()
-SCRATCH_ROOT = layout.scratch_root(configured_scratch(), config["dataset"])
-
-
-def planning(function):
-    """`function` as the rules call it: a CtsegError stops planning with its one line."""
-
-    @functools.wraps(function)
-    def call(*args, **kwargs):
-        try:
-            return function(*args, **kwargs)
-        except CtsegError as exc:
-            refuse(exc)
-
-    return call
-
-
+_scratch = configured_scratch(config, workflow.config_settings, expand_scratch)
+SCRATCH_ROOT = layout.scratch_root(_scratch, config["dataset"])
 DEMO_RECORDS = demo_dataset("resources/demo", config["demo"])
-
-
-@planning
-def load_records():
-    if IS_DEMO:
-        return DEMO_RECORDS
-    try:
-        table = read_records(DATASET_DIR)
-    except CtsegError as exc:
-        raise CtsegError(f"dataset {config['dataset']!r}: {exc}") from exc
-    return {row["id"]: row for row in table.to_dict("records")}
-
-
-RECORDS = load_records()
+_demo = DEMO_RECORDS if IS_DEMO else None
+RECORDS = planning(load_records)(config["dataset"], DATASET_DIR, _demo)
 PHASES = planning(load_phases)(PHASES_FILE)
-RUNS = planning(Runs)(
-    RECORDS,
-    dataset=config["dataset"],
-    experiments_dir=EXPERIMENTS_DIR,
-    ensembles_dir=ENSEMBLES_DIR,
-    phases=PHASES,
-    demo=IS_DEMO,
-    other_datasets=layout.other_datasets("resources", config["dataset"]),
-    recorded_split=read_recorded_split,
-    # An unregistered loss term is refused here, at planning, naming the experiment's file.
-    check_experiment=lambda exp: check_terms(exp["loss"]["weights"]),
-)
+# An unregistered loss term is refused here, at planning, naming the experiment's file.
+RUNS = planning(dataset_runs)(RECORDS, config["dataset"], PHASES, check_terms)
 
 # The run model's answers, as the rules and input functions use them.
 ids = RUNS.ids
@@ -102,6 +63,19 @@ init_weights = planning(RUNS.init_weights)
 trial_summaries = planning(RUNS.trial_summaries)
 run_dir = functools.partial(layout.run_dir, root=ROOT)
 prediction = functools.partial(layout.prediction, root=ROOT)
+# What the plan does with each trained run's train job, read from its run folder (train.smk),
+# and the lines printed before a training this invocation runs (onstart).
+TRAINING_PLANS = TrainingPlans(RUNS, config["phase"], run_dir)
+training_plan = planning(TRAINING_PLANS.plan)
+train_phase = planning(TRAINING_PLANS.phase)
+chosen_phases = planning(TRAINING_PLANS.chosen_phases)
+train_gpus = planning(TRAINING_PLANS.gpus)
+train_settings = planning(TRAINING_PLANS.settings)
+trials_record = TRAINING_PLANS.trials_record
+state_dir = TRAINING_PLANS.state_dir
+training_start = functools.partial(
+    TRAINING_PLANS.start_lines, start=start_lines, image_store=IMAGE_STORE
+)
 
 # Wildcard constraints: which runs each kind of rule can make (so that two rules never
 # claim the same results/<run>/... path).
@@ -117,31 +91,12 @@ wildcard_constraints:
     phase=r"\d+",
 
 
-# The configured phase, checked when the workflow loads, whatever the target.
+# Checked when the workflow loads, whatever the target (ctseg.planned_runs): the configured
+# phase, the default runs, every run file, and what the plan does with each default training.
 planning(check_configured_phase)(config["phase"], PHASES)
-
-
-@planning
-def default_runs():
-    runs = config["experiment"]
-    runs = [runs] if isinstance(runs, str) else list(runs)
-    for run in runs:
-        RUNS.kind(run)
-    return runs
-
-
-DEFAULT_RUNS = default_runs()
-
-
-@planning
-def check_run_files():
-    """Every experiment and ensemble file, checked when the workflow loads: a bad one that the
-    default runs read stops planning, naming its file; any other is a warning line."""
-    for line in RUNS.check_all(DEFAULT_RUNS):
-        print(f"ctseg: {line}", file=sys.stderr)
-
-
-check_run_files()
+DEFAULT_RUNS = planning(default_runs)(config["experiment"], RUNS)
+planning(planned_runs.check_default_runs)(RUNS, DEFAULT_RUNS)
+planning(TRAINING_PLANS.notices)(DEFAULT_RUNS, sys.argv, restart_line)
 
 
 # ----------------------------------------------------------------------------- input functions
@@ -165,77 +120,10 @@ def bench(run, name):
     return f"{run_dir(run)}/benchmarks/{name}.tsv"
 
 
-def trials_record(run):
-    """train/trials.txt: the trials the job that wrote the run's last.pt waited on, one a line;
-    absent when it waited on none (rule_args.RECORD_TRIALS writes it)."""
-    return f"{run_dir(run)}/train/trials.txt"
-
-
-def trials_written(run):
-    """Its experiment's trial summaries as they are now; None while any is not written. One
-    that does not read is left out (the train job refuses it, naming it)."""
-    paths = [Path(p) for p in trial_summaries(run)]
-    if not all(p.exists() for p in paths):
-        return None
-    found = []
-    for path in paths:
-        try:
-            found.append(TrialSummary.read(path))
-        except CtsegError:
-            pass
-    return found
-
-
-@functools.cache
-def training_plan(run):
-    """What the plan does with a trained run's train job (ctseg.runs.Runs.training_plan): which
-    phase it is given, whether it waits on the trials, and the line printed about it.
-
-    It reads the run's results as planning starts (last.pt, train/settings.json and
-    train/trials.txt exist; what settings.json holds; the trial summaries), so the train rule's
-    input functions are not functions of the config alone. That is the point: Snakemake reruns
-    a job whose set of inputs differs from the one its last run recorded, so whether a finished
-    run's job declares the trials must follow what its last training declared, not the phase
-    configured now, or a phase change would retrain it."""
-    folder = Path(run_dir(run))
-    last_pt = (folder / "last.pt").exists()
-    settings = folder / "train" / SETTINGS_JSON
-    after_trials = last_pt and Path(trials_record(run)).exists()
-    return planning(RUNS.training_plan)(
-        run,
-        config["phase"],
-        last_pt=last_pt,
-        trained=read_run_settings(settings) if last_pt and settings.exists() else None,
-        after_trials=after_trials,
-        trials=(
-            trials_written(run) if config["phase"] == "auto" or after_trials else None
-        ),
-    )
-
-
 def train_trials(wildcards):
     """The trials the train job waits on: phase auto's when it trains, or those the job that
     wrote its last.pt waited on (training_plan)."""
     return trial_summaries(wildcards.exp) if training_plan(wildcards.exp).trials else []
-
-
-def train_phase(run):
-    """The train job's --phase: the configured one, or for auto, the phase a run trained
-    without trials stays on (training_plan)."""
-    return training_plan(run).phase
-
-
-def chosen_phases(run):
-    """The phases the train job may use: its phase, or any trialled one for auto."""
-    return planning(RUNS.chosen_phases)(run, train_phase(run))
-
-
-def train_gpus(run):
-    return planning(RUNS.train_gpus)(run, train_phase(run))
-
-
-def train_settings(run):
-    return planning(RUNS.train_settings)(run, train_phase(run))
 
 
 def previous_trial(wildcards):
@@ -361,72 +249,10 @@ def report_runs():
     return DEFAULT_RUNS + [r for r in scored_runs(ROOT) if r not in DEFAULT_RUNS]
 
 
-for _run in DEFAULT_RUNS:
-    planning(RUNS.check_record_counts)(_run)
-
-
-@planning
-def training_notices():
-    """A line for each default trained run whose last.pt the plan keeps under another phase or
-    retrains for changed settings, before any job runs (ctseg.runs.Runs.training_plan).
-    """
-    for run in sorted({t for r in DEFAULT_RUNS for t in RUNS.trained_runs(r)}):
-        plan = training_plan(run)
-        notice = plan.notice
-        if plan.restart_from is not None and forced_training(run):
-            notice = restart_line(run, plan.restart_from, plan.phase)
-        if notice:
-            print(f"ctseg: {notice}", file=sys.stderr)
-
-
-def forced_training(run):
-    """Whether the command line forces the run's train job (--forcerun/-R train_model or its
-    last.pt or best.pt, --forceall): the plan then says it retrains, not that it keeps its
-    last.pt.
-    """
-    forceall, forced = forced_on_command_line(sys.argv)
-    outputs = {f"{run_dir(run)}/last.pt", f"{run_dir(run)}/best.pt"}
-    return forceall or bool({"train_model", *outputs} & forced)
-
-
-training_notices()
-
-
-def state_dir(run):
-    """A trained run's resumable checkpoints: outside the declared outputs, which Snakemake
-    deletes before a rerun, so that a preempted run resumes rather than starts over."""
-    return f"{run_dir(run)}/checkpoints"
-
-
 def trainings_to_run():
     """The trained runs whose train_model job this invocation runs, forced reruns included:
     Snakemake's DAG as it stands when the workflow starts (onstart, train.smk)."""
-    return sorted(
-        {
-            job.wildcards["exp"]
-            for job in workflow.dag.needrun_jobs()
-            if job.rule.name == "train_model"
-        }
-    )
-
-
-def training_start(run):
-    """The lines printed before any job runs for a training this invocation runs
-    (ctseg.training.start: its checkpoints set aside for a retraining under another phase, its
-    estimated time, its volumes smaller than the patch)."""
-    plan = training_plan(run)
-    return start_lines(
-        run,
-        restart_from=plan.restart_from,
-        phase=plan.phase,
-        settings=run_settings(run),
-        phases=PHASES,
-        trials=trials_written(run) or [],
-        image_stores={
-            i: Path(IMAGE_STORE.format(id=i)) for i in split_table(run)["id"]
-        },
-        state_dir=Path(state_dir(run)),
-    )
+    return planned_runs.trainings_to_run(workflow.dag.needrun_jobs())
 
 
 def dataset_summary_file(run):
