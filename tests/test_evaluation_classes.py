@@ -194,3 +194,30 @@ def test_a_binary_mask_of_0_and_255_counts_as_foreground(tmp_path):
     p, lab = write_pair(tmp_path, pred, gt)
     rows = score_class_files(p, lab, KAGGLE)
     assert (rows[0]["dice"], rows[0]["pred_voxels"]) == (1.0, 200)
+
+
+def test_evaluate_of_a_multi_class_dataset_writes_per_class_scores_and_summary(tmp_path):
+    """`ctseg evaluate --dataset-plan` of a multi-class dataset: per_class.csv, and scores.csv
+    and summary.json whose score is each volume's mean Dice over its classes."""
+    import json
+
+    from ctseg.cli import main
+    from ctseg.plan import DatasetPlan, write_dataset_plan
+
+    pred, gt = volumes()
+    p1, l1 = write_pair(tmp_path, SPEC.from_stored(pred), gt, "v1")
+    p2, l2 = write_pair(tmp_path, SPEC.from_stored(gt), gt, "v2")
+    plan = tmp_path / "plans" / "dataset.json"
+    write_dataset_plan(plan, DatasetPlan(SPEC, (1.0, 1.0, 1.0), "dataset.yaml"))
+    out = tmp_path / "evaluation"
+    argv = ["evaluate", "--predictions", str(p1), str(p2), "--labels", str(l1), str(l2)]
+    assert main([*argv, "--out", str(out), "--dataset-plan", str(plan)]) == 0
+    scores = pd.read_csv(out / "scores.csv", dtype={"id": str}).set_index("id")
+    per_class = pd.read_csv(out / "per_class.csv", dtype={"id": str})
+    means = per_class[per_class["class"] == "mean"].set_index("id")
+    assert scores.loc["v2", "score"] == 1.0
+    assert scores.loc["v1", "score"] == pytest.approx(means.loc["v1", "dice"])
+    assert scores.loc["v1", "score"] < 1.0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["classes"] == ["bone", "vessel", "air"] and summary["volumes"] == 2
+    assert summary["mean_score"] == pytest.approx(scores["score"].mean())

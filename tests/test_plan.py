@@ -45,7 +45,7 @@ def plan_of(exp=EXP001, dataset=None, phase=0, shapes=((64, 96, 96),)) -> RunPla
 
 
 def test_a_plan_round_trips_to_the_same_frozen_objects(tmp_path) -> None:
-    spec = LabelSpec({"background": 0, "sheet": 10, "fibre": 20}, ignore=255)
+    spec = LabelSpec({"background": 0, "papyrus": 10}, ignore=255)
     plan = plan_of(dataset=DatasetPlan(spec, (2.0, 1.0, 1.0), "dataset.yaml"), phase=6)
     path = tmp_path / "plan.json"
     assert write_plan(path, plan)
@@ -161,3 +161,19 @@ def test_image_shapes_come_from_the_tiff_headers(tmp_path) -> None:
     (tmp_path / "bad.tif").write_bytes(b"not a tiff")
     with pytest.raises(CtsegError, match=r"bad.tif: cannot read the TIFF header"):
         image_shapes_of([tmp_path / "bad.tif"])
+
+
+def test_a_multi_class_plan_sets_the_output_channels_and_refuses_binary_terms() -> None:
+    from ctseg.config import experiment_from, thaw
+
+    spec = LabelSpec({"background": 0, "sheet": 10, "fibre": 20, "pore": 30}, ignore=255)
+    dataset = DatasetPlan(spec, ISOTROPIC, "dataset.yaml")
+    with pytest.raises(CtsegError, match=r"exp001.yaml: loss term 'bce' is for one foreground"):
+        plan_of(dataset=dataset)  # exp001 trains bce, cldice, skel_recall and boundary
+    weights = {"bce": 0.0, "cldice": 0.0, "skel_recall": 0.0, "boundary": 0.0, "ce": 1.0}
+    exp = experiment_from(
+        {**thaw(EXP001), "loss": {**thaw(EXP001["loss"]), "weights": weights}}, "mc.yaml"
+    )
+    plan = plan_of(exp=exp, dataset=dataset)
+    assert plan.experiment["model"]["out_channels"] == 4  # background and three classes
+    assert plan_of().experiment["model"]["out_channels"] == 1  # binary

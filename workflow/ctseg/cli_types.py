@@ -124,3 +124,14 @@ def dataset_of(args: argparse.Namespace) -> Any:
     if args.dataset_plan is not None:
         return args.dataset_plan
     return DatasetPlan(KAGGLE, ISOTROPIC, "the Kaggle default (no --dataset-plan)")
+
+
+def dataset_of_run(args: argparse.Namespace) -> Any:
+    """The dataset section of the run plan --plan names, or the Kaggle layout's own (a run
+    given by --experiment)."""
+    from ctseg.labels import KAGGLE
+    from ctseg.plan import ISOTROPIC, DatasetPlan
+
+    if args.plan is not None:
+        return args.plan.dataset
+    return DatasetPlan(KAGGLE, ISOTROPIC, "the Kaggle default (no --plan)")

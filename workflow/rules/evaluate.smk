@@ -40,7 +40,7 @@ rule evaluate_run:
         predictions=lambda wildcards: [
             prediction(wildcards.exp, i) for i in eval_ids(wildcards.exp)
         ],
-        labels=lambda wildcards: [label_file(i) for i in eval_ids(wildcards.exp)],
+        labels=lambda wildcards: evaluation_labels(wildcards.exp),
     output:
         scores=report(
             f"{ROOT}/{{exp}}/evaluation/scores.csv",

@@ -53,3 +53,11 @@ def write_plans():
             continue
         for run, plan in plans.items():
             write_plan(run_plan_file(run), plan)
+
+
+def evaluation_labels(run):
+    """The held-out volumes' labels as evaluate reads them: a binary dataset's label TIFFs; a
+    multi-class dataset's label stores (stored values, scored per class)."""
+    if dataset_plan().labels.is_binary:
+        return [label_file(i) for i in eval_ids(run)]
+    return [LABEL_STORE.format(id=i) for i in eval_ids(run)]

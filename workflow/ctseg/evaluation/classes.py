@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ctseg.evaluation.surface_dice import as_spacing, surface_dice
-from ctseg.io import CtsegError, atomic_path
+from ctseg.io import CtsegError, atomic_path, strict_json
 from ctseg.labels import LabelSpec
 
 PER_CLASS_FILE = "per_class.csv"
@@ -227,3 +227,44 @@ def evaluate_classes(
         )
     write_per_class(rows, Path(out_dir) / PER_CLASS_FILE)
     return rows
+
+
+def evaluate_multiclass(
+    predictions: Sequence[Path],
+    labels: Sequence[Path],
+    out_dir: Path,
+    spec: LabelSpec,
+    spacing: Sequence[float] | None = None,
+    *,
+    threads: int = 1,
+    provenance: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """`ctseg evaluate` for a multi-class dataset: ``per_class.csv`` (`evaluate_classes`), and
+    the files every run has, ``scores.csv`` (one row a volume: the mean over its classes of
+    Dice and SurfaceDice; ``score`` is the mean Dice, nnU-Net's headline figure, since the
+    competition's score is for one class) and ``summary.json`` (their means)."""
+    import pandas as pd
+
+    rows = evaluate_classes(predictions, labels, out_dir, spec, spacing, threads=threads)
+    means = [row for row in rows if row["class"] == MEAN_ROW]
+    table = pd.DataFrame(
+        {
+            "id": [row["id"] for row in means],
+            "score": [row["dice"] for row in means],
+            "dice": [row["dice"] for row in means],
+            "surface_dice": [row["surface_dice"] for row in means],
+        }
+    )
+    summary: dict[str, Any] = {
+        "volumes": len(table),
+        "classes": list(spec.classes),
+        "score_is": "mean Dice over the classes",
+        **{f"mean_{name}": float(table[name].mean()) for name in ("score", "dice", "surface_dice")},
+    }
+    if provenance:
+        summary["provenance"] = {str(k): str(v) for k, v in provenance.items()}
+    with atomic_path(Path(out_dir) / "scores.csv") as tmp:
+        table.to_csv(tmp, index=False)
+    with atomic_path(Path(out_dir) / "summary.json") as tmp:
+        tmp.write_text(strict_json(summary, indent=1))
+    return summary

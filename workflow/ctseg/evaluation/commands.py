@@ -24,6 +24,20 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from ctseg.evaluation.metrics import evaluate_pairs
 
     dataset = dataset_of(args)
+    if not dataset.labels.is_binary:
+        from ctseg.evaluation.classes import evaluate_multiclass
+
+        summary = evaluate_multiclass(
+            [Path(p) for p in args.predictions],
+            [Path(p) for p in args.labels],
+            Path(args.out),
+            dataset.labels,
+            dataset.spacing,
+            threads=args.workers,
+            provenance=dict(args.provenance or []),
+        )
+        print(strict_json(summary, indent=1))
+        return
     summary = evaluate_pairs(
         [Path(p) for p in args.predictions],
         [Path(p) for p in args.labels],
@@ -72,7 +86,13 @@ def _evaluate_parser(add_parser: AddParser) -> None:
     p.add_argument(
         "--predictions", nargs="+", required=True, help="predicted mask TIFFs (<id>.tif)"
     )
-    p.add_argument("--labels", nargs="+", required=True, help="in the same order")
+    p.add_argument(
+        "--labels",
+        nargs="+",
+        required=True,
+        help="their labels in the same order: label TIFFs (a binary dataset), or label .zarr "
+        "stores (a multi-class one, scored per class)",
+    )
     p.add_argument("--out", required=True, help="evaluation directory")
     p.add_argument(
         "--workers",

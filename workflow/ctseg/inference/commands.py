@@ -30,22 +30,23 @@ def _inference_settings(args: argparse.Namespace) -> InferenceSettings:
 
 
 def cmd_infer(args: argparse.Namespace) -> None:
-    from ctseg.inference.run import load_model, predict_record
+    from ctseg.inference.run import load_checkpoint, predict_record
     from ctseg.training.checkpoint import stored_digest
 
     # Both settings are checked when made, before the (long) inference, which would otherwise
     # run only to have postprocess refuse them.
     postprocess = fixed_postprocess(args)
     inference = _inference_settings(args)
-    model, patch = load_model(Path(args.weights), inference.torch_device())
+    loaded = load_checkpoint(Path(args.weights), inference.torch_device())
     row = predict_record(
-        model,
+        loaded.model,
         Path(args.image),
         Path(args.probabilities),
         Path(args.mask) if args.mask else None,
-        inference.with_window(patch),
+        inference.with_window(loaded.patch),
         postprocess,
         stored_digest(Path(args.weights)),
+        labels=loaded.labels,
     )
     print(strict_json(row, indent=1, default=str))
 
@@ -96,7 +97,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
     figures = write_summary(Path(args.summary or Path(args.output) / SUMMARY_FILE), summary)
     print(
         f"ctseg predict: wrote {len(summary['volumes'])} mask(s) to {args.output} by "
-        f"{run.name}, post-processing {postprocess.label()} (figures: {figures})"
+        f"{run.name}, {summary['masks']} (figures: {figures})"
     )
 
 

@@ -4,7 +4,9 @@
   one) and the voxel spacing: dataset.yaml's ``spacing``, else the TIFF tags of the dataset's
   first image where they record all three axes (`ctseg.preprocess.spacing.tiff_spacing`), else
   isotropic. One spacing holds for the whole dataset (ctseg does not resample).
-- `run_plan`: one run's experiment (fold applied) with its patch resolved, and its phase. An
+- `run_plan`: one run's experiment (fold applied) with its patch resolved, its network's output
+  channels set from the labels (1 binary, K+1 multi-class) and its loss terms checked against
+  them (`ctseg.network.losses.check_terms`), and its phase. An
   experiment's ``data.patch_size: auto`` is planned from the spacing and the images' median
   shape, within ``data.patch_voxels`` voxels (`ctseg.network.patch_plan.plan_patch`), in
   multiples of the network's downsampling. ``data.augment.spacing`` is filled with an
@@ -22,6 +24,7 @@ from pathlib import Path
 from ctseg.config import Experiment, Phase, experiment_from, thaw
 from ctseg.io import CtsegError
 from ctseg.labels import DATASET_FILE, load_dataset_spec
+from ctseg.network.losses import check_terms
 from ctseg.network.model import computed_patch, config_size_multiple
 from ctseg.network.patch_plan import plan_patch
 from ctseg.plan import ISOTROPIC, DatasetPlan, PatchPlan, PhasePlan, RunPlan
@@ -74,6 +77,12 @@ def run_plan(
         )
     if not dataset.isotropic:  # isotropic: null, as the schema's default means
         augment["spacing"] = list(dataset.relative_spacing)
+    try:
+        check_terms(exp["loss"]["weights"], labels=dataset.labels)
+    except CtsegError as exc:
+        raise CtsegError(f"{where}: {exc}") from exc
+    model = thaw(exp["model"])
+    model["out_channels"] = dataset.labels.out_channels  # 1 binary, K+1 multi-class
     multiple = config_size_multiple(exp["model"])
     planned = data["patch_size"] == AUTO
     if planned:
@@ -82,7 +91,7 @@ def run_plan(
         )
         data["patch_size"] = list(size)
     size = tuple(int(s) for s in data["patch_size"])
-    experiment = experiment_from({**thaw(exp), "data": data}, where)
+    experiment = experiment_from({**thaw(exp), "data": data, "model": model}, where)
     settings = None if phase == AUTO else phases[int(phase)]
     configured: int | str = AUTO if phase == AUTO else int(phase)
     return RunPlan(

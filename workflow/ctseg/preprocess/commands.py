@@ -22,6 +22,18 @@ from ctseg.io import CtsegError, strict_json
 def cmd_demo_data(args: argparse.Namespace) -> None:
     from ctseg.preprocess.demo_data import generate_demo
 
+    if args.preset == "multiclass":
+        from ctseg.preprocess.demo_multiclass import write_multiclass_demo
+
+        write_multiclass_demo(
+            Path(args.out),
+            n_train=args.n_train,
+            n_test=args.n_test,
+            shape=args.shape,
+            scroll_ids=args.scroll_ids,
+            seed=args.seed,
+        )
+        return
     generate_demo(
         Path(args.out),
         n_train=args.n_train,
@@ -125,9 +137,10 @@ def _demo_data_parser(add_parser: AddParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed of the generated volumes")
     p.add_argument(
         "--preset",
-        choices=("simple", "realistic"),
+        choices=("simple", "realistic", "multiclass"),
         default="simple",
-        help="simple: easy sheets; realistic: pressed sheets, low drifting contrast, artefacts",
+        help="simple: easy sheets; realistic: pressed sheets, low drifting contrast, artefacts; "
+        "multiclass: sheets, fibres and pores (labels 10/20/30, ignore 255, a dataset.yaml)",
     )
     p.set_defaults(func=cmd_demo_data)
 

@@ -16,7 +16,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ctseg.cli_types import AddParser, _experiment, _fold_arg, _phases, plan_arg
+from ctseg.cli_types import (
+    AddParser,
+    _experiment,
+    _fold_arg,
+    _phases,
+    dataset_of_run,
+    plan_arg,
+)
 from ctseg.io import strict_json
 
 if TYPE_CHECKING:
@@ -82,6 +89,7 @@ def cmd_trial(args: argparse.Namespace) -> None:
             previous=Path(args.previous) if args.previous else None,
             device=str(device),
             ranks=ranks,
+            labels=dataset_of_run(args).labels,
         )
     if ranks.main:
         print(summary_json(summary))
@@ -123,6 +131,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                 stop=stop,
                 phase_id=phase_id,
                 phase_auto=args.phase == "auto",
+                labels=dataset_of_run(args).labels,
             )
     if first:
         print(strict_json({"phase": phase_id, **summary}, indent=1, default=str))
