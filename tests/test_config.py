@@ -104,7 +104,8 @@ def test_a_bad_value_names_the_file_and_the_key(tmp_path: Path) -> None:
         # Nothing close: the keys the section takes.
         (
             {"data": {"zzz": 1}},
-            "data.zzz: unknown key; data takes augment, fg_fraction, patch_size, patch_voxels, runtime_targets",
+            "data.zzz: unknown key; data takes augment, fg_fraction, patch_size, patch_voxels, "
+            "runtime_targets",
         ),
     ],
 )
