@@ -16,9 +16,8 @@ def cmd_plan_dataset(args: argparse.Namespace) -> None:
 
     plan = dataset_plan(Path(args.dataset), args.first_image)
     write_dataset_plan(Path(args.out), plan)
-    print(
-        f"{args.out}: labels {plan.labels.describe()}; spacing {plan.spacing} ({plan.spacing_source})"
-    )
+    spacing = f"spacing {plan.spacing} ({plan.spacing_source})"
+    print(f"{args.out}: labels {plan.labels.describe()}; {spacing}")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
