@@ -47,7 +47,7 @@ def test_the_summary_is_read_from_the_stores_attributes(tmp_path, capsys) -> Non
     )
     summary = json.loads(out.read_text())
     assert [v["smaller_than_patch"] for v in summary["volumes"]] == [False, True, True]
-    assert summary["volumes"][0]["surface_fraction"] == 0.05
+    assert summary["volumes"][0]["class_fractions"] == {"surface": 0.05}
     assert summary["volumes"][0]["unlabelled_fraction"] == 0.15
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == (
@@ -78,3 +78,23 @@ def test_a_finished_run_s_state_is_moved_aside_never_deleted(tmp_path) -> None:
     assert sorted(p.name for p in aside.iterdir()) == sorted(STATE_FILES)
     assert not any((tmp_path / name).exists() for name in STATE_FILES)
     assert set_aside_for_phase(tmp_path, "phase 0") is None  # nothing left to move
+
+
+def test_a_multi_class_summary_gives_each_class_its_share_by_name() -> None:
+    """Counts are by stored value (convert stores classes 1..K, ignored K+1): the shares are
+    named by the dataset's classes, never read as Kaggle's surface and unlabelled."""
+    from ctseg.dataset_summary import summarise, summary_lines
+    from ctseg.labels import LabelSpec
+
+    spec = LabelSpec({"background": 0, "sheet": 10, "fibre": 20, "pore": 30}, ignore=255)
+    images = {"a": {"shape": [8, 8, 8], "dtype": "uint8", "p0_5": 1.0, "p99_5": 9.0}}
+    labels = {"a": {"label_counts": {"0": 400, "1": 50, "2": 25, "3": 5, "4": 20}}}
+    summary = summarise({"a": "train"}, images, labels, [8, 8, 8], spec, (2.0, 1.0, 1.0))
+    volume = summary["volumes"][0]
+    assert volume["class_fractions"] == {"sheet": 0.1, "fibre": 0.05, "pore": 0.01}
+    assert volume["unlabelled_fraction"] == 0.04
+    assert summary["classes"] == ["sheet", "fibre", "pore"] and summary["spacing"] == [2, 1, 1]
+    assert summary_lines("r", summary)[1] == (
+        "r: dataset: intensity p0.5 1, p99.5 9; sheet 10.0% and fibre 5.0% and pore 1.0% and "
+        "unlabelled 4.0% of each label's voxels"
+    )

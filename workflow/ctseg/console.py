@@ -100,8 +100,10 @@ def headline(report: Path, runs: Sequence[tuple[str, Path]], inputs: Sequence[Pa
         if not isinstance(score, int | float):
             continue
         scored = (data.get("provenance") or {}).get("scored_on", "volumes")
+        # A multi-class run's score is its mean Dice over classes (its summary says so).
+        meaning = data.get("score_is") or "the competition score"
         lines.append(
             f"{name}: score {score:.4f}, the mean over {data.get('volumes', '?')} volume(s) "
-            f"({scored}); the competition score is 1.0 for a perfect mask"
+            f"({scored}); {meaning} is 1.0 for a perfect mask"
         )
     return lines

@@ -4,8 +4,8 @@ for the console (rule dataset_summary, `python -m ctseg.dataset_summary`).
 
 Read from the converted stores' attributes only (`ctseg.preprocess.convert` records shape,
 dtype, the intensity percentiles and each label value's count), so it costs no pass over the
-data. No physical voxel spacing is read from the TIFFs: every step works in voxels (spacing
-1, 1, 1, as the competition metric does).
+data. The label fractions are the dataset's classes' (its plan's labels, `ctseg.plan`), and the
+spacing is its plan's.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import zarr
 
 from ctseg import layout
 from ctseg.io import CtsegError, atomic_path, strict_json
+from ctseg.labels import KAGGLE, LabelSpec
+from ctseg.plan import ISOTROPIC, read_dataset_plan
 
-SPACING = (1.0, 1.0, 1.0)
-SURFACE, UNLABELLED = "1", "2"
 SHOWN_SMALL = 3  # the smaller-than-patch volumes a console line names
 
 
@@ -44,9 +44,15 @@ def summarise(
     images: Mapping[str, Mapping[str, Any]],
     labels: Mapping[str, Mapping[str, Any]],
     patch: Sequence[int],
+    spec: LabelSpec = KAGGLE,
+    spacing: Sequence[float] = ISOTROPIC,
 ) -> dict[str, Any]:
     """The summary of the volumes `parts` names (id -> train/val/test), from their image and
-    label stores' attributes (`store_attributes`), against the training `patch`."""
+    label stores' attributes (`store_attributes`, counts by stored value), against the training
+    `patch`; `spec`: the dataset's labels, `spacing` its voxel spacing."""
+    stored = spec.stored()
+    values = {name: str(stored.labels[name]) for name in stored.classes}
+    ignored = None if stored.ignore is None else str(stored.ignore)
     volumes = []
     for record_id, part in sorted(parts.items()):
         image, label = images[record_id], labels.get(record_id, {})
@@ -60,12 +66,22 @@ def summarise(
                 "dtype": image.get("dtype"),
                 "p0_5": image.get("p0_5"),
                 "p99_5": image.get("p99_5"),
-                "surface_fraction": counts.get(SURFACE, 0) / total if total else None,
-                "unlabelled_fraction": counts.get(UNLABELLED, 0) / total if total else None,
+                "class_fractions": {
+                    name: counts.get(value, 0) / total if total else None
+                    for name, value in values.items()
+                },
+                "unlabelled_fraction": (
+                    counts.get(ignored, 0) / total if total and ignored else None
+                ),
                 "smaller_than_patch": smaller_than_patch(image["shape"], patch),
             }
         )
-    return {"patch": list(patch), "spacing": list(SPACING), "volumes": volumes}
+    return {
+        "patch": list(patch),
+        "spacing": list(spacing),
+        "classes": list(stored.classes),
+        "volumes": volumes,
+    }
 
 
 def _span(values: Sequence[float], form: str) -> str:
@@ -84,13 +100,17 @@ def summary_lines(run: str, summary: Mapping[str, Any]) -> list[str]:
     lines = [f"{run}: dataset: {len(volumes)} volumes ({counted}), shapes {shapes} (z × y × x)"]
     low = [v["p0_5"] for v in volumes if v["p0_5"] is not None]
     high = [v["p99_5"] for v in volumes if v["p99_5"] is not None]
-    surface = [v["surface_fraction"] for v in volumes if v["surface_fraction"] is not None]
+    shares = []
+    for name in summary["classes"]:
+        values = [v["class_fractions"][name] for v in volumes if v["class_fractions"][name]]
+        shares.append(f"{name} {_span([100 * f for f in values or [0.0]], '.1f')}%")
     unlabelled = [v["unlabelled_fraction"] for v in volumes if v["unlabelled_fraction"] is not None]
-    if low and high and surface:
+    if unlabelled:
+        shares.append(f"unlabelled {_span([100 * u for u in unlabelled], '.1f')}%")
+    if low and high:
         lines.append(
             f"{run}: dataset: intensity p0.5 {_span(low, 'g')}, p99.5 {_span(high, 'g')}; "
-            f"surface {_span([100 * s for s in surface], '.1f')}% and unlabelled "
-            f"{_span([100 * u for u in unlabelled], '.1f')}% of each label's voxels"
+            f"{' and '.join(shares)} of each label's voxels"
         )
     warning = small_volumes_line(run, {v["id"]: v["shape"] for v in volumes}, summary["patch"])
     return lines + ([warning] if warning else [])
@@ -125,13 +145,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--store", required=True, help="the dataset's preprocessed store")
     parser.add_argument("--patch", type=int, nargs=3, required=True)
     parser.add_argument("--out", required=True, help="the summary's JSON file")
+    parser.add_argument("--dataset-plan", default=None, help="results/plans/dataset.json")
     args = parser.parse_args(argv)
     try:
         table = pd.read_csv(args.split, dtype={"id": str})
         parts = dict(zip(table["id"], table["split"], strict=True))
         images = {i: store_attributes(layout.image_store(args.store, i)) for i in parts}
         labels = {i: store_attributes(layout.label_store(args.store, i)) for i in parts}
-        summary = summarise(parts, images, labels, args.patch)
+        plan = read_dataset_plan(args.dataset_plan) if args.dataset_plan else None
+        summary = summarise(
+            parts,
+            images,
+            labels,
+            args.patch,
+            plan.labels if plan else KAGGLE,
+            plan.spacing if plan else ISOTROPIC,
+        )
         write_summary(summary, Path(args.out))
     except CtsegError as exc:
         print(f"ctseg dataset-summary: error: {exc}", file=sys.stderr)

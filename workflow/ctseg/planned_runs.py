@@ -196,17 +196,19 @@ class TrainingPlans:
         *,
         start: Callable[..., list[str]],
         image_store: str,
+        settings: Mapping[str, Any] | None = None,
     ) -> list[str]:
         """The lines printed before any job runs for a training this invocation runs (`start`:
         `ctseg.training.start.start_lines`: its checkpoints set aside for a retraining under
         another phase, its estimated time, its volumes smaller than the patch, whose stores are
-        `image_store` with each {id} of the run's split)."""
+        `image_store` with each {id} of the run's split). `settings`: the experiment as the
+        run's plan resolved it (its planned patch), by default the experiment's own."""
         plan = self.plan(run)
         return start(
             run,
             restart_from=plan.restart_from,
             phase=plan.phase,
-            settings=self.runs.settings(run),
+            settings=self.runs.settings(run) if settings is None else settings,
             phases=self.runs.phases,
             trials=self.trials_written(run) or [],
             image_stores={

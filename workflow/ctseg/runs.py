@@ -147,6 +147,9 @@ class Runs:
         # What the stages check of a loaded experiment beyond its schema (the workflow passes
         # the loss registry's `check_terms`): its CtsegError is refused naming the file.
         self.check_experiment = check_experiment or (lambda exp: None)
+        # The experiment a run's train job trains: its own settings, or (the workflow sets
+        # this) its plan's, with what the plan resolved (the patch, the output channels).
+        self.trained_settings: Callable[[str], Any] = self.settings
         self.root = layout.results_root(dataset)
         self.experiment_names = yaml_names(self.experiments_dir)
         self.ensemble_names = yaml_names(self.ensembles_dir)
@@ -591,7 +594,7 @@ class Runs:
         """The experiment's sections that changed since `trained` (a train/settings.json) was
         written, among those its train job's result depends on: the training sections, and the
         trial section for a run trained after its trials (they rerun, and it waits on them)."""
-        used = settings_used(self.settings(run), None, "trial" if after_trials else "train")
+        used = settings_used(self.trained_settings(run), None, "trial" if after_trials else "train")
         return sorted(key for key in used if thaw(trained["experiment"].get(key)) != used[key])
 
     def training_plan(

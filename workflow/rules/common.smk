@@ -92,11 +92,11 @@ wildcard_constraints:
 
 
 # Checked when the workflow loads, whatever the target (ctseg.planned_runs): the configured
-# phase, the default runs, every run file, and what the plan does with each default training.
+# phase, the default runs and every run file (what the plan does with each default training is
+# said once the run plans are known, in plan.smk).
 planning(check_configured_phase)(config["phase"], PHASES)
 DEFAULT_RUNS = planning(default_runs)(config["experiment"], RUNS)
 planning(planned_runs.check_default_runs)(RUNS, DEFAULT_RUNS)
-planning(TRAINING_PLANS.notices)(DEFAULT_RUNS, sys.argv, restart_line)
 
 
 # ----------------------------------------------------------------------------- input functions
@@ -204,8 +204,9 @@ def predicting_weights(run):
 
 def postprocess_settings_file(run):
     """tuned.json when infer.postprocess is tuned (a mask then waits for the search), else
-    nothing: the fixed values in config infer are passed as arguments."""
-    if config["infer"]["postprocess"] != "tuned":
+    nothing: the fixed values in config infer are passed as arguments. A multi-class dataset's
+    mask is the argmax label map: nothing to tune."""
+    if config["infer"]["postprocess"] != "tuned" or not dataset_plan().labels.is_binary:
         return []
     planning(RUNS.check_tunable)(run)
     return f"{tuned_dir(run)}/tuned.json"
@@ -225,7 +226,7 @@ def report_inputs(run):
     ]
     if postprocess_settings_file(run):
         inputs += [f"{tuned_dir(run)}/tuned.json", f"{tuned_dir(run)}/candidates.csv"]
-    if tune_ids(run):  # the reference row: a threshold tuned on these volumes
+    if tune_ids(run) and dataset_plan().labels.is_binary:  # a threshold tuned on these
         inputs += [
             f"{run_dir(run)}/baseline/scores.csv",
             f"{run_dir(run)}/baseline/summary.json",

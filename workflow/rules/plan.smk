@@ -37,6 +37,12 @@ def run_plan(run):
     return planning(build_run_plan_of)(run)
 
 
+# A train job trains its plan's experiment: what its last.pt is compared with, before the plan
+# says what it does with each default training.
+RUNS.trained_settings = lambda run: run_plan(run).experiment
+planning(TRAINING_PLANS.notices)(DEFAULT_RUNS, sys.argv, restart_line)
+
+
 def run_plan_file(run):
     return f"{PLANS}/{run}.json"
 

@@ -167,9 +167,12 @@ rule dataset_summary:
     params:
         store=STORE,
         patch=lambda wildcards: " ".join(map(str, run_plan(wildcards.exp).patch.size)),
+        dataset_plan=DATASET_PLAN,
+        dataset=lambda wildcards: dataset_plan().digest(),
     shell:
         "python -m ctseg.dataset_summary --run {wildcards.exp} --split {input.split:q} "
-        "--store {params.store:q} --patch {params.patch} --out {output:q} 2>&1 | tee {log:q}"
+        "--store {params.store:q} --patch {params.patch} --dataset-plan {params.dataset_plan:q} "
+        "--out {output:q} 2>&1 | tee {log:q}"
 
 
 # Before any job runs (not in a dry run): the plans the steps read (plan.smk), then for each
@@ -179,5 +182,5 @@ rule dataset_summary:
 onstart:
     write_plans()
     for _run in trainings_to_run():
-        for _line in training_start(_run):
+        for _line in training_start(_run, settings=run_plan(_run).experiment):
             print(f"ctseg: {_line}", file=sys.stderr)

@@ -258,7 +258,7 @@ def evaluate_multiclass(
     summary: dict[str, Any] = {
         "volumes": len(table),
         "classes": list(spec.classes),
-        "score_is": "mean Dice over the classes",
+        "score_is": f"the mean Dice over the {len(spec.classes)} classes",
         **{f"mean_{name}": float(table[name].mean()) for name in ("score", "dice", "surface_dice")},
     }
     if provenance:

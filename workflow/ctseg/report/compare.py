@@ -34,6 +34,7 @@ from matplotlib.figure import Figure
 
 from ctseg.formatting import fmt, num
 from ctseg.io import CtsegError
+from ctseg.report.classes import PER_CLASS_FILE
 from ctseg.report.markup import Sources, esc, missing, png, read_json, read_table, table
 from ctseg.report.provenance import Provenance, read_provenance
 from ctseg.report.runs import Run, run_from_dir, train_log_facts
@@ -86,9 +87,17 @@ class Member:
     device: str | None = None  # as its training printed it
 
 
+# The competition's VOI and TopoScore are for one class: a multi-class run's scores.csv, beside
+# its per_class.csv (`ctseg.evaluation.classes.evaluate_multiclass`: score = the mean Dice over
+# the classes), has neither.
+ONE_CLASS_TERMS = ("voi_score", "topo_score")
+
+
 def _read_scores(path: Path) -> pd.DataFrame:
     scores = read_table(path, dtype={"id": str})
-    absent = [c for c in SCORE_TERMS if c not in scores.columns]
+    per_class = (Path(path).parent / PER_CLASS_FILE).is_file()
+    needed = [c for c in SCORE_TERMS if not (per_class and c in ONE_CLASS_TERMS)]
+    absent = [c for c in needed if c not in scores.columns]
     if absent:
         raise CtsegError(f"{path}: not an evaluation scores.csv (no {', '.join(absent)} column)")
     return scores
@@ -204,6 +213,8 @@ def _read_members(facts: RunFacts, src: Sources) -> None:
 def _spread(scores: pd.DataFrame | None, column: str) -> str:
     if scores is None or scores.empty:
         return "n/a"
+    if column not in scores.columns:  # a multi-class run's VOI and TopoScore
+        return "n/a (per class)"
     values = scores[column].astype(float)
     if len(values) < 2:
         return fmt(values.mean(), 4)

@@ -43,8 +43,7 @@ def dataset_section(run_dir: Path | None, src: Sources) -> str:
     )
     out.append(
         f"<p>{len(volumes)} volumes ({esc(counts or 'no split recorded')}); training patch "
-        f"{esc(patch)} (z×y×x); spacing {esc(_shape(summary.get('spacing')))}: every step "
-        "works in voxels. "
+        f"{esc(patch)} (z×y×x); voxel spacing {esc(_shape(summary.get('spacing')))} (z×y×x). "
         + (
             f"<b>{len(small)} volume(s) smaller than the patch</b> along an axis: their patches "
             "are padded, so they train on less than a patch of data.</p>"
@@ -53,7 +52,8 @@ def dataset_section(run_dir: Path | None, src: Sources) -> str:
         )
     )
     header = ["id", "split", "shape (z×y×x)", "dtype", "intensity p0.5", "intensity p99.5"]
-    header += ["surface (label 1)", "unlabelled (label 2)", "smaller than patch"]
+    classes = list(summary.get("classes") or [])
+    header += [*classes, "unlabelled", "smaller than patch"]
     rows = [
         [
             str(v.get("id")),
@@ -62,7 +62,7 @@ def dataset_section(run_dir: Path | None, src: Sources) -> str:
             str(v.get("dtype")),
             fmt(v.get("p0_5")),
             fmt(v.get("p99_5")),
-            _share(v.get("surface_fraction")),
+            *(_share((v.get("class_fractions") or {}).get(name)) for name in classes),
             _share(v.get("unlabelled_fraction")),
             fmt(bool(v.get("smaller_than_patch"))),
         ]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from ctseg.formatting import fmt
+from ctseg.report.classes import PER_CLASS_FILE
 from ctseg.report.compare import RunFacts, read_steps
 from ctseg.report.markup import Sources, esc
 
@@ -109,9 +110,19 @@ def headline_line(facts: RunFacts, src: Sources) -> str:
 def headline_section(facts: Sequence[RunFacts], src: Sources) -> str:
     """The headline: one line per run, in the comparison's order."""
     items = "".join(headline_line(f, src) for f in facts)
+    per_class = any(
+        f.run.evaluation_dir is not None and (f.run.evaluation_dir / PER_CLASS_FILE).is_file()
+        for f in facts
+    )
+    score = (
+        "mean score (the competition score; a multi-class run's: its mean Dice over the "
+        "classes, class by class in the run's Per-class scores)"
+        if per_class
+        else "mean competition score"
+    )
     return (
         '<div id="headline" class="headline"><p class="headline-title"><b>How good</b>: each '
-        "run's mean competition score on its scored volumes, against a trivial baseline's on "
+        f"run's {score} on its scored volumes, against a trivial baseline's on "
         "the same volumes (details under <a href='#comparison'>Runs compared</a>)</p>"
         f"<ul>{items}</ul></div>"
     )
