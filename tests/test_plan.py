@@ -177,3 +177,27 @@ def test_a_multi_class_plan_sets_the_output_channels_and_refuses_binary_terms() 
     plan = plan_of(exp=exp, dataset=dataset)
     assert plan.experiment["model"]["out_channels"] == 4  # background and three classes
     assert plan_of().experiment["model"]["out_channels"] == 1  # binary
+
+
+def test_a_step_refuses_a_missing_plan_and_plan_with_experiment_in_one_line(
+    tmp_path, capsys
+) -> None:
+    from ctseg.cli import main
+
+    missing = tmp_path / "plans" / "exp001.json"
+    assert main(["train", "--plan", str(missing)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        f"ctseg train: error: {missing}: cannot read the run plan (No such file or directory); "
+        "the workflow writes it: rerun snakemake"
+    )
+    write_plan(missing, plan_of())
+    both = ["--plan", str(missing), "--experiment", str(REPO / "config/experiments/exp001.yaml")]
+    rest = ["--phases", str(REPO / "config/phases.yaml"), "--phase", "0", "--scratch", "s"]
+    rest += ["--split", "s.csv", "--out", "o"]
+    assert main(["trial", *both, *rest]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ctseg trial: error: give --plan or --experiment (with --fold), not both"
+    )
+    assert main(["trial", *rest]) == 2
+    assert "give --experiment (config/experiments/<name>.yaml) or --plan" in capsys.readouterr().err

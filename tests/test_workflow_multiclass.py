@@ -98,3 +98,23 @@ def test_the_console_says_what_the_score_means(finished) -> None:
         "ctseg: mc_tiny: score 1."
     )
     assert ending.endswith("the mean Dice over the 3 classes is 1.0 for a perfect mask")
+
+
+def test_a_changed_plan_section_reruns_exactly_the_jobs_that_read_it(finished) -> None:
+    """A new spacing changes the dataset plan's spacing (and so the planned patch): the jobs
+    that read them rerun; convert, which reads the labels only, does not. Put back, nothing
+    is left to do."""
+    import re
+
+    description = finished / "resources" / DATASET / "dataset.yaml"
+    original = description.read_text()
+    try:
+        description.write_text(yaml.safe_dump({**yaml.safe_load(original), "spacing": [3, 1, 1]}))
+        log = run_snakemake(finished, "-n").stdout
+        rules = set(re.findall(r"^(?:local)?rule (\w+):", log, re.M))
+        assert {"targets", "train_trial", "train_model", "evaluate_run", "report"} <= rules
+        assert not rules & {"convert_image", "convert_label", "split"}, rules
+    finally:
+        description.write_text(original)
+    proc = run_snakemake(finished, "-n")
+    assert "Nothing to be done" in proc.stdout + proc.stderr
