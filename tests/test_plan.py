@@ -201,3 +201,11 @@ def test_a_step_refuses_a_missing_plan_and_plan_with_experiment_in_one_line(
     )
     assert main(["trial", *rest]) == 2
     assert "give --experiment (config/experiments/<name>.yaml) or --plan" in capsys.readouterr().err
+
+
+def test_regions_are_refused_at_planning_not_ignored(tmp_path) -> None:
+    (tmp_path / "dataset.yaml").write_text(
+        "labels: {background: 0, a: 1, b: 2}\nregions: {ab: [a, b]}\n"
+    )
+    with pytest.raises(CtsegError, match=r"dataset.yaml: regions: region-based training .* is "):
+        dataset_plan(tmp_path, None)

@@ -117,21 +117,13 @@ def dataset_plan_arg(p: argparse.ArgumentParser) -> None:
 
 
 def dataset_of(args: argparse.Namespace) -> Any:
-    """The `ctseg.plan.DatasetPlan` --dataset-plan names, or the Kaggle layout's own."""
+    """The `ctseg.plan.DatasetPlan` a step was given: its run plan's (--plan) or the dataset
+    plan (--dataset-plan); without either, the Kaggle layout's own."""
     from ctseg.labels import KAGGLE
     from ctseg.plan import ISOTROPIC, DatasetPlan
 
-    if args.dataset_plan is not None:
-        return args.dataset_plan
-    return DatasetPlan(KAGGLE, ISOTROPIC, "the Kaggle default (no --dataset-plan)")
-
-
-def dataset_of_run(args: argparse.Namespace) -> Any:
-    """The dataset section of the run plan --plan names, or the Kaggle layout's own (a run
-    given by --experiment)."""
-    from ctseg.labels import KAGGLE
-    from ctseg.plan import ISOTROPIC, DatasetPlan
-
-    if args.plan is not None:
+    if getattr(args, "plan", None) is not None:
         return args.plan.dataset
-    return DatasetPlan(KAGGLE, ISOTROPIC, "the Kaggle default (no --plan)")
+    if getattr(args, "dataset_plan", None) is not None:
+        return args.dataset_plan
+    return DatasetPlan(KAGGLE, ISOTROPIC, "the Kaggle default (no --plan or --dataset-plan)")

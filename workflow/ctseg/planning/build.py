@@ -38,6 +38,12 @@ def dataset_plan(dataset_dir: str | Path, first_image: str | Path | None) -> Dat
     folder of slices) whose tags give the spacing where dataset.yaml does not; None or a file
     not written yet (the demo's, before its data job) gives none."""
     spec = load_dataset_spec(dataset_dir)
+    if spec.labels.regions:
+        # Parsed and checked (ctseg.labels), but no stage trains regions: refused, not ignored.
+        raise CtsegError(
+            f"{Path(dataset_dir) / DATASET_FILE}: regions: region-based training (a channel "
+            "per set of labels) is not supported; remove regions to train the labels as classes"
+        )
     if spec.spacing is not None:
         return DatasetPlan(spec.labels, spec.spacing, str(Path(dataset_dir) / DATASET_FILE))
     if first_image is not None and Path(first_image).exists():

@@ -21,7 +21,7 @@ from ctseg.cli_types import (
     _experiment,
     _fold_arg,
     _phases,
-    dataset_of_run,
+    dataset_of,
     plan_arg,
 )
 from ctseg.io import strict_json
@@ -89,7 +89,7 @@ def cmd_trial(args: argparse.Namespace) -> None:
             previous=Path(args.previous) if args.previous else None,
             device=str(device),
             ranks=ranks,
-            labels=dataset_of_run(args).labels,
+            labels=dataset_of(args).labels,
         )
     if ranks.main:
         print(summary_json(summary))
@@ -131,7 +131,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                 stop=stop,
                 phase_id=phase_id,
                 phase_auto=args.phase == "auto",
-                labels=dataset_of_run(args).labels,
+                labels=dataset_of(args).labels,
             )
     if first:
         print(strict_json({"phase": phase_id, **summary}, indent=1, default=str))
