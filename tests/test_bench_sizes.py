@@ -190,3 +190,14 @@ def test_loader_bench_smoke() -> None:
     for phase in range(6):  # each of phases 0-5 has its row in the phases table
         row = rf"^ +{phase} +\d+ +\d+ +\d+ +(yes|no) +12 "
         assert re.search(row, out, re.MULTILINE), out[-3000:]
+
+
+def test_blockwise_mask_bench_smoke() -> None:
+    """bench/blockwise_mask.py at 24^3: the blockwise mask equals binary_mask's, its figures
+    are measured (the ratios are those of the printed peaks and times)."""
+    out, fields = run_bench("blockwise_mask.py", "--smoke")
+    assert fields["identical"] == "1" and fields["size"] == "24" and fields["block"] == "8"
+    positive(fields, "tracemalloc_ratio", "time_ratio", "whole_tracemalloc_mb", "whole_s")
+    ratio = float(fields["blockwise_tracemalloc_mb"]) / float(fields["whole_tracemalloc_mb"])
+    assert float(fields["tracemalloc_ratio"]) == pytest.approx(ratio, rel=0.02)
+    assert "settings: t>0.5 hyst 0.6 min 32 fill close 1" in out
