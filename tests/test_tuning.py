@@ -23,6 +23,7 @@ from ctseg import cli
 from ctseg.evaluation.metrics import score_volume
 from ctseg.io import CtsegError
 from ctseg.postprocess import tuning
+from ctseg.postprocess.commands import fixed_postprocess
 from ctseg.postprocess.masks import PostprocessSettings, binary_mask, hysteresis
 from ctseg.store import create_volume
 from ctseg.training.checkpoint import stored_digest
@@ -247,7 +248,7 @@ def test_fixed_postprocess_bypasses_the_search(tmp_path: Path, later):
         options += "--hysteresis-mode z --plug-holes-max-area 64 --closing-radius 1"
         # The settings `ctseg postprocess` makes of the command line (an option not given
         # takes PostprocessSettings' default).
-        settings = cli._fixed_postprocess(shell_args(out, "postprocess"))
+        settings = fixed_postprocess(shell_args(out, "postprocess"))
         assert (settings.hysteresis_mode, settings.plug_holes_max_area) == ("z", 64)
         assert (settings.patch_holes_max_area, settings.closing_radius) == (0, 1)
     else:

@@ -46,8 +46,9 @@ def test_an_experiment_is_built_from_its_path_alone(demo_workflow: Path) -> None
     text = planned(run_snakemake(demo_workflow, "-n", "-p", "results/exp001_full/last.pt"))
     assert "rule train_model:" in text and "results/exp001_full/last.pt" in text
     [train] = shell_commands(text, "train")
-    assert option(train, "--experiment") == "config/experiments/exp001_full.yaml"
-    assert "--fold" not in train
+    # It trains the experiment its plan resolved (written before any job runs).
+    assert option(train, "--plan") == "results/plans/exp001_full.json"
+    assert "--experiment" not in train and "--fold" not in train
     assert "results/exp001/" not in text  # nothing of the default experiment
     # Preprocessing is per dataset: shared by every experiment, under results/preprocessed/.
     assert "results/preprocessed/demo/targets/" in text
@@ -56,8 +57,7 @@ def test_an_experiment_is_built_from_its_path_alone(demo_workflow: Path) -> None
 def test_a_fold_is_planned_from_its_name(demo_workflow: Path) -> None:
     text = planned(run_snakemake(demo_workflow, "-n", "-p", "results/exp001_cv.fold1/last.pt"))
     [train] = shell_commands(text, "train")
-    assert option(train, "--experiment") == "config/experiments/exp001_cv.yaml"
-    assert option(train, "--fold") == "1"
+    assert option(train, "--plan") == "results/plans/exp001_cv.fold1.json"  # the fold's plan
     assert option(train, "--split") == "results/exp001_cv.fold1/split.csv"
     # Folds train from their experiment's staged copy.
     assert option(train, "--scratch") == "results/scratch/exp001_cv"
@@ -76,9 +76,10 @@ def test_an_ensemble_target_plans_its_members(demo_workflow: Path) -> None:
     text = planned(run_snakemake(demo_workflow, "-n", "-p", target))
     spec = yaml.safe_load((demo_workflow / "config/ensembles/ens_demo.yaml").read_text())
     trains = shell_commands(text, "train")
+    # Each member trains from its own plan, results/plans/<run>.json (a fold: <exp>.fold<i>).
     planned_runs = {
-        (Path(option(t, "--experiment")).stem, t[t.index("--fold") + 1] if "--fold" in t else None)
-        for t in trains
+        (name, fold or None)
+        for name, _, fold in (Path(option(t, "--plan")).stem.partition(".fold") for t in trains)
     }
     expected = set()
     for member in spec["members"]:
@@ -90,8 +91,8 @@ def test_an_ensemble_target_plans_its_members(demo_workflow: Path) -> None:
     cv = planned(
         run_snakemake(demo_workflow, "-n", "-p", "results/exp001_cv.cv/evaluation/summary.json")
     )
-    folds = sorted(option(t, "--fold") for t in shell_commands(cv, "train"))
-    assert folds == ["0", "1"]
+    plans = sorted(option(t, "--plan") for t in shell_commands(cv, "train"))
+    assert plans == [f"results/plans/exp001_cv.fold{i}.json" for i in (0, 1)]
 
 
 def test_bad_ensemble_and_run_names_are_one_line_errors(demo_workflow: Path) -> None:
