@@ -17,17 +17,14 @@ from ctseg.io import CtsegError
 from ctseg.labels import LabelSpec
 from ctseg.network import losses
 from ctseg.network.losses import (
-    OPTIONS,
-    TARGETS,
     TERMS,
     LossTerm,
-    check_terms,
     compute_losses,
     level_terms,
     loss_settings,
-    needed_targets,
     prepare_targets,
 )
+from ctseg.network.terms import OPTIONS, SPECS, TARGETS, TermSpec, check_terms, needed_targets
 
 OPTION_VALUES = {"pos_weight": 2.0, "cldice_iterations": 2, "clip_distance": CLIP}
 
@@ -108,13 +105,11 @@ def test_a_registered_toy_term_is_dispatched_with_its_input_targets_and_options(
         seen.update(x=x, d=d, n=n, keys=set(t))
         return (x * t["tube"]).sum() / d + n
 
-    monkeypatch.setitem(
-        TERMS,
-        "toy",
-        LossTerm(
-            "toy", toy_term, targets=("tube",), options=("clip_distance", "cldice_iterations")
-        ),
-    )
+    # A term is registered twice over: what it needs (its spec, which planning checks) and
+    # its function (the registry the step calls).
+    needs = {"targets": ("tube",), "options": ("clip_distance", "cldice_iterations")}
+    monkeypatch.setitem(SPECS, "toy", TermSpec("toy", **needs))
+    monkeypatch.setitem(TERMS, "toy", LossTerm("toy", toy_term, **needs))
     assert check_terms({"toy": 1.0}) == ["toy"]
     assert needed_targets(["bce", "toy"]) == ["tube"]
     batch, logits, t = level_inputs()
@@ -220,3 +215,26 @@ def test_the_docs_list_every_term_with_its_targets_and_options():
     assert list(table) == list(TERMS)
     for name, term in TERMS.items():
         assert table[name] == {"targets": list(term.targets), "options": list(term.options)}, name
+
+
+def test_every_spec_has_its_function_and_planning_needs_no_torch() -> None:
+    """`ctseg.network.terms` holds what each term needs, without torch (planning imports it
+    as the workflow loads); the registry gives each spec its function, term for term."""
+    import subprocess
+    import sys
+
+    assert list(TERMS) == list(SPECS)
+    for name, term in TERMS.items():
+        spec = SPECS[name]
+        assert (term.targets, term.options, term.on_logits, term.binary_only) == (
+            spec.targets,
+            spec.options,
+            spec.on_logits,
+            spec.binary_only,
+        )
+    probe = (
+        "import sys; import ctseg.network.terms, ctseg.planning.build; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -19,7 +19,8 @@ from ctseg.data.packing import pack_bits, unpack_bits
 from ctseg.data.patches import PatchDataset
 from ctseg.io import CtsegError
 from ctseg.labels import LabelSpec
-from ctseg.network.losses import check_terms, compute_losses
+from ctseg.network.losses import compute_losses
+from ctseg.network.terms import check_terms
 from ctseg.preprocess.convert import convert_volume
 from ctseg.preprocess.stage import stage_records
 from ctseg.preprocess.targets import compute_targets

@@ -485,9 +485,9 @@ def test_the_plan_s_split_keeps_a_recorded_split_when_a_record_is_added(
 def test_an_experiment_the_stages_refuse_is_refused_at_planning_naming_its_file(
     config_dirs,
 ) -> None:
-    """The workflow passes the loss registry's check (`ctseg.network.losses.check_terms`): an
+    """The workflow passes the loss registry's check (`ctseg.network.terms.check_terms`): an
     experiment whose terms it refuses stops planning with one line naming the file."""
-    from ctseg.network.losses import check_terms
+    from ctseg.network.terms import check_terms
 
     experiments, ensembles = config_dirs
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ctseg import layout, planned_runs, rule_args
 from ctseg.config import check_configured_phase, load_phases, settings_used
-from ctseg.network.losses import check_terms
+from ctseg.network.terms import check_terms
 from ctseg.planned_runs import TrainingPlans, dataset_runs, default_runs, load_records
 from ctseg.preprocess.demo_data import demo_dataset
 from ctseg.preprocess.stage import expand_scratch

@@ -51,12 +51,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ctseg.network.model import (
-    LayoutInstanceNorm3d,
-    build_model,
-    computed_patch,
-    config_size_multiple,
-)
+from ctseg.network.model import LayoutInstanceNorm3d, build_model
+from ctseg.network.sizes import computed_patch, config_size_multiple
 
 NORM_FLOPS_PER_ELEMENT = 8  # 6 without an affine transform: see the module doc
 NORM_TYPES = (

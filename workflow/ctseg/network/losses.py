@@ -60,8 +60,7 @@ holds. Without deep supervision the terms are simply the full-resolution ones.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,12 +69,9 @@ import torch.nn.functional as F
 
 from ctseg.io import CtsegError
 from ctseg.labels import KAGGLE, LabelSpec
+from ctseg.network.terms import SPECS, TermSpec, check_terms, needed_targets, unregistered
 
 SMOOTH = 1.0
-# The targets `prepare_targets` can add beyond ``valid`` and ``target``, each from the batch
-# entry of the same name, and the options `level_terms` can hand a term.
-TARGETS = ("skeleton", "tube", "sdt")
-OPTIONS = ("pos_weight", "cldice_iterations", "clip_distance")
 
 
 # -- targets ------------------------------------------------------------------------------------
@@ -264,7 +260,7 @@ class LossTerm:
     """One loss term: ``function(x, t, *options)`` with x the masked float32 logits
     (``on_logits``) or the masked probability p, t the level's targets (``valid``, ``target`` and
     the named ``targets``), then the values of the ``options`` it reads, in that order, as
-    `compute_losses` was given them."""
+    `compute_losses` was given them. What a term needs is its `ctseg.network.terms.TermSpec`'s."""
 
     name: str
     function: Callable[..., torch.Tensor]
@@ -274,91 +270,26 @@ class LossTerm:
     binary_only: bool = False  # refused for a multi-class spec (`check_terms`)
 
     def __post_init__(self) -> None:
-        for kind, given, known in (
-            ("target", self.targets, TARGETS),
-            ("option", self.options, OPTIONS),
-        ):
-            unknown = [x for x in given if x not in known]
-            if unknown:
-                raise ValueError(f"loss term {self.name!r}: {kind}(s) {unknown}; known: {known}")
+        TermSpec(self.name, self.targets, self.options, self.on_logits, self.binary_only)
 
 
-def _registry(*terms: LossTerm) -> dict[str, LossTerm]:
-    return {term.name: term for term in terms}
-
-
+FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "bce": bce_term,
+    "dice": dice_term,
+    "cldice": cldice_term,
+    "skel_recall": skel_recall_term,
+    "boundary": boundary_term,
+    "ce": ce_term,
+}
 # A plain dict of plain Python functions: torch.compile (`Run.compile_step`) traces the lookup
-# as a constant. The order is the order of the terms in steps.csv.
-TERMS: dict[str, LossTerm] = _registry(
-    LossTerm("bce", bce_term, options=("pos_weight",), on_logits=True, binary_only=True),
-    LossTerm("dice", dice_term),
-    LossTerm(
-        "cldice",
-        cldice_term,
-        targets=("skeleton",),
-        options=("cldice_iterations",),
-        binary_only=True,
-    ),
-    LossTerm("skel_recall", skel_recall_term, targets=("tube",), binary_only=True),
-    LossTerm(
-        "boundary",
-        boundary_term,
-        targets=("sdt",),
-        options=("clip_distance",),
-        binary_only=True,
-    ),
-    LossTerm("ce", ce_term, on_logits=True),
-)
-
-
-def unregistered(name: object) -> str:
-    """The one line refusing `name`: the registered names and the closest of them."""
-    registered = list(TERMS)
-    close = difflib.get_close_matches(str(name), registered, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else "; no registered name is close"
-    return f"loss term {name!r} is not registered; registered: {', '.join(registered)}{hint}"
-
-
-def binary_only(name: str, labels: LabelSpec) -> str:
-    """The one line refusing a binary-only term `name` for the multi-class spec `labels`."""
-    binary = ", ".join(n for n, term in TERMS.items() if term.binary_only)
-    multi = ", ".join(n for n, term in TERMS.items() if not term.binary_only)
-    return (
-        f"loss term {name!r} is for one foreground class ({binary}); {labels.source} has "
-        f"{labels.n_classes} ({', '.join(labels.classes)}): use {multi} (set {name} to 0)"
+# as a constant. Each term's needs are its spec's (`ctseg.network.terms.SPECS`, whose order is
+# the order of the terms in steps.csv).
+TERMS: dict[str, LossTerm] = {
+    name: LossTerm(
+        name, FUNCTIONS[name], spec.targets, spec.options, spec.on_logits, spec.binary_only
     )
-
-
-def check_terms(
-    weights_or_names: Mapping[str, Any] | Iterable[str] | str, labels: LabelSpec = KAGGLE
-) -> list[str]:
-    """The names (a weights mapping's keys, or names) in registry order; raises CtsegError with
-    `unregistered`'s line for the first one that is not in `TERMS`, and for a multi-class
-    `labels` with `binary_only`'s line for the first binary-only one. For planning: a misspelt,
-    unregistered or unsuitable term stops the workflow before any job starts. A mapping's
-    terms of weight 0 are not checked against `labels` (they are never computed)."""
-    names = [weights_or_names] if isinstance(weights_or_names, str) else list(weights_or_names)
-    for name in names:
-        if name not in TERMS:
-            raise CtsegError(unregistered(name))
-    if not labels.is_binary:
-        used = names
-        if isinstance(weights_or_names, Mapping):
-            used = [n for n in names if not _is_zero(weights_or_names[n])]
-        for name in used:
-            if TERMS[name].binary_only:
-                raise CtsegError(binary_only(name, labels))
-    return [name for name in TERMS if name in names]
-
-
-def _is_zero(weight: Any) -> bool:
-    return isinstance(weight, int | float) and not isinstance(weight, bool) and weight == 0
-
-
-def needed_targets(names: Iterable[str]) -> list[str]:
-    """The batch entries beyond label and ignore that the named terms need, in TARGETS order."""
-    wanted = {target for name in check_terms(names) for target in TERMS[name].targets}
-    return [target for target in TARGETS if target in wanted]
+    for name, spec in SPECS.items()
+}
 
 
 def level_terms(

@@ -47,6 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ctseg.io import CtsegError
+from ctseg.network.sizes import DEFAULT_FILTERS, size_multiple
 
 BLOCKS = ("basic", "residual")
 NORMS = ("instance", "instance_layout", "batch", "group", "none")
@@ -68,25 +69,7 @@ CONFIG_KEYS = (
 )
 DECODER_CONVS = (1, 2)
 GROUP_NORM_GROUPS = 8
-DEFAULT_FILTERS = (32, 64, 128, 256, 512)
 INSTANCE_NORM_EPS = 1e-5  # nn.InstanceNorm3d's default
-
-
-def size_multiple(depth: int) -> int:
-    """Spatial sizes that are multiples of this need no padding in a network of `depth` levels."""
-    return 2 ** (depth - 1)
-
-
-def config_size_multiple(model_cfg: Mapping[str, object]) -> int:
-    """`size_multiple` of the network an experiment's ``model`` section builds."""
-    filters = model_cfg.get("filters", DEFAULT_FILTERS)
-    return size_multiple(len(filters))  # type: ignore[arg-type]
-
-
-def computed_patch(patch: Sequence[int], multiple: int) -> tuple[int, ...]:
-    """The size `forward` computes a `patch` at: each axis padded up to a multiple of `multiple`.
-    It is also the unpadded patch of the same cost, the one to plan instead of a padded one."""
-    return tuple(-(-int(s) // multiple) * multiple for s in patch)
 
 
 def _choice(name: str, value: str, allowed: Sequence[str]) -> str:

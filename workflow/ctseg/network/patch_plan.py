@@ -11,7 +11,7 @@
    clipped axis leaves goes to the others, still in physical proportion (so a thin image gets
    a wide patch; nnU-Net gets the same effect by starting from a cube larger than its budget).
 3. **Multiples.** Each axis is rounded, then padded up to a multiple of `multiple`, the
-   network's downsampling factor: the size `ctseg.network.model.computed_patch` would compute
+   network's downsampling factor: the size `ctseg.network.sizes.computed_patch` would compute
    it at anyway, so the planned patch is one the network computes without padding. (A median
    shape that is not a multiple is padded up by less than `multiple`.)
 4. **The budget.** While the patch holds more than `voxels` voxels, one axis loses `multiple`:

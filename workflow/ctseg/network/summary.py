@@ -15,11 +15,11 @@ from ctseg.io import CtsegError
 from ctseg.network.flops import count_flops, padding_warning
 from ctseg.network.model import (
     build_model,
-    computed_patch,
     count_parameters,
     saved_activation_bytes,
     stage_parameters,
 )
+from ctseg.network.sizes import computed_patch
 
 # Measured peak VRAM over `saved_activation_bytes` + 16 bytes a parameter, for exp001_full on an
 # H200 (BENCHMARKS.md, bench/train.py): 1.19 (fp32, batch 1), 1.26 (fp32, batch 4), 1.10 (bf16,

@@ -6,7 +6,7 @@
   isotropic. One spacing holds for the whole dataset (ctseg does not resample).
 - `run_plan`: one run's experiment (fold applied) with its patch resolved, its network's output
   channels set from the labels (1 binary, K+1 multi-class) and its loss terms checked against
-  them (`ctseg.network.losses.check_terms`), and its phase. An
+  them (`ctseg.network.terms.check_terms`), and its phase. An
   experiment's ``data.patch_size: auto`` is planned from the spacing and the images' median
   shape, within ``data.patch_voxels`` voxels (`ctseg.network.patch_plan.plan_patch`), in
   multiples of the network's downsampling. ``data.augment.spacing`` is filled with an
@@ -24,9 +24,9 @@ from pathlib import Path
 from ctseg.config import Experiment, Phase, experiment_from, thaw
 from ctseg.io import CtsegError
 from ctseg.labels import DATASET_FILE, load_dataset_spec
-from ctseg.network.losses import check_terms
-from ctseg.network.model import computed_patch, config_size_multiple
 from ctseg.network.patch_plan import plan_patch
+from ctseg.network.sizes import computed_patch, config_size_multiple
+from ctseg.network.terms import check_terms
 from ctseg.plan import ISOTROPIC, DatasetPlan, PatchPlan, PhasePlan, RunPlan
 from ctseg.preprocess.spacing import tiff_spacing
 
