@@ -6,7 +6,7 @@ of chunk (or shard) rows, so peak memory follows ``memory_budget_mb`` and not th
 intensity statistics come from an exact histogram that is accumulated on the way, so they cost
 no second pass. Percentiles use numpy's default definition (``np.percentile(method="linear")``).
 The statistics leave out saturated voxels (the dtype's maximum) and empty slices (one value
-throughout), which would otherwise set the normalisation range (`_Histogram`); the attributes
+throughout), which would otherwise set the normalisation range (`Histogram`); the attributes
 ``stats_voxels`` and ``stats_left_out`` say how many voxels they are of and what was left out.
 
 Throughput: the work is spread over threads that release the GIL. The source's sha256 is
@@ -501,7 +501,7 @@ def _open_reader(src: _Source) -> Iterator[SlabReader]:
 # --- statistics --------------------------------------------------------------------------------
 
 
-class _Histogram:
+class Histogram:
     """Exact value counts, accumulated slab by slab, from which the statistics follow.
 
     The statistics (mean, std, `PERCENTILES`) leave out what would skew a CT volume's
@@ -591,6 +591,10 @@ def _percentile(counts: np.ndarray, q: float) -> float:
     if gamma >= 0.5:
         return float(b - (b - a) * (1 - gamma))
     return float(a + (b - a) * gamma)
+
+
+# The old private name, which tests/test_convert.py and bench/preprocess.py import.
+_Histogram = Histogram
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -704,7 +708,7 @@ class _BadLabels:
         return bool(self.slices)
 
     def add(self, rows: np.ndarray, z0: int, counts: np.ndarray) -> None:
-        """Rows z0.. of the label and their value counts (`_Histogram.add`)."""
+        """Rows z0.. of the label and their value counts (`Histogram.add`)."""
         for value in np.flatnonzero(counts):
             if value not in self.labels.valid_values:
                 where = np.flatnonzero((rows == value).any(axis=(1, 2)))
@@ -812,7 +816,7 @@ def _convert(
         arr = create_volume(tmp, src.shape, src.dtype, chunks, codec, shards, attrs)
         unit_depth = (arr.shards or arr.chunks)[0]
         depth, n_buffers = _slab_plan(src.shape, src.dtype.itemsize, unit_depth, budget)
-        histogram = _Histogram(src.dtype, int(budget * HISTOGRAM_SHARE) // 8)
+        histogram = Histogram(src.dtype, int(budget * HISTOGRAM_SHARE) // 8)
         buffers = [
             np.empty((min(depth, nz), *src.shape[1:]), dtype=src.dtype) for _ in range(n_buffers)
         ]
