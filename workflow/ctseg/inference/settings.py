@@ -10,6 +10,7 @@ the defaults without loading it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,9 @@ class InferenceSettings:
     device_budget_mb: float = 2048
     # "cpu", "cuda", "cuda:1"; None: a GPU where there is one (`torch_device`).
     device: str | None = None
+    # Windows whose raw input is all at or below this value (outside a scroll) are not run and
+    # add probability 0 (`ctseg.inference.windows.empty_windows`); None: every window runs.
+    background: float | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None:
@@ -69,6 +73,8 @@ class InferenceSettings:
             raise CtsegError(
                 f"memory_budget_mb={self.memory_budget_mb!r}: expected a positive number"
             )
+        if self.background is not None and not math.isfinite(self.background):
+            raise CtsegError(f"background={self.background!r}: expected a finite number")
         if not self.device_budget_mb >= 0:
             raise CtsegError(f"device_budget_mb={self.device_budget_mb!r}: expected a number >= 0")
 

@@ -70,10 +70,14 @@ import zarr
 from ctseg.data.heap import tune_malloc
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.windows import (
+    FIXED_ONE,
     FLIP_DIMS,
     SIGMA_SCALE,
     Slab,
+    check_coverage,
     device_importance_map,
+    empty_windows,
+    from_fixed,
     padded_shape,
     plan_slabs,
     resident_bytes,
@@ -116,12 +120,10 @@ def normalise(raw: np.ndarray, low: float, high: float) -> np.ndarray:
     return np.clip(x, 0.0, 1.0, out=x)
 
 
-def _read_slab(
-    image: zarr.Array, z0: int, z1: int, low: float, high: float, padded: Shape3
-) -> np.ndarray:
-    """Normalised input [z0, z1), zero-padded at the far end to at least `padded`."""
-    x = normalise(np.asarray(image[z0:z1]), low, high)
-    target = tuple(max(a, b) for a, b in zip(x.shape, padded, strict=True))
+def padded_input(raw: np.ndarray, low: float, high: float, padded: Sequence[int]) -> np.ndarray:
+    """`raw` normalised, zero-padded at the far end to at least `padded`."""
+    x = normalise(raw, low, high)
+    target = tuple(max(a, int(b)) for a, b in zip(x.shape, padded, strict=True))
     if target == x.shape:
         return x
     out = np.zeros(target, np.float32)
@@ -134,16 +136,15 @@ def _read_slab(
 _DEVICE_RAW_DTYPES = (np.uint8, np.int8, np.int16, np.int32, np.float32)
 
 
-def _device_input(
-    image: zarr.Array, low: float, high: float, padded: Shape3, device: torch.device
+def device_input(
+    raw: np.ndarray, low: float, high: float, padded: Sequence[int], device: torch.device
 ) -> torch.Tensor:
-    """The whole normalised volume on `device`, zero-padded at the far end to `padded`.
+    """`raw` normalised on `device`, zero-padded at the far end to `padded`.
 
-    The raw volume crosses to the device in its own dtype and is normalised there with the
+    The raw voxels cross to the device in their own dtype and are normalised there with the
     operations of `normalise`, in the same order and in float32 (IEEE subtraction, division and
     clamp), so the input equals the streamed path's host normalisation bit for bit.
     """
-    raw = np.asarray(image[...])
     if raw.dtype.type not in _DEVICE_RAW_DTYPES:
         # uint16/uint32/float64...: converted to float32 on the host, as `normalise` does.
         raw = raw.astype(np.float32)
@@ -153,7 +154,7 @@ def _device_input(
     x.sub_(float(low32)).div_(float(span)).clamp_(0.0, 1.0)
     if tuple(x.shape) == tuple(padded):
         return x
-    out = torch.zeros(padded, dtype=torch.float32, device=device)
+    out = torch.zeros(tuple(padded), dtype=torch.float32, device=device)
     out[: x.shape[0], : x.shape[1], : x.shape[2]] = x
     return out
 
@@ -195,29 +196,62 @@ def predict_windows(
     device: torch.device,
     amp: bool,
     channels: int = 1,
+    batch_size: int = 1,
 ) -> np.ndarray:
-    """Gaussian-weighted probabilities (B, Z, Y, X) float32 for a batch of windows (B, Z, Y, X);
-    (B, C, Z, Y, X) for a model of C > 1 channels."""
+    """The exact sums (int64, `ctseg.inference.windows.to_fixed`) of the Gaussian-weighted
+    probabilities of a batch of windows (B, Z, Y, X), over its flips when `tta_flips`: (B, Z,
+    Y, X), or (B, C, Z, Y, X) for a model of C > 1 channels."""
     x = torch.from_numpy(crops)[:, None].to(device)
     flips = FLIP_DIMS if tta_flips else ((),)
+    item_weight = weight / len(flips) if len(flips) > 1 else weight
     total: torch.Tensor | None = None
     for dims in flips:
         xi = x.flip(dims) if dims else x
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = model(xi)
+        logits = _forward_full_batch(model, xi, batch_size, amp)
         _check_output(logits, xi, channels)
         p = _probabilities(logits, channels)
-        p = p.flip(dims) if dims else p
-        total = p if total is None else total.add_(p)
+        p = (p[:, 0] if channels == 1 else p).mul_(item_weight)
+        fixed = _flip(_to_fixed(p), tuple(d - 5 for d in dims))
+        total = fixed if total is None else total.add_(fixed)
     assert total is not None
-    prob = (total[:, 0] if channels == 1 else total).div_(len(flips)).mul_(weight)
-    return prob.cpu().numpy()
+    return total.cpu().numpy()
+
+
+def _forward_full_batch(
+    model: torch.nn.Module, crops: torch.Tensor, batch_size: int, amp: bool
+) -> torch.Tensor:
+    """The model's logits of `crops` (B, 1, Z, Y, X), run as a batch of `batch_size` (a short
+    batch is padded with copies of its last crop, whose outputs are dropped). A convolution
+    library picks its algorithm by the batch's shape, and a window's output can differ in the
+    last bits between algorithms: at one batch shape, a window's probabilities are the same
+    whichever windows share its batch, so every tiling and split of the volume gives the same
+    bits (`ctseg.inference.windows`, "The sum is exact")."""
+    n = crops.shape[0]
+    if n < batch_size:
+        crops = torch.cat([crops, crops[-1:].expand(batch_size - n, *crops.shape[1:])])
+    with torch.autocast(crops.device.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(crops)
+    return logits[:n]
+
+
+def _to_fixed(weighted: torch.Tensor) -> torch.Tensor:
+    """`ctseg.inference.windows.to_fixed` on the device: the same float32 scaling and
+    truncation."""
+    return (weighted * FIXED_ONE).to(torch.int64)
+
+
+def _from_fixed(total: torch.Tensor, norm_z: np.ndarray, norm_yx: np.ndarray) -> torch.Tensor:
+    """`ctseg.inference.windows.from_fixed` on the device, operation for operation."""
+    value = (total.to(torch.float64) * (1.0 / FIXED_ONE)).to(torch.float32)
+    value /= torch.from_numpy(norm_yx).to(value.device)
+    value /= torch.from_numpy(norm_z).to(value.device)[:, None, None]
+    return value.half()
 
 
 # ----------------------------------------------------------------------------- streamed
 class BlendAccumulator:
-    """Weighted probabilities of the z-range [z0, z0 + depth) that is not yet written, of one
-    channel (Z, Y, X), or of `channels` > 1 (C, Z, Y, X).
+    """The exact sums of the weighted probabilities of the z-range [z0, z0 + depth) that is not
+    yet written, of one channel (Z, Y, X), or of `channels` > 1 (C, Z, Y, X).
 
     The weight sum is not accumulated: it is the outer product of three 1D sums
     (`ctseg.inference.windows.weight_norms`), applied when a finished range is flushed.
@@ -233,7 +267,7 @@ class BlendAccumulator:
         self.shape = shape
         self.lead: tuple[int, ...] = () if channels == 1 else (channels,)
         self.z0 = 0
-        self.acc = np.zeros((*self.lead, 0, *shape[1:]), np.float32)
+        self.acc = np.zeros((*self.lead, 0, *shape[1:]), np.int64)
         self.peak_bytes = 0
         self.norm_z, self.norm_yx = weight_norms(shape, starts, window)
 
@@ -241,13 +275,14 @@ class BlendAccumulator:
         """Extend the held range to end at z1, keeping the unflushed remainder."""
         held = self.acc.shape[-3]
         if self.z0 + held < z1:
-            grown = np.zeros((*self.lead, z1 - self.z0, *self.shape[1:]), np.float32)
+            grown = np.zeros((*self.lead, z1 - self.z0, *self.shape[1:]), np.int64)
             grown[..., :held, :, :] = self.acc
             self.acc = grown
         self.peak_bytes = max(self.peak_bytes, self.acc.nbytes)
 
     def add(self, probs: np.ndarray, positions: Sequence[Shape3]) -> None:
-        """Add each weighted window, cropped to the volume (windows may overhang padded axes)."""
+        """Add each window's exact sums, cropped to the volume (windows may overhang padded
+        axes)."""
         for (z, y, x), p in zip(positions, probs, strict=True):
             corner = (z, y, x)
             dz, dy, dx = (
@@ -261,13 +296,11 @@ class BlendAccumulator:
         n = z_to - self.z0
         if n <= 0:
             return
-        final = self.acc[..., :n, :, :]
-        final /= self.norm_yx
-        final /= self.norm_z[self.z0 : z_to, None, None]
+        final = from_fixed(self.acc[..., :n, :, :], self.norm_z[self.z0 : z_to], self.norm_yx)
         if self.lead:
-            out[:, self.z0 : z_to] = final.astype(np.float16)
+            out[:, self.z0 : z_to] = final
         else:
-            out[self.z0 : z_to] = final.astype(np.float16)
+            out[self.z0 : z_to] = final
         self.acc = self.acc[..., n:, :, :]
         self.z0 = z_to
 
@@ -277,9 +310,9 @@ def _plane_bytes(image: zarr.Array, window: Shape3, channels: int = 1) -> tuple[
     slab plan."""
     plane = image.shape[1] * image.shape[2]
     padded = max(image.shape[1], window[1]) * max(image.shape[2], window[2])
-    # accumulator float32 (4) + growth copy (4) + float16 flush copy (2) per channel; raw +
-    # float32 input.
-    return plane * 10 * channels, plane * image.dtype.itemsize + padded * 4
+    # Per channel: the int64 sums (8) and their growth copy (8), and the flush's float64 (8),
+    # float32 (4) and float16 (2) copies; raw + float32 input.
+    return plane * 30 * channels, plane * image.dtype.itemsize + padded * 4
 
 
 def _crops(x: np.ndarray, z0: int, batch: Sequence[Shape3], window: Shape3) -> np.ndarray:
@@ -299,18 +332,25 @@ def _blend_streamed(
     device: torch.device,
     progress: Progress,
     channels: int = 1,
-) -> int:
-    """Slab by slab into `out`; returns the accumulator's peak bytes."""
+) -> tuple[int, int]:
+    """Slab by slab into `out`; returns the accumulator's peak bytes and the number of windows
+    skipped as empty (`ctseg.inference.windows.empty_windows`)."""
     shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
     win = settings.checked_window()
     padded = (win[0], max(shape[1], win[1]), max(shape[2], win[2]))
     weight = device_importance_map(win, device)
     blend = BlendAccumulator(shape, starts, win, channels)
     amp = settings.use_amp(device)
+    skipped = 0
     for slab in slabs:
         blend.grow_to(slab.z1)
-        x = _read_slab(image, slab.z0, slab.z1, low, high, padded)
-        positions = list(itertools.product(slab.rows, starts[1], starts[2]))
+        raw = np.asarray(image[slab.z0 : slab.z1])
+        x = padded_input(raw, low, high, padded)
+        every = list(itertools.product(slab.rows, starts[1], starts[2]))
+        empty = empty_windows(raw, [(z - slab.z0, y, xx) for z, y, xx in every], win, settings)
+        positions = [p for p, e in zip(every, empty, strict=True) if not e]
+        skipped += len(every) - len(positions)
+        progress.update(len(every) - len(positions))
         for k in range(0, len(positions), settings.batch_size):
             batch = positions[k : k + settings.batch_size]
             probs = predict_windows(
@@ -321,17 +361,61 @@ def _blend_streamed(
                 device=device,
                 amp=amp,
                 channels=channels,
+                batch_size=settings.batch_size,
             )
             blend.add(probs, batch)
             progress.update(len(batch))
-        del x  # the next slab's input is read before this one would be collected
+        del x, raw  # the next slab's input is read before this one would be collected
         blend.flush(slab.flush_to, out)
-    return blend.peak_bytes
+    return blend.peak_bytes, skipped
 
 
 # ----------------------------------------------------------------------------- resident
 def _flip(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return t.flip(dims) if dims else t
+
+
+def accumulate_windows(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    total: torch.Tensor,
+    corners: Sequence[Shape3],
+    settings: InferenceSettings,
+    progress: Progress | None = None,
+    channels: int = 1,
+) -> None:
+    """Add the exact sums (`ctseg.inference.windows.to_fixed`) of the windows at `corners` into
+    `total` (int64, (Z, Y, X) or (C, Z, Y, X)), on the device of `x`, the normalised input
+    (Z, Y, X) in the same coordinates; every window lies inside both.
+
+    Batches are made of (window, flip) pairs in window-major order, so with ``tta_flips`` the 8
+    flipped copies of a window share forwards with other windows. The caller puts the model in
+    eval mode on the device and holds `torch.inference_mode`.
+    """
+    win = settings.checked_window()
+    device = x.device
+    flips = FLIP_DIMS if settings.tta_flips else ((),)
+    weight = device_importance_map(win, device)
+    if len(flips) > 1:
+        weight = weight / len(flips)  # the TTA mean folded into the weight (exact: 2^3)
+    # FLIP_DIMS index (B, C, Z, Y, X), a crop is (Z, Y, X) and a window's probabilities (Z, Y, X)
+    # or (C, Z, Y, X): counted from the end.
+    items = [(pos, tuple(d - 5 for d in dims)) for pos in corners for dims in flips]
+    wz, wy, wx = win
+    amp = settings.use_amp(device)
+    for k in range(0, len(items), settings.batch_size):
+        batch = items[k : k + settings.batch_size]
+        crops = torch.stack(
+            [_flip(x[z : z + wz, y : y + wy, xx : xx + wx], dims) for (z, y, xx), dims in batch]
+        )[:, None]
+        logits = _forward_full_batch(model, crops, settings.batch_size, amp)
+        _check_output(logits, crops, channels)
+        probs = _probabilities(logits, channels)
+        fixed = _to_fixed((probs[:, 0] if channels == 1 else probs).mul_(weight))
+        for ((z, y, xx), dims), f in zip(batch, fixed, strict=True):
+            total[..., z : z + wz, y : y + wy, xx : xx + wx] += _flip(f, dims)
+        if progress is not None:
+            progress.update(len(batch) / len(flips))
 
 
 def _blend_resident(
@@ -344,49 +428,31 @@ def _blend_resident(
     device: torch.device,
     progress: Progress | None = None,
     channels: int = 1,
-) -> np.ndarray:
+) -> tuple[np.ndarray, int]:
     """Blended probabilities of the whole volume, computed on `device`, as a float16 host array
-    (Z, Y, X), or (C, Z, Y, X) for a model of `channels` > 1.
+    (Z, Y, X), or (C, Z, Y, X) for a model of `channels` > 1, and the number of windows skipped
+    as empty (`ctseg.inference.windows.empty_windows`).
 
     The caller puts the model in eval mode on `device` and holds `torch.inference_mode`.
     """
     shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
     win = settings.checked_window()
     padded = padded_shape(shape, win)
-    x = _device_input(image, low, high, padded, device)
+    raw = np.asarray(image[...])
+    every = list(itertools.product(*starts))
+    empty = empty_windows(raw, every, win, settings)
+    corners = [c for c, e in zip(every, empty, strict=True) if not e]
+    x = device_input(raw, low, high, padded, device)
+    del raw
     lead = () if channels == 1 else (channels,)
-    acc = torch.zeros((*lead, *padded), dtype=torch.float32, device=device)
-    flips = FLIP_DIMS if settings.tta_flips else ((),)
-    weight = device_importance_map(win, device)
-    if len(flips) > 1:
-        weight = weight / len(flips)  # the TTA mean folded into the weight (exact: 2^3)
-    # (window, flip) pairs in window-major order; FLIP_DIMS index (B, C, Z, Y, X), a crop is
-    # (Z, Y, X) and a window's probabilities (Z, Y, X) or (C, Z, Y, X): counted from the end.
-    items = [
-        (pos, tuple(d - 5 for d in dims)) for pos in itertools.product(*starts) for dims in flips
-    ]
-    wz, wy, wx = win
-    amp = settings.use_amp(device)
-    for k in range(0, len(items), settings.batch_size):
-        batch = items[k : k + settings.batch_size]
-        crops = torch.stack(
-            [_flip(x[z : z + wz, y : y + wy, xx : xx + wx], dims) for (z, y, xx), dims in batch]
-        )[:, None]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = model(crops)
-        _check_output(logits, crops, channels)
-        probs = _probabilities(logits, channels)
-        probs = (probs[:, 0] if channels == 1 else probs).mul_(weight)
-        for ((z, y, xx), dims), p in zip(batch, probs, strict=True):
-            acc[..., z : z + wz, y : y + wy, xx : xx + wx] += _flip(p, dims)
-        if progress is not None:
-            progress.update(len(batch) / len(flips))
+    total = torch.zeros((*lead, *padded), dtype=torch.int64, device=device)
+    if progress is not None:
+        progress.update(len(every) - len(corners))
+    accumulate_windows(model, x, total, corners, settings, progress, channels)
     del x
     norm_z, norm_yx = weight_norms(shape, starts, win)
-    result = acc[..., : shape[0], : shape[1], : shape[2]]
-    result /= torch.from_numpy(norm_yx).to(device)
-    result /= torch.from_numpy(norm_z).to(device)[:, None, None]
-    return result.half().cpu().numpy()
+    result = _from_fixed(total[..., : shape[0], : shape[1], : shape[2]], norm_z, norm_yx)
+    return result.cpu().numpy(), len(every) - len(corners)
 
 
 # ----------------------------------------------------------------------------- volumes
@@ -426,9 +492,10 @@ def predict_volume(
     model.to(dev, memory_format=settings.memory_format(dev)).eval()
     try:
         with torch.inference_mode():
-            return _blend_resident(
+            probabilities, _ = _blend_resident(
                 model, image, low, high, starts, settings, dev, channels=_channels(labels)
             )
+            return probabilities
     finally:
         model.to(memory_format=layout).train(was_training)
 
@@ -483,6 +550,7 @@ def infer_volume(
     shape: Shape3 = tuple(int(s) for s in image.shape)  # type: ignore[assignment]
     dev = settings.torch_device()
     starts = _starts(shape, settings)
+    check_coverage(starts, win, settings.overlap)
     n_flips = len(FLIP_DIMS) if settings.tta_flips else 1
     channels = _channels(labels)
     needed = resident_bytes(shape, win, image.dtype.itemsize, settings.batch_size, channels)
@@ -519,12 +587,12 @@ def infer_volume(
         ):
             out = create_volume(tmp, store_shape, np.float16, store_chunks, attributes=attributes)
             if resident:
-                out[...] = _blend_resident(
+                out[...], skipped = _blend_resident(
                     model, image, low, high, starts, settings, dev, bar, channels
                 )
-                accumulator_bytes = 4 * channels * math.prod(padded_shape(shape, win))
+                accumulator_bytes = 8 * channels * math.prod(padded_shape(shape, win))
             else:
-                accumulator_bytes = _blend_streamed(
+                accumulator_bytes, skipped = _blend_streamed(
                     model, image, low, high, starts, slabs, out, settings, dev, bar, channels
                 )
     finally:
@@ -537,7 +605,8 @@ def infer_volume(
         "shape": list(shape),
         "window": list(win),
         "windows": n_windows,
-        "forward_windows": n_windows * n_flips,
+        "forward_windows": (n_windows - skipped) * n_flips,
+        "skipped_windows": skipped,
         "mode": "resident" if resident else "streamed",
         "resident_mb": needed / 2**20,
         "device_budget_mb": device_budget / 2**20,

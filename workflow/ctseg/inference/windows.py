@@ -26,6 +26,18 @@ Flip TTA averages the probabilities over all 8 combinations of flips of the thre
 (`FLIP_DIMS`, identity included), at 8x the cost. The Gaussian map is symmetric under every
 flip, so a flipped output is weighted before it is flipped back.
 
+The sum is exact
+----------------
+Each (window, flip) adds its weighted probabilities ``p * w / flips`` (float32) as an integer
+of `FIXED_POINT_BITS` fractional bits (`to_fixed`: a float32 of at least 2^-27 has no bits
+below 2^-50, so it converts exactly; smaller ones lose what lies below). Integer sums do
+not depend on their order, so every path (the whole volume on the device, z-slabs, 3D tiles,
+tiles split over processes and jobs, a run resumed half way) gives the same sum bit for bit, and
+`from_fixed` turns it into the same float16 probabilities: the sum to float64, scaled to
+float32, divided by the plane's norm and then by z's, each an IEEE-rounded operation that numpy
+and torch do alike. int64 holds 2^(63 - 50) = 8192 units, so up to `MAX_COVERING` windows may
+cover a voxel (an overlap of 0.9 gives 10^3); `check_coverage` refuses more.
+
 Slabs
 -----
 Windows are processed row by row in z (a row = every window with the same z start). After a
@@ -45,7 +57,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ctseg.inference.settings import Shape3
+from ctseg.inference.settings import InferenceSettings, Shape3
+from ctseg.io import CtsegError
 
 SIGMA_SCALE = 1 / 8
 # All 8 combinations of flips of the spatial dims of a (B, C, Z, Y, X) tensor, identity first.
@@ -120,6 +133,65 @@ def weight_norms(
     return norm_z, norm_yx
 
 
+# ----------------------------------------------------------------------------- exact sums
+FIXED_POINT_BITS = 50
+FIXED_ONE = float(2**FIXED_POINT_BITS)
+MAX_COVERING = 2 ** (62 - FIXED_POINT_BITS)  # windows over one voxel, each summing to <= 1
+
+
+def to_fixed(weighted: np.ndarray) -> np.ndarray:
+    """Weighted probabilities (float32, in [0, 1]) as int64 of `FIXED_POINT_BITS` fractional
+    bits: scaled by a power of two (exact in float32) and truncated."""
+    scaled = np.asarray(weighted, np.float32) * np.float32(FIXED_ONE)
+    return scaled.astype(np.int64)
+
+
+def from_fixed(total: np.ndarray, norm_z: np.ndarray, norm_yx: np.ndarray) -> np.ndarray:
+    """float16 probabilities of the exact sums `total` (..., Z, Y, X) of a block, divided by the
+    block's weight norms: `norm_z` (Z,) and `norm_yx` (Y, X), float32 (`weight_norms`)."""
+    value = (total.astype(np.float64) * (1.0 / FIXED_ONE)).astype(np.float32)
+    value /= norm_yx
+    value /= norm_z[:, None, None]
+    return value.astype(np.float16)
+
+
+def max_covering(starts: Sequence[int], window: int) -> int:
+    """The most windows of one axis that cover a single position."""
+    ends = sorted(s + window for s in starts)
+    covering, j = 0, 0
+    for i, s in enumerate(sorted(starts)):
+        while ends[j] <= s:
+            j += 1
+        covering = max(covering, i + 1 - j)
+    return covering
+
+
+def check_coverage(starts: Sequence[Sequence[int]], window: Shape3, overlap: float) -> None:
+    """Refuse an overlap under which more windows cover a voxel than the exact sum holds."""
+    covering = math.prod(max_covering(s, w) for s, w in zip(starts, window, strict=True))
+    if covering > MAX_COVERING:
+        raise CtsegError(
+            f"overlap={overlap}: up to {covering} windows cover one voxel, more than the "
+            f"{MAX_COVERING} the exact blend sums in 64 bits; choose an overlap of at most 0.9"
+        )
+
+
+def empty_windows(
+    raw: np.ndarray, corners: Sequence[Sequence[int]], window: Shape3, settings: InferenceSettings
+) -> list[bool]:
+    """Which windows at `corners` (in `raw`'s coordinates; a window may overhang `raw`, where
+    the input is padding) hold only raw values at or below ``settings.background``: they are
+    not run, and add nothing (their probabilities count as 0 in the blend, their weights still
+    count). None of them when the background is None."""
+    if settings.background is None:
+        return [False] * len(corners)
+    level = settings.background
+    wz, wy, wx = window
+    return [
+        not bool((raw[z : z + wz, y : y + wy, x : x + wx] > level).any()) for z, y, x in corners
+    ]
+
+
 # ----------------------------------------------------------------------------- slabs
 @dataclass(frozen=True)
 class Slab:
@@ -186,12 +258,12 @@ def resident_bytes(
     channels: int = 1,
 ) -> int:
     """Working set of the resident path (`ctseg.inference.volume`), model activations excluded
-    as in the streaming budget: the float32 input and the float32 accumulator of each of the
+    as in the streaming budget: the float32 input and the int64 exact sums of each of the
     `channels` output channels over the padded volume, the raw volume, the float16 result of
     each channel on the device and on the host, and a batch of crops, and of outputs and
     flipped outputs of each channel, in float32."""
     return (
-        4 * (1 + channels) * math.prod(padded_shape(shape, window))
+        (4 + 8 * channels) * math.prod(padded_shape(shape, window))
         + (itemsize + 4 * channels) * math.prod(shape)
         + 4 * (1 + 2 * channels) * batch_size * math.prod(window)
     )

@@ -1,0 +1,477 @@
+"""A model's probabilities of a volume of any size, tile by tile, in parts, resumable: the
+driver of `ctseg.inference.tiles`' grid over a `ctseg.inference.source.VolumeSource` read in
+place.
+
+Work folder
+-----------
+Everything a predict of one volume has done lives in one folder (`Work`), kept until the
+predict is finished, so that a killed predict, or a part of one on another node, goes on where
+it stopped:
+
+- ``manifest.json``: what is computed (the source, its level, shape and dtype, the intensity
+  range, the window, overlap, flips, background, autocast, device type, the weights' digest,
+  the labels, the output chunks and the tile). A later run with any of these changed is refused
+  (`open_work`): its tiles would be mixed with this run's. The tile is the first run's, so that
+  every part cuts the volume the same way.
+- ``probabilities.zarr``: the float16 probabilities, written chunk by chunk as chunks become
+  final; chunks left all zero are not written.
+- ``tiles/<z>_<y>_<x>.done``: a tile whose windows are computed and whose sums are written
+  (the chunks it alone meets as final probabilities, its share of the others as spills).
+- ``spill/<chunk>/<tile>.npy``: a tile's exact sums (int64) over a chunk other tiles' windows
+  also reach, until the chunk is final (``.zero``: the share is all zero).
+- ``chunks/<z>_<y>_<x>.done``: a shared chunk made final; its spills are then removed.
+
+Every file is written under a temporary name and renamed, so a killed run leaves whole files or
+temporaries, never a half file under a final name; a tile without its marker is computed again
+(and writes the same bytes). The sums are exact integers (`ctseg.inference.windows.to_fixed`), so
+the order in which tiles, parts and resumed runs add them cannot change a bit: a volume in one
+process, in any number of parts, or resumed after a kill gives the same store.
+
+Parts
+-----
+`run_part(k, n)` computes the tiles of part k (`ctseg.inference.tiles.part_tiles`) and makes
+final the chunks only its tiles meet; `finish` checks every tile is done, then makes the seams'
+chunks final from the spills. One process is `run_part(0, 1)` then `finish`. Parts of one volume
+may run at once (on GPUs of one node or on nodes sharing the folder): each part holds a lock on
+its own name, and they write disjoint files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from ctseg.inference.settings import InferenceSettings, Shape3
+from ctseg.inference.source import ChunkCache, VolumeSource
+from ctseg.inference.tiles import Box, Index, TileGrid, part_tiles, plan_tile
+from ctseg.inference.volume import (
+    _channels,
+    _store_attributes,
+    _weights_layout,
+    accumulate_windows,
+    device_input,
+)
+from ctseg.inference.windows import (
+    check_coverage,
+    empty_windows,
+    from_fixed,
+    weight_sum_1d,
+    window_starts,
+)
+from ctseg.io import CtsegError, OutputBusy, output_lock, strict_json
+from ctseg.labels import LabelSpec
+from ctseg.progress import Progress
+from ctseg.store import create_volume
+
+MANIFEST = "manifest.json"
+PROBABILITIES = "probabilities.zarr"
+FORMAT = 1
+DEFAULT_CHUNK = 128  # output chunks along each axis when the input's are outside 16..256
+
+
+def _name(index: Sequence[int]) -> str:
+    return "_".join(str(int(i)) for i in index)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def output_chunks(source: VolumeSource) -> Shape3:
+    """The probabilities' and masks' chunks: the input's read unit where it is a sensible size
+    (16 to 256 per axis), else `DEFAULT_CHUNK`, never larger than the volume."""
+    chunks = source.chunks if all(16 <= c <= 256 for c in source.chunks) else (DEFAULT_CHUNK,) * 3
+    return tuple(min(c, s) for c, s in zip(chunks, source.shape, strict=True))  # type: ignore[return-value]
+
+
+def working_bytes_per_voxel(itemsize: int, channels: int) -> int:
+    """Bytes a tile holds per voxel of its extent: the raw input, its float32 copy on the
+    device and the int64 sums of every channel on the device and on the host."""
+    return itemsize + 4 + 16 * channels
+
+
+# ----------------------------------------------------------------------------- the work folder
+@dataclass(frozen=True)
+class Work:
+    """An open work folder: its place, its manifest and the grid its tiles follow."""
+
+    folder: Path
+    manifest: dict[str, Any]
+    grid: TileGrid
+    channels: int
+
+    def tile_done(self, tile: Index) -> Path:
+        return self.folder / "tiles" / f"{_name(tile)}.done"
+
+    def chunk_done(self, chunk: Index) -> Path:
+        return self.folder / "chunks" / f"{_name(chunk)}.done"
+
+    def spill(self, chunk: Index, tile: Index) -> Path:
+        return self.folder / "spill" / _name(chunk) / f"{_name(tile)}.npy"
+
+    def probabilities(self) -> zarr.Array:
+        return zarr.open_array(str(self.folder / PROBABILITIES), mode="r+")
+
+
+def _identity(
+    source: VolumeSource,
+    settings: InferenceSettings,
+    device: torch.device,
+    low: float,
+    high: float,
+    weights_sha256: str | None,
+    labels: LabelSpec | None,
+) -> dict[str, Any]:
+    """What the probabilities depend on: a resumed run must have all of it unchanged."""
+    return {
+        "format": FORMAT,
+        "source": source.url,
+        "level": source.level,
+        "shape": list(source.shape),
+        "dtype": str(source.dtype),
+        "intensity_range": [low, high],
+        "window": list(settings.checked_window()),
+        "overlap": settings.overlap,
+        "tta_flips": bool(settings.tta_flips),
+        "background": settings.background,
+        "amp": settings.use_amp(device),
+        "device_type": device.type,
+        "weights_sha256": weights_sha256,
+        "labels": None if labels is None or labels.is_binary else labels.to_dict(),
+        "chunks": list(output_chunks(source)),
+    }
+
+
+def open_work(
+    folder: Path,
+    source: VolumeSource,
+    settings: InferenceSettings,
+    device: torch.device,
+    low: float,
+    high: float,
+    weights_sha256: str | None = None,
+    labels: LabelSpec | None = None,
+) -> Work:
+    """The work folder of this predict: made (manifest, empty probability store) by the first
+    run, checked against the manifest by every later one."""
+    folder = Path(folder)
+    for sub in ("tiles", "chunks", "spill"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    identity = _identity(source, settings, device, low, high, weights_sha256, labels)
+    win = settings.checked_window()
+    starts = tuple(
+        tuple(window_starts(s, w, settings.overlap)) for s, w in zip(source.shape, win, strict=True)
+    )
+    check_coverage(starts, win, settings.overlap)
+    channels = _channels(labels)
+    chunks: Shape3 = tuple(identity["chunks"])  # type: ignore[assignment]
+    manifest_file = folder / MANIFEST
+    if not manifest_file.exists():
+        budget = settings.memory_budget_mb * 2**20
+        if device.type == "cuda":
+            budget = min(budget, settings.device_budget_bytes())
+        per_voxel = working_bytes_per_voxel(source.dtype.itemsize, channels)
+        tile = plan_tile(source.shape, win, chunks, per_voxel, budget)
+        manifest = {**identity, "tile": list(tile)}
+        tmp = folder / f"{MANIFEST}.tmp-{os.getpid()}"
+        tmp.write_text(strict_json(manifest, indent=1))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, manifest_file)  # the first part to get here writes it
+        tmp.unlink()
+    manifest = json.loads(manifest_file.read_text())
+    changed = sorted(k for k in identity if manifest.get(k) != identity[k])
+    if changed:
+        was = ", ".join(f"{k} {manifest.get(k)!r} now {identity[k]!r}" for k in changed)
+        raise CtsegError(
+            f"{folder}: an unfinished predict of other settings is kept here ({was}); rerun it "
+            f"with its settings to finish it, or remove {folder} to start again"
+        )
+    grid = TileGrid(source.shape, win, starts, chunks, tuple(manifest["tile"]))  # type: ignore[arg-type]
+    _create_probabilities(folder, source, settings, weights_sha256, labels, chunks, channels)
+    return Work(folder, manifest, grid, channels)
+
+
+def _create_probabilities(
+    folder: Path,
+    source: VolumeSource,
+    settings: InferenceSettings,
+    weights_sha256: str | None,
+    labels: LabelSpec | None,
+    chunks: Shape3,
+    channels: int,
+) -> None:
+    final = folder / PROBABILITIES
+    if final.exists():
+        return
+    shape: tuple[int, ...] = source.shape
+    store_chunks: tuple[int, ...] = chunks
+    if channels > 1:
+        shape, store_chunks = (channels, *shape), (1, *chunks)
+    attributes = _store_attributes(Path(source.url), settings, weights_sha256, labels)
+    tmp = folder / f"{PROBABILITIES}.tmp-{os.getpid()}"
+    create_volume(
+        tmp, shape, np.float16, store_chunks, attributes=attributes, write_empty_chunks=False
+    )
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another part made it first
+        if not final.exists():
+            raise
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- final chunks
+class _Norms:
+    """The weight sums' 1D factors (float64), and a chunk's float32 norms from them: the same
+    values as `ctseg.inference.windows.weight_norms` gives for the whole volume."""
+
+    def __init__(self, grid: TileGrid) -> None:
+        self.sums = [
+            weight_sum_1d(s, w, st)
+            for s, w, st in zip(grid.shape, grid.window, grid.starts, strict=True)
+        ]
+
+    def of(self, box: Box) -> tuple[np.ndarray, np.ndarray]:
+        (z0, z1), (y0, y1), (x0, x1) = box
+        norm_z = self.sums[0][z0:z1].astype(np.float32)
+        norm_yx = np.outer(self.sums[1][y0:y1], self.sums[2][x0:x1]).astype(np.float32)
+        return norm_z, norm_yx
+
+
+def _slices(box: Box, origin: Sequence[int] = (0, 0, 0)) -> tuple[slice, slice, slice]:
+    return tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, origin, strict=True))  # type: ignore[return-value]
+
+
+def _intersect(a: Box, b: Box) -> Box:
+    return tuple((max(p[0], q[0]), min(p[1], q[1])) for p, q in zip(a, b, strict=True))  # type: ignore[return-value]
+
+
+def _write_chunk(out: zarr.Array, box: Box, total: np.ndarray, norms: _Norms) -> None:
+    values = from_fixed(total, *norms.of(box))
+    out[(..., *_slices(box))] = values
+
+
+def _finalise_shared(work: Work, chunk: Index, out: zarr.Array, norms: _Norms) -> None:
+    """Sum the spills of a shared chunk, write its probabilities, mark it, drop the spills."""
+    grid = work.grid
+    box = grid.chunk_box(chunk)
+    lead = () if work.channels == 1 else (work.channels,)
+    total = np.zeros((*lead, *(hi - lo for lo, hi in box)), np.int64)
+    for tile in grid.contributors(chunk):
+        spill = work.spill(chunk, tile)
+        if spill.with_suffix(".zero").exists():
+            continue
+        piece = _intersect(box, grid.extent(tile))
+        total[(..., *_slices(piece, [lo for lo, _ in box]))] += np.load(spill)
+    _write_chunk(out, box, total, norms)
+    _write_atomic(work.chunk_done(chunk), b"")
+    spill_dir = work.folder / "spill" / _name(chunk)
+    for f in spill_dir.glob("*"):
+        f.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        spill_dir.rmdir()
+
+
+# ----------------------------------------------------------------------------- one tile
+@dataclass
+class _Counts:
+    windows: int = 0
+    skipped: int = 0
+    tiles: int = 0
+    resumed_tiles: int = 0
+    final_chunks: int = 0
+
+
+def _run_tile(
+    model: torch.nn.Module,
+    work: Work,
+    tile: Index,
+    reader: ChunkCache,
+    low: float,
+    high: float,
+    settings: InferenceSettings,
+    device: torch.device,
+    out: zarr.Array,
+    norms: _Norms,
+    bar: Progress,
+    counts: _Counts,
+) -> list[Index]:
+    """Compute `tile`, write what it alone makes final and spill the rest; returns its shared
+    chunks."""
+    grid = work.grid
+    extent = grid.extent(tile)
+    origin = [lo for lo, _ in extent]
+    inside = tuple((lo, min(hi, s)) for (lo, hi), s in zip(extent, grid.shape, strict=True))
+    raw = reader.read(_slices(inside))  # type: ignore[arg-type]
+    every = [
+        tuple(c - o for c, o in zip(corner, origin, strict=True)) for corner in grid.corners(tile)
+    ]
+    empty = empty_windows(raw, every, grid.window, settings)
+    corners = [c for c, e in zip(every, empty, strict=True) if not e]
+    counts.skipped += len(every) - len(corners)
+    bar.update(len(every) - len(corners))
+    size = [hi - lo for lo, hi in extent]
+    lead = () if work.channels == 1 else (work.channels,)
+    total_dev = torch.zeros((*lead, *size), dtype=torch.int64, device=device)
+    if corners:
+        x = device_input(raw, low, high, size, device)
+        accumulate_windows(model, x, total_dev, corners, settings, bar, work.channels)  # type: ignore[arg-type]
+        del x
+    counts.windows += len(corners)
+    total = total_dev.cpu().numpy()
+    del total_dev, raw
+    shared = []
+    for chunk in grid.chunks_in(extent):
+        box = grid.chunk_box(chunk)
+        if grid.contributors(chunk) == [tile]:
+            _write_chunk(out, box, total[(..., *_slices(box, origin))], norms)
+            counts.final_chunks += 1
+            continue
+        piece = total[(..., *_slices(_intersect(box, extent), origin))]
+        spill = work.spill(chunk, tile)
+        spill.parent.mkdir(exist_ok=True)
+        if piece.any():
+            _save_atomic(spill, piece)
+        else:
+            _write_atomic(spill.with_suffix(".zero"), b"")
+        shared.append(chunk)
+    _write_atomic(work.tile_done(tile), b"")
+    return shared
+
+
+# ----------------------------------------------------------------------------- parts
+@contextlib.contextmanager
+def _holding(work: Work, name: str) -> Iterator[None]:
+    try:
+        with output_lock(work.folder / name):
+            yield
+    except OutputBusy as exc:
+        raise CtsegError(
+            f"{work.folder}: another ctseg predict is running {name} of this volume now; wait "
+            "for it to finish"
+        ) from exc
+
+
+def run_part(
+    model: torch.nn.Module,
+    work: Work,
+    source: VolumeSource,
+    settings: InferenceSettings,
+    device: torch.device,
+    part: int = 0,
+    parts: int = 1,
+    cache_bytes: int = 64 * 2**20,
+) -> dict[str, Any]:
+    """Compute part `part` of `parts` of the volume into `work` (module docstring), skipping the
+    tiles already done; returns counts, the read amplification and timings."""
+    grid = work.grid
+    low, high = work.manifest["intensity_range"]
+    mine = part_tiles(grid.tiles(), parts, part)
+    own = set(mine)
+    todo = [t for t in mine if not work.tile_done(t).exists()]
+    counts = _Counts(resumed_tiles=len(mine) - len(todo))
+    reader = ChunkCache(source, cache_bytes)
+    norms = _Norms(grid)
+    out = work.probabilities()
+    n_windows = sum(len(grid.corners(t)) for t in todo)
+    t0 = time.perf_counter()
+    was_training, layout = model.training, _weights_layout(model)
+    model.to(device, memory_format=settings.memory_format(device)).eval()
+    bar = Progress(total=n_windows, unit="window", desc=f"part {part + 1}/{parts}", file=sys.stderr)
+    try:
+        with _holding(work, f"part-{part}-of-{parts}"), torch.inference_mode():
+            for tile in todo:
+                shared = _run_tile(
+                    model, work, tile, reader, low, high, settings, device, out, norms, bar, counts
+                )
+                counts.tiles += 1
+                for chunk in shared:
+                    ready = grid.contributors(chunk)
+                    if work.chunk_done(chunk).exists() or not set(ready) <= own:
+                        continue
+                    if all(work.tile_done(t).exists() for t in ready):
+                        _finalise_shared(work, chunk, out, norms)
+                        counts.final_chunks += 1
+    finally:
+        bar.close()
+        model.to(memory_format=layout).train(was_training)
+    seconds = time.perf_counter() - t0
+    region = _region_bytes(grid, todo, source.dtype.itemsize)
+    return {
+        "part": part,
+        "parts": parts,
+        "tiles": len(mine),
+        "tiles_computed": counts.tiles,
+        "tiles_resumed": counts.resumed_tiles,
+        "tile": list(grid.tile),
+        "windows": counts.windows,
+        "skipped_windows": counts.skipped,
+        "chunks_final": counts.final_chunks,
+        "bytes_fetched": reader.bytes_fetched,
+        "bytes_of_region": region,
+        "read_amplification": reader.bytes_fetched / region if region else 0.0,
+        "peak_cached_bytes": reader.peak_cached_bytes,
+        "seconds": seconds,
+    }
+
+
+def _region_bytes(grid: TileGrid, tiles: Sequence[Index], itemsize: int) -> int:
+    """Bytes of the input region the tiles cover: the union of their extents' z-y-x boxes,
+    counted as the volume's bytes when every tile is there."""
+    if not tiles:
+        return 0
+    lo = [min(grid.extent(t)[a][0] for t in tiles) for a in range(3)]
+    hi = [min(max(grid.extent(t)[a][1] for t in tiles), grid.shape[a]) for a in range(3)]
+    return int(np.prod([h - low for low, h in zip(lo, hi, strict=True)])) * itemsize
+
+
+def finish(work: Work, parts: int = 1) -> dict[str, Any]:
+    """Make the seams final: every tile must be done (else one line naming the parts to run);
+    then every shared chunk not yet final is summed from its spills."""
+    grid = work.grid
+    tiles = grid.tiles()
+    missing: dict[int, int] = {}
+    for k in range(parts):
+        for tile in part_tiles(tiles, parts, k):
+            if not work.tile_done(tile).exists():
+                missing[k] = missing.get(k, 0) + 1
+    if missing:
+        listed = ", ".join(f"part {k} ({n} tiles left)" for k, n in sorted(missing.items()))
+        raise CtsegError(
+            f"{work.folder}: not every part is done: {listed}; run `ctseg predict ... --parts "
+            f"{parts} --part K` for each, then --finish again"
+        )
+    out = work.probabilities()
+    norms = _Norms(grid)
+    made = 0
+    with _holding(work, "finish"):
+        for chunk in grid.all_chunks():
+            if work.chunk_done(chunk).exists():
+                continue
+            contributors = grid.contributors(chunk)
+            if len(contributors) == 1:
+                continue  # written final by its tile
+            _finalise_shared(work, chunk, out, norms)
+            made += 1
+    return {"seam_chunks_final": made}
