@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +12,10 @@ from ctseg.io import CtsegError, strict_json
 from ctseg.postprocess.commands import fixed_given, fixed_postprocess, postprocess_options
 
 if TYPE_CHECKING:
+    from ctseg.inference.predict import PredictRun
+    from ctseg.inference.run import LoadedModel
     from ctseg.inference.settings import InferenceSettings
+    from ctseg.postprocess.masks import PostprocessSettings
 
 
 def _inference_settings(args: argparse.Namespace) -> InferenceSettings:
@@ -26,6 +29,7 @@ def _inference_settings(args: argparse.Namespace) -> InferenceSettings:
         memory_budget_mb=args.memory_budget_mb,
         device_budget_mb=args.device_budget_mb,
         device=args.device,
+        background=getattr(args, "background", None),
     )
 
 
@@ -82,6 +86,9 @@ def cmd_predict(args: argparse.Namespace) -> None:
         postprocess, source = load_tuned(Path(args.settings)), args.settings
     else:
         postprocess, source = run_postprocess(run, fixed_postprocess(args), bool(fixed_given(args)))
+    if _in_place(args):
+        _predict_in_place(args, run, models, inference, postprocess)
+        return
     summary = predict_folder(
         run,
         models,
@@ -98,6 +105,77 @@ def cmd_predict(args: argparse.Namespace) -> None:
     print(
         f"ctseg predict: wrote {len(summary['volumes'])} mask(s) to {args.output} by "
         f"{run.name}, {summary['masks']} (figures: {figures})"
+    )
+
+
+def _in_place(args: argparse.Namespace) -> bool:
+    """A Zarr array or OME-Zarr group as --input (`ctseg.inference.scroll`); the options that
+    only such a predict takes are refused for a folder of TIFFs."""
+    from ctseg.inference.scroll import is_volume_store
+
+    if is_volume_store(args.input):
+        return True
+    only_in_place = [
+        name
+        for name, value in (
+            ("--level", args.level),
+            ("--parts", args.parts),
+            ("--cache-mb", args.cache_mb),
+            ("--intensity-range", args.intensity_range),
+            ("--storage-options", args.storage_options),
+        )
+        if value is not None
+    ]
+    if only_in_place:
+        raise CtsegError(
+            f"{args.input}: {', '.join(only_in_place)} go with a volume read in place (a Zarr "
+            "array or OME-Zarr group), not a folder of TIFFs"
+        )
+    return False
+
+
+def _predict_in_place(
+    args: argparse.Namespace,
+    run: PredictRun,
+    models: Sequence[LoadedModel],
+    inference: InferenceSettings,
+    postprocess: PostprocessSettings,
+) -> None:
+    import json
+
+    from ctseg.inference.scroll import predict_scroll
+    from ctseg.training.checkpoint import stored_digest
+
+    try:
+        options = json.loads(args.storage_options) if args.storage_options else None
+    except ValueError as exc:
+        raise CtsegError(f"--storage-options {args.storage_options!r}: not JSON ({exc})") from exc
+    summary = predict_scroll(
+        run.name,
+        models,
+        stored_digest(run.weight_files[0]),
+        args.input,
+        Path(args.output),
+        inference,
+        postprocess,
+        level=args.level,
+        storage_options=options,
+        probabilities=Path(args.probabilities) if args.probabilities else None,
+        parts=args.parts,
+        part=args.part,
+        finish_only=args.finish,
+        cache_mb=args.cache_mb,
+        given_range=tuple(args.intensity_range) if args.intensity_range else None,
+    )
+    if args.summary:
+        Path(args.summary).write_text(strict_json(summary, indent=1))
+    if args.part is not None:
+        print(f"ctseg predict: part {args.part} of {args.parts} of {args.input} done")
+        return
+    print(
+        f"ctseg predict: wrote {args.output} ({summary['outputs'].get('foreground_voxels', '-')} "
+        f"foreground voxels) by {run.name} from {args.input}; peak RSS "
+        f"{summary['peak_rss_mb']:.0f} MB"
     )
 
 
@@ -164,7 +242,8 @@ def _inference_options(p: argparse.ArgumentParser) -> None:
         "--memory-budget-mb",
         type=float,
         default=default.memory_budget_mb,
-        help="host memory for the z-slabs of a streamed volume (default: %(default)s)",
+        help="host memory for the z-slabs of a streamed volume, or the tiles and chunk cache of "
+        "a volume read in place, MB (default: %(default)s)",
     )
     p.add_argument(
         "--device-budget-mb",
@@ -208,8 +287,52 @@ def _predict_parser(add_parser: AddParser) -> None:
         help="results/<run>: an experiment, a fold <exp>.fold<i>, a cross-validation <exp>.cv "
         "or an ensemble",
     )
-    p.add_argument("-i", "--input", required=True, help="folder of TIFF volumes or slice folders")
-    p.add_argument("-o", "--output", required=True, help="folder for the masks <id>.tif")
+    p.add_argument(
+        "-i",
+        "--input",
+        required=True,
+        help="folder of TIFF volumes or slice folders; or one volume read in place: a Zarr array "
+        "or OME-Zarr group (a path, s3://..., https://...)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="folder for the masks <id>.tif; for a volume read in place, <name>.zarr (an "
+        "OME-Zarr image with a pyramid) or <name>.tif",
+    )
+    whole = p.add_argument_group("a volume read in place (docs/whole-scrolls.md)")
+    whole.add_argument("--level", default=None, help="the OME-Zarr level to read (default: 0)")
+    whole.add_argument(
+        "--parts", type=int, default=None, help="split the volume into N parts (jobs, GPUs)"
+    )
+    whole.add_argument("--part", type=int, default=None, help="compute part K (0..N-1) only")
+    whole.add_argument(
+        "--finish", action="store_true", help="after every part: blend the seams, write the mask"
+    )
+    whole.add_argument(
+        "--cache-mb",
+        type=float,
+        default=None,
+        help="chunk cache (default: a quarter of --memory-budget-mb)",
+    )
+    whole.add_argument(
+        "--background",
+        type=float,
+        default=None,
+        help="skip windows whose input is all <= this value (outside the scroll); default: none",
+    )
+    whole.add_argument(
+        "--intensity-range",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="the normalisation range (default: the array's p0_5/p99_5, else one pass over it)",
+    )
+    whole.add_argument(
+        "--storage-options", default=None, help="fsspec storage options as JSON (s3 endpoint...)"
+    )
     p.add_argument(
         "--probabilities", default=None, help="also keep the probabilities as <DIR>/<id>.zarr"
     )
