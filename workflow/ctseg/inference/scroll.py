@@ -24,9 +24,12 @@ OME-Zarr image too (binary models). Both are renamed into place whole; the work 
 removed.
 
 Memory: ``memory_budget_mb`` bounds the host memory this adds to the loaded model: a quarter to
-the chunk cache (unless ``cache_mb`` is given), the tile's working set to the rest
-(`ctseg.inference.tiles.plan_tile`); the post-processing's blocks to half of it. On a GPU the tile
-also fits ``device_budget_mb``. The summary records the process's peak RSS.
+the chunk cache (unless ``cache_mb`` is given), half to the tile's working set
+(`ctseg.inference.tiles.plan_tile`), the rest to what passes through (chunks decoded and
+encoded, the sums' float copies); the post-processing and the pyramid to a quarter each. The
+model and its activations for one batch are not counted: they do not grow with the volume. On a
+GPU the tile also fits ``device_budget_mb``. The summary records the process's RSS before the
+tiles and its peak.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import tifffile
+import torch
 import zarr
 
 from ctseg.inference.run import LoadedModel
@@ -59,7 +63,11 @@ from ctseg.store import create_volume
 
 OME_SUFFIXES = (".zarr",)
 TIFF_SUFFIXES = (".tif", ".tiff")
-CACHE_SHARE = 0.25  # of the memory budget, for the chunk cache unless --cache-mb is given
+# Of the memory budget: the chunk cache's (unless --cache-mb is given) and the tile's working
+# set's shares; the rest is for what passes through (decoded and encoded chunks, the sums'
+# float copies as chunks are made final, spills).
+CACHE_SHARE = 0.25
+TILE_SHARE = 0.5
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zattrs", ".zgroup")
 
 
@@ -158,9 +166,10 @@ def predict_scroll(
     device = settings.torch_device()
     budget = int(settings.memory_budget_mb * 2**20)
     cache = int(cache_mb * 2**20) if cache_mb is not None else int(budget * CACHE_SHARE)
-    tile_settings = _with_budget(settings, (budget - cache) / 2**20)
+    tile_settings = _with_budget(settings, (budget * TILE_SHARE) / 2**20, budget - cache)
     source = open_source(url, level, storage_options)
-    rss_before = _rss_mb()  # the model loaded, the store's libraries imported
+    _warm_up(model, settings, device)
+    rss_before = _rss_mb()  # the model and its activations, the store's libraries imported
     low, high, how = intensity_range(source, given_range, budget)
     print(f"predict: {source.describe()}\npredict: intensity range {low:g}..{high:g}, {how}",
           file=sys.stderr)  # fmt: skip
@@ -193,8 +202,25 @@ def predict_scroll(
     return summary
 
 
-def _with_budget(settings: InferenceSettings, memory_budget_mb: float) -> InferenceSettings:
-    if memory_budget_mb <= 0:
+def _warm_up(model: torch.nn.Module, settings: InferenceSettings, device: torch.device) -> None:
+    """One forward of a batch of windows, so that the memory the model's activations take is
+    counted with the model (what the budget leaves out) before the tiles' is measured."""
+    was_training = model.training
+    model.to(device, memory_format=settings.memory_format(device)).eval()
+    try:
+        with torch.inference_mode():
+            crops = torch.zeros((settings.batch_size, 1, *settings.checked_window()), device=device)
+            amp = settings.use_amp(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                model(crops)
+    finally:
+        model.train(was_training)
+
+
+def _with_budget(
+    settings: InferenceSettings, memory_budget_mb: float, left_by_cache: int
+) -> InferenceSettings:
+    if left_by_cache <= memory_budget_mb * 2**20:
         raise CtsegError(
             f"--cache-mb leaves nothing of --memory-budget-mb {settings.memory_budget_mb} "
             "for the tiles; give a smaller cache"
@@ -222,13 +248,13 @@ def _blocks(shape: Shape3, block: Shape3) -> Iterator[tuple[slice, slice, slice]
 
 
 def _post_block(chunks: Shape3, shape: Shape3, budget: int) -> Shape3:
-    """Whole chunks whose post-processing (about 40 bytes a voxel) fits half the budget."""
+    """Whole chunks whose post-processing (about 40 bytes a voxel) fits a quarter of the budget."""
     block = list(chunks)
     while True:
         grown = list(block)
         axis = min(range(3), key=lambda a: block[a])
         grown[axis] = min(grown[axis] * 2, max(shape[axis], chunks[axis]))
-        if grown == block or math.prod(grown) * 40 > budget / 2:
+        if grown == block or math.prod(grown) * 40 > budget / 4:
             return tuple(block)  # type: ignore[return-value]
         block = grown
 
@@ -272,7 +298,7 @@ def _write_outputs(
             group = create_image(tmp, shape, np.uint8, chunks, spacing=source.spacing,
                                  name="mask", attributes={"source": source.describe()})  # fmt: skip
             done.update(_write_mask(probs, group["0"], postprocess, labels, block, scratch))
-            build_pyramid(group, "mode", budget // 2)
+            build_pyramid(group, "mode", budget // 4)
     else:
         mask = create_volume(work.folder / "mask.zarr", shape, np.uint8, chunks)
         done.update(_write_mask(probs, mask, postprocess, labels, block, scratch))
@@ -285,6 +311,6 @@ def _write_outputs(
                                  name="probabilities")  # fmt: skip
             for box in _blocks(shape, block):
                 group["0"][box] = probs[box]
-            build_pyramid(group, "mean", budget // 2)
+            build_pyramid(group, "mean", budget // 4)
         done["probabilities"] = str(probabilities)
     return done
