@@ -1,0 +1,349 @@
+"""A volume predicted in place (`ctseg.inference.tiles`, `tiled`, `scroll`): tiles, parts and
+resumed runs give the in-memory path's probabilities bit for bit; the host memory stays under
+the budget; the mask equals the in-memory mask; the OME-Zarr output is valid; remote inputs
+(loopback S3, HTTP) work; bad requests are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+import zarr
+from conftest import BIN
+from test_volume_source import http_root  # noqa: F401 (a fixture)
+
+from ctseg.inference.settings import InferenceSettings
+from ctseg.inference.source import open_source
+from ctseg.inference.tiled import finish as finish_work
+from ctseg.inference.tiled import open_work, run_part
+from ctseg.inference.tiles import TileGrid, part_tiles
+from ctseg.inference.volume import infer_volume
+from ctseg.inference.windows import check_coverage, from_fixed, to_fixed, window_starts
+from ctseg.io import CtsegError
+from ctseg.labels import LabelSpec
+from ctseg.network.model import build_model
+from ctseg.ome_zarr import check_image
+from ctseg.store import create_volume, open_volume
+from ctseg.training.checkpoint import save_checkpoint
+
+LOW, HIGH = 10.0, 240.0
+CPU = torch.device("cpu")
+
+
+def volume(shape, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    zz = np.arange(shape[0])[:, None, None]
+    data = rng.integers(0, 256, size=shape) * 0.5 + 90 * np.sin(zz / 4) + 60
+    return np.clip(data, 0, 255).astype(np.uint8)
+
+
+def zarr_volume(path: Path, data: np.ndarray, chunks=(16, 16, 16), stats: bool = True) -> Path:
+    """A Zarr array of `data`; with `stats`, the intensity range LOW..HIGH as its attributes
+    (else predict computes it as `ctseg convert` does)."""
+    attributes = {"p0_5": LOW, "p99_5": HIGH} if stats else {}
+    arr = create_volume(path, data.shape, np.uint8, chunks, attributes=attributes)
+    arr[...] = data
+    return path
+
+
+def unet(out_channels: int = 1, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model({"filters": [4, 8], "out_channels": out_channels}).eval()
+
+
+def tiled(model, store, work, settings, parts=1, labels=None, cache=1 << 20) -> np.ndarray:
+    source = open_source(str(store))
+    w = open_work(work, source, settings, CPU, LOW, HIGH, None, labels)
+    for k in range(parts):
+        run_part(model, w, source, settings, CPU, k, parts, cache)
+    finish_work(w, parts)
+    return w, w.probabilities()[...]
+
+
+# ----------------------------------------------------------------------------- exact sums
+def test_the_exact_sum_is_the_same_on_numpy_and_torch():
+    from ctseg.inference.volume import _from_fixed, _to_fixed
+
+    rng = np.random.default_rng(1)
+    weighted = (rng.random((6, 7, 8)) ** 4).astype(np.float32)
+    fixed = to_fixed(weighted)
+    np.testing.assert_array_equal(fixed, _to_fixed(torch.from_numpy(weighted)).numpy())
+    total = fixed * 3 + to_fixed(weighted[::-1].copy())
+    norm_z = (rng.random(6) + 0.5).astype(np.float32)
+    norm_yx = (rng.random((7, 8)) + 0.5).astype(np.float32)
+    ours = from_fixed(total, norm_z, norm_yx)
+    np.testing.assert_array_equal(ours, _from_fixed(torch.from_numpy(total), norm_z, norm_yx))
+    # The sum is exact: any order of the same terms gives the same integers.
+    terms = [to_fixed(rng.random((4, 4, 4)).astype(np.float32)) for _ in range(9)]
+    assert np.array_equal(sum(terms), sum(reversed(terms)))
+    # and close to the float64 blend
+    expected = (weighted.astype(np.float64) * 3 + weighted[::-1]) / norm_yx / norm_z[:, None, None]
+    np.testing.assert_allclose(ours.astype(np.float64), expected, rtol=1e-3, atol=1e-6)
+
+
+def test_an_overlap_whose_windows_overflow_the_sum_is_refused():
+    starts = [window_starts(400, 100, 0.95)] * 3
+    with pytest.raises(CtsegError, match="overlap=0.95: up to .* windows cover one voxel"):
+        check_coverage(starts, (100, 100, 100), 0.95)
+    check_coverage([window_starts(400, 100, 0.9)] * 3, (100, 100, 100), 0.9)
+
+
+# ----------------------------------------------------------------------------- tiles
+@pytest.mark.parametrize("tile", [(16, 16, 16), (32, 16, 48), (64, 64, 64)])
+def test_every_window_belongs_to_one_tile_and_every_chunk_to_its_contributors(tile):
+    shape, window = (50, 40, 60), (12, 16, 10)
+    starts = tuple(tuple(window_starts(s, w, 0.5)) for s, w in zip(shape, window, strict=True))
+    grid = TileGrid(shape, window, starts, (16, 16, 16), tile)
+    owned = [c for t in grid.tiles() for c in grid.corners(t)]
+    every = [(z, y, x) for z in starts[0] for y in starts[1] for x in starts[2]]
+    assert sorted(owned) == sorted(every)
+    for chunk in grid.all_chunks():
+        box = grid.chunk_box(chunk)
+        reaching = {
+            t
+            for t in grid.tiles()
+            for c in grid.corners(t)
+            if all(c[a] < box[a][1] and box[a][0] < c[a] + window[a] for a in range(3))
+        }
+        assert reaching <= set(grid.contributors(chunk))
+    tiles = grid.tiles()
+    split = [part_tiles(tiles, 3, k) for k in range(3)]
+    assert [t for part in split for t in part] == tiles
+    with pytest.raises(CtsegError, match="--part 3: expected 0 <= part < --parts 3"):
+        part_tiles(tiles, 3, 3)
+
+
+# ----------------------------------------------------------------------------- bit for bit
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"parts": 1},
+        {"parts": 3},
+        {"parts": 2, "tta_flips": True},
+        {"parts": 3, "background": 0},
+        {"parts": 2, "classes": 3},
+    ],
+)
+def test_tiles_and_parts_give_the_in_memory_probabilities_bit_for_bit(tmp_path, case):
+    data = volume((40, 52, 44), seed=2)
+    data[:, :24, :] = 0  # outside the "scroll": windows there are skipped with a background
+    store = zarr_volume(tmp_path / "v.zarr", data)
+    classes = case.get("classes", 1)
+    labels = None
+    if classes > 1:
+        labels = LabelSpec(labels={"background": 0, "sheet": 10, "fibre": 20, "pore": 30})
+    model = unet(1 if classes == 1 else classes + 1)
+    common = {
+        "window": (16, 16, 16),
+        "batch_size": 3,
+        "device": "cpu",
+        "tta_flips": case.get("tta_flips", False),
+        "background": case.get("background"),
+    }
+    reference = tmp_path / "ref.zarr"
+    info = infer_volume(
+        model, store, reference, InferenceSettings(**common, device_budget_mb=64), labels=labels
+    )
+    assert info["mode"] == "resident"
+    # Tiles of one or two chunks (a model of C channels holds C int64 sums a voxel).
+    small = InferenceSettings(**common, memory_budget_mb=0.9 if classes == 1 else 2.6)
+    work, probs = tiled(model, store, tmp_path / "work", small, case["parts"], labels)
+    assert len(work.grid.tiles()) >= 6
+    np.testing.assert_array_equal(probs, open_volume(reference)[...])
+    if case.get("background") is not None:
+        assert info["skipped_windows"] > 0
+
+
+def test_a_killed_run_resumes_and_changed_settings_are_refused(tmp_path, monkeypatch):
+    import ctseg.inference.tiled as tiled_module
+
+    store = zarr_volume(tmp_path / "v.zarr", volume((40, 48, 40), seed=3))
+    model = unet()
+    settings = InferenceSettings(window=(16, 16, 16), batch_size=2, device="cpu",
+                                 memory_budget_mb=0.9)  # fmt: skip
+    _, whole = tiled(model, store, tmp_path / "whole", settings)
+
+    real, calls = tiled_module._run_tile, []
+
+    def dies_after_three(*args, **kwargs):
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a kill would stop it, between tiles
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    source = open_source(str(store))
+    work = open_work(tmp_path / "work", source, settings, CPU, LOW, HIGH)
+    monkeypatch.setattr(tiled_module, "_run_tile", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        run_part(model, work, source, settings, CPU)
+    monkeypatch.setattr(tiled_module, "_run_tile", real)
+    # A half-written spill of the killed run is a temporary: never read.
+    (work.folder / "spill" / "junk.npy.tmp-1").write_bytes(b"half")
+    other = InferenceSettings(window=(16, 16, 16), overlap=0.25, device="cpu")
+    with pytest.raises(
+        CtsegError, match=r"work: an unfinished predict of other settings .*overlap"
+    ):
+        open_work(tmp_path / "work", source, other, CPU, LOW, HIGH)
+    with pytest.raises(CtsegError, match="weights_sha256"):
+        open_work(tmp_path / "work", source, settings, CPU, LOW, HIGH, "f" * 64)
+    again = open_work(tmp_path / "work", source, settings, CPU, LOW, HIGH)
+    done = run_part(model, again, source, settings, CPU)
+    assert done["tiles_resumed"] == 3 and done["tiles_computed"] == done["tiles"] - 3
+    finish_work(again)
+    np.testing.assert_array_equal(again.probabilities()[...], whole)
+
+
+def test_finish_before_every_part_is_one_line_naming_the_parts(tmp_path):
+    store = zarr_volume(tmp_path / "v.zarr", volume((40, 48, 40)))
+    settings = InferenceSettings(window=(16, 16, 16), device="cpu", memory_budget_mb=0.9)
+    source = open_source(str(store))
+    work = open_work(tmp_path / "work", source, settings, CPU, LOW, HIGH)
+    run_part(unet(), work, source, settings, CPU, 1, 3)
+    with pytest.raises(CtsegError, match=r"not every part is done: part 0 \(\d+ tiles left\), "
+                       r"part 2 \(\d+ tiles left\); run `ctseg predict"):  # fmt: skip
+        finish_work(work, 3)
+
+
+# ----------------------------------------------------------------------------- the command
+def save_run(run_dir: Path, patch=(16, 16, 16), filters=(4, 8)) -> Path:
+    torch.manual_seed(0)
+    cfg = {"filters": list(filters)}
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # logits spread about 0: masks that are not trivial
+        model.heads[0].weight.mul_(8)
+        model.heads[0].bias.zero_()
+        model.heads[0].bias.sub_(model(torch.rand(1, 1, *patch)).median())
+    payload = {"model": model.state_dict(), "model_config": cfg, "patch_size": list(patch)}
+    save_checkpoint(run_dir / "last.pt", {**payload, "fingerprint": "0" * 16, "step": 1})
+    return run_dir
+
+
+def ctseg(*args, env=None, check=True) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(BIN / "ctseg"), *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    if check and done.returncode:
+        raise AssertionError(done.stderr[-3000:])
+    return done
+
+
+def in_memory_mask(run_dir: Path, data: np.ndarray, tmp: Path, settings) -> np.ndarray:
+    """The TIFF path's mask of the same volume: `ctseg predict` of a folder of TIFFs."""
+    (tmp / "tifs").mkdir()
+    tifffile.imwrite(tmp / "tifs" / "v.tif", data, photometric="minisblack")
+    ctseg("predict", "--run", run_dir, "-i", tmp / "tifs", "-o", tmp / "tif_masks", *settings)
+    return tifffile.imread(tmp / "tif_masks" / "v.tif")
+
+
+def test_predict_in_place_matches_the_tiff_path_in_parts_and_as_ome_zarr(tmp_path):
+    run = save_run(tmp_path / "results" / "tiny")
+    data = volume((48, 60, 52), seed=4)
+    store = zarr_volume(tmp_path / "v.zarr", data, stats=False)
+    options = ["--overlap", "0.5", "--batch-size", "2", "--min-component-voxels", "20",
+               "--fill-holes"]  # fmt: skip
+    reference = in_memory_mask(run, data, tmp_path, options)
+    budget = ["--memory-budget-mb", "4"]
+    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *options, *budget,
+          "--probabilities", tmp_path / "p.zarr", "--summary", tmp_path / "s.json")  # fmt: skip
+    image = check_image(tmp_path / "m.zarr")
+    assert image["dtype"] == "uint8" and image["levels"][0] == data.shape
+    np.testing.assert_array_equal(
+        zarr.open_group(tmp_path / "m.zarr", mode="r")["0"][...], reference
+    )
+    assert check_image(tmp_path / "p.zarr")["dtype"] == "float16"
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["tiles"] > 1 and summary["part"]["read_amplification"] <= 1.2
+    assert not (tmp_path / ".m.zarr.predict").exists()  # the work folder is gone when done
+    # Three parts, one of them killed with SIGKILL half way and run again: the same mask.
+    out, work = tmp_path / "parts.tif", tmp_path / ".parts.tif.predict"
+    parts = [*options, *budget, "--parts", "3"]
+    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "0")
+    slow = {**os.environ, "PYTHONPATH": str(_slow_tiles_hook(tmp_path)), "SLOW_TILES_S": "0.3"}
+    proc = subprocess.Popen([str(BIN / "ctseg"), "predict", "--run", str(run), "-i", str(store),
+                             "-o", str(out), *parts, "--part", "1"], env=slow,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    part1 = set(map(str, _part_tile_names(work, 3, 1)))
+    while not part1 & {p.stem for p in (work / "tiles").glob("*.done")}:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "1",
+          "--summary", tmp_path / "p1.json")  # fmt: skip
+    assert json.loads((tmp_path / "p1.json").read_text())["part"]["tiles_resumed"] >= 1
+    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "2")
+    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--finish")
+    np.testing.assert_array_equal(tifffile.imread(out), reference)
+
+
+def _slow_tiles_hook(tmp: Path) -> Path:
+    """A sitecustomize that makes each tile of the process it starts in take 0.3 s longer, so
+    that the test's SIGKILL lands between a part's first and last tile; it changes no result."""
+    folder = tmp / "hook"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "import ctseg.inference.tiled as tiled\n"
+        "real = tiled._run_tile\n"
+        "def slow(*args, **kwargs):\n"
+        "    done = real(*args, **kwargs)\n"
+        "    time.sleep(float(os.environ['SLOW_TILES_S']))\n"
+        "    return done\n"
+        "tiled._run_tile = slow\n"
+    )
+    return folder
+
+
+def _part_tile_names(work: Path, parts: int, part: int) -> list[str]:
+    from ctseg.inference.tiled import MANIFEST
+
+    manifest = json.loads((work / MANIFEST).read_text())
+    shape, window, chunks = manifest["shape"], manifest["window"], manifest["chunks"]
+    starts = tuple(
+        tuple(window_starts(s, w, manifest["overlap"])) for s, w in zip(shape, window, strict=True)
+    )
+    grid = TileGrid(tuple(shape), tuple(window), starts, tuple(chunks), tuple(manifest["tile"]))
+    return ["_".join(map(str, t)) for t in part_tiles(grid.tiles(), parts, part)]
+
+
+# ----------------------------------------------------------------------------- remote, memory
+def test_an_https_like_http_input_predicts_as_the_local_one(tmp_path, http_root):  # noqa: F811
+    root, base = http_root
+    run = save_run(tmp_path / "results" / "tiny")
+    data = volume((40, 48, 40), seed=6)
+    zarr_volume(root / "v.zarr", data)
+    zarr_volume(tmp_path / "v.zarr", data)
+    for name, url in (("local", tmp_path / "v.zarr"), ("http", f"{base}/v.zarr")):
+        ctseg("predict", "--run", run, "-i", url, "-o", tmp_path / f"{name}.zarr",
+              "--memory-budget-mb", "4")  # fmt: skip
+    opened = [
+        zarr.open_group(tmp_path / f"{n}.zarr", mode="r")["0"][...] for n in ("local", "http")
+    ]
+    np.testing.assert_array_equal(*opened)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--part", "1"], "--part and --finish go with --parts N"),
+        (["--parts", "3"], "--parts 3: give --part K (0..2) or --finish"),
+        (["--plug-holes-max-area", "4"], "plug_holes_max_area=4 works per whole slice"),
+    ],
+)
+def test_requests_the_in_place_predict_cannot_do_are_one_line(tmp_path, extra, message):
+    run = save_run(tmp_path / "results" / "tiny")
+    store = zarr_volume(tmp_path / "v.zarr", volume((20, 24, 20)))
+    done = ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *extra,
+                 check=False)  # fmt: skip
+    assert done.returncode != 0 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    bad = ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.nii", check=False)
+    assert "the output of a volume read in place is an OME-Zarr image" in bad.stderr
