@@ -26,6 +26,7 @@ SLOW_MODULES = {
     "test_slurm_cluster",
     "test_bench_smoke",
     "test_workflow_runs",
+    "test_scroll_workflow",
 }
 
 

@@ -1,0 +1,157 @@
+# A whole scroll: config scroll.volume (a Zarr array or OME-Zarr group; a path, s3:// or
+# https://), read in place by `ctseg predict` with the run scroll.run (default: the first of
+# `experiment`, a trained run: one model), split into scroll.parts jobs of one GPU each, then
+# finished into one OME-Zarr mask, results/<run>/scroll/<name>.zarr. The parts keep their tiles
+# in the work folder beside it, results/<run>/scroll/.<name>.zarr.predict/, which no rule
+# declares: Snakemake never deletes it, so a killed or failed part, run again, goes on from the
+# tiles it finished; the finish removes it.
+import re
+import shlex
+
+SCROLL = config["scroll"]
+SCROLL_RUN = SCROLL["run"] or DEFAULT_RUNS[0]
+# The mask's name: scroll.name, else the volume's last path element without .zarr.
+SCROLL_NAME = SCROLL["name"] or Path(SCROLL["volume"] or "").name.removesuffix(".zarr")
+# Every part and the finish get the same options: a part resumed with others is refused.
+SCROLL_OPTIONS = " ".join(
+    f"--{key.replace('_', '-')} {shlex.quote(str(SCROLL[key]))}"
+    for key in ("level", "background", "cache_mb")
+    if SCROLL[key] is not None
+)
+SCROLL_BUDGET = SCROLL["memory_budget_mb"] or config["infer"]["memory_budget_mb"]
+SCROLL_MASK = f"{ROOT}/{{exp}}/scroll/{{name}}.zarr"
+if SCROLL["volume"] and not re.fullmatch(ID_REGEX, SCROLL_NAME):
+    refuse(
+        f"config scroll.name: the volume's name {SCROLL_NAME!r} is no file name; set "
+        "scroll.name (letters, digits, _ . -)"
+    )
+
+
+rule scroll:
+    input:
+        # One line naming the key for a volume not set, and for a run of several models (a
+        # cross-validation or an ensemble); an unknown run is named by run_kind.
+        lambda wildcards: (
+            SCROLL["volume"]
+            or refuse(
+                "config scroll.volume: not set: name the Zarr array or OME-Zarr group to "
+                "predict, e.g. --config 'scroll={volume: s3://bucket/scroll1.zarr, parts: 4}'"
+            )
+        )
+        and (
+            run_kind(SCROLL_RUN) == "trained"
+            or refuse(
+                f"config scroll.run: {SCROLL_RUN} is a {run_kind(SCROLL_RUN)} run; a volume "
+                "read in place is predicted by one trained run (an experiment or a fold)"
+            )
+        )
+        and SCROLL_MASK.format(exp=SCROLL_RUN, name=SCROLL_NAME),
+
+
+rule scroll_part:
+    input:
+        # last.pt or best.pt (config infer.weights).
+        weights=lambda wildcards: predicting_weights(wildcards.exp),
+        # tuned.json for infer.postprocess: tuned: a part checks the post-processing the
+        # finish applies, before its GPU hours.
+        settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
+        # A local volume (a URL is read where it is).
+        volume=(
+            SCROLL["volume"]
+            if SCROLL["volume"] and "://" not in SCROLL["volume"]
+            else []
+        ),
+    output:
+        # The part's figures (tiles computed and resumed, read amplification, seconds).
+        summary=f"{ROOT}/{{exp}}/scroll/{{name}}/part-{{k}}-of-{{n}}.json",
+    log:
+        f"{ROOT}/logs/scroll/{{exp}}_{{name}}_part-{{k}}-of-{{n}}.log",
+    benchmark:
+        bench("{exp}", "scroll/{name}/part-{k}-of-{n}")
+    wildcard_constraints:
+        exp=TRAINED_RUN,
+        name=re.escape(SCROLL_NAME) if SCROLL["volume"] else "(?!)",
+        k=r"\d+",
+        n=r"\d+",
+    conda:
+        "../../environment.yml"
+    threads: 2
+    resources:
+        gpu=1,
+        # The tiles and the chunk cache stay within the budget, beside the loaded model.
+        mem_mb=int(2000 + SCROLL_BUDGET),
+    params:
+        run=lambda wildcards: run_dir(wildcards.exp),
+        volume=SCROLL["volume"],
+        # The finished mask: the work folder is beside it (ctseg.inference.scroll).
+        mask=lambda wildcards: SCROLL_MASK.format(**wildcards),
+        options=SCROLL_OPTIONS,
+        overlap=config["infer"]["overlap"],
+        batch=config["infer"]["batch_size"],
+        tta="--tta-flips" if config["infer"]["tta_flips"] else "",
+        budget=SCROLL_BUDGET,
+        device_budget=config["infer"]["device_budget_mb"],
+        settings=lambda wildcards, input: rule_args.postprocess_args(
+            config["infer"], input.settings
+        ),
+        weights=config["infer"]["weights"],
+        # Every attempt's log, kept in <log>.attempts/: a killed part is run again.
+        keep_log=rule_args.KEEP_ATTEMPT_LOG,
+    # exec: a scheduler's signal reaches ctseg, not a shell.
+    shell:
+        "{params.keep_log} {log:q} && "
+        "exec ctseg predict --run {params.run:q} -i {params.volume:q} -o {params.mask:q} "
+        "--parts {wildcards.n} --part {wildcards.k} --summary {output.summary:q} "
+        "--weights {params.weights} {params.options} --overlap {params.overlap} "
+        "--batch-size {params.batch} {params.tta} --memory-budget-mb {params.budget} "
+        "--device-budget-mb {params.device_budget} {params.settings} > {log:q} 2>&1"
+
+
+rule scroll_finish:
+    input:
+        parts=expand(
+            f"{ROOT}/{{exp}}/scroll/{{name}}/part-{{k}}-of-{{n}}.json",
+            k=range(SCROLL["parts"]),
+            n=SCROLL["parts"],
+            allow_missing=True,
+        ),
+        weights=lambda wildcards: predicting_weights(wildcards.exp),
+        settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
+    output:
+        # An OME-Zarr image with a pyramid (ctseg.ome_zarr).
+        mask=directory(SCROLL_MASK),
+        summary=f"{ROOT}/{{exp}}/scroll/{{name}}/summary.json",
+    log:
+        f"{ROOT}/logs/scroll/{{exp}}_{{name}}_finish.log",
+    benchmark:
+        bench("{exp}", "scroll/{name}/finish")
+    wildcard_constraints:
+        exp=TRAINED_RUN,
+        name=re.escape(SCROLL_NAME) if SCROLL["volume"] else "(?!)",
+    conda:
+        "../../environment.yml"
+    threads: 2
+    resources:
+        # On the parts' kind of device: the work folder records it, and the finish checks it.
+        gpu=1,
+        mem_mb=int(2000 + SCROLL_BUDGET),
+    params:
+        run=lambda wildcards: run_dir(wildcards.exp),
+        volume=SCROLL["volume"],
+        parts=SCROLL["parts"],
+        options=SCROLL_OPTIONS,
+        overlap=config["infer"]["overlap"],
+        batch=config["infer"]["batch_size"],
+        tta="--tta-flips" if config["infer"]["tta_flips"] else "",
+        budget=SCROLL_BUDGET,
+        device_budget=config["infer"]["device_budget_mb"],
+        settings=lambda wildcards, input: rule_args.postprocess_args(
+            config["infer"], input.settings
+        ),
+        weights=config["infer"]["weights"],
+    shell:
+        "ctseg predict --run {params.run:q} -i {params.volume:q} -o {output.mask:q} "
+        "--parts {params.parts} --finish --summary {output.summary:q} "
+        "--weights {params.weights} {params.options} --overlap {params.overlap} "
+        "--batch-size {params.batch} {params.tta} --memory-budget-mb {params.budget} "
+        "--device-budget-mb {params.device_budget} {params.settings} > {log:q} 2>&1"
