@@ -132,3 +132,58 @@ def settings_args(directory: Path, experiment: dict, phases: dict) -> list[str]:
     table = {int(k): json.loads(json.dumps(dict(v))) for k, v in phases.items()}
     phases_path.write_text(yaml.safe_dump({"phases": table}))
     return ["--experiment", str(exp_path), "--phases", str(phases_path)]
+
+
+# --------------------------------------------------------------------------- S3 on loopback
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3-compatible HTTP server on loopback (moto's standalone server)."""
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as patch:
+        # Dummy credentials, and no profile, config file or instance metadata lookups that
+        # could leave the machine.
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }.items():
+            patch.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+            patch.delenv(name, raising=False)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+def s3_options(endpoint: str) -> dict:
+    """fsspec's storage options for the loopback server's test credentials."""
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+
+
+def upload(endpoint: str, local: Path, bucket: str, prefix: str) -> None:
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            key = f"{prefix}/{path.relative_to(local).as_posix()}"
+            client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())

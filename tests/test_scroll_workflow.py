@@ -29,17 +29,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import zarr
 from conftest import BIN, TINY_CONFIG, copy_workflow, run_snakemake
 from slurm_cluster import edited_profile, one_node_cluster, unavailable
+from test_predict import save_run
 
-from ctseg.network.model import build_model
 from ctseg.ome_zarr import check_image
-from ctseg.training.checkpoint import save_checkpoint
 
-MODEL = {"filters": [4, 8]}
-PATCH = [16, 16, 16]
 SHAPE = (40, 48, 40)  # 3 x 3 x 3 chunks of 16, the last ones partial
 PARTS = 3
 RUN = "tiny"
@@ -78,19 +74,6 @@ if HOLD_DIR:
 
     os.replace = replace
 '''
-
-
-def save_run(run_dir: Path, seed: int = 0) -> Path:
-    """last.pt of a random U-Net whose logits are spread about 0, so the mask is not trivial."""
-    torch.manual_seed(seed)
-    model = build_model(MODEL).eval()
-    with torch.no_grad():
-        model.heads[0].weight.mul_(8)
-        model.heads[0].bias.zero_()
-        model.heads[0].bias.sub_(model(torch.rand(1, 1, *PATCH)).median())
-    payload = {"model": model.state_dict(), "model_config": MODEL, "patch_size": PATCH}
-    save_checkpoint(run_dir / "last.pt", {**payload, "fingerprint": "0123456789abcdef", "step": 1})
-    return run_dir
 
 
 def write_volume(path: Path, seed: int = 0) -> Path:

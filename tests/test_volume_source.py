@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tifffile
 import zarr
+from conftest import s3_options, upload
 
 from ctseg.inference.source import ChunkCache, intensity_range, open_source
 from ctseg.io import CtsegError
@@ -283,6 +284,26 @@ def test_overlapping_z_major_tiles_fetch_each_chunk_about_once(tmp_path):
     assert amplification[0] > 1.5, amplification
 
 
+def test_a_schedule_keeps_the_chunks_needed_soonest(tmp_path):
+    """A cache a third of the chunk rows a plane of tiles reads: least recently used drops each
+    row before the next plane of tiles needs it again; the schedule keeps the ones needed
+    next."""
+    shape, tile, halo = (160, 128, 128), 64, 16
+    data = random_volume(shape, seed=6)
+    source = open_source(str(write_array(tmp_path / "vol.zarr", data)))
+    boxes = list(tiles(shape, tile, halo))
+    budget = 128 * CHUNK**3
+    amplification = {}
+    for schedule in (None, boxes):
+        cache = ChunkCache(source, budget, schedule)
+        for box in boxes:
+            np.testing.assert_array_equal(cache.read(box), data[box])
+        assert cache.peak_cached_bytes <= budget
+        amplification["schedule" if schedule else "lru"] = cache.read_amplification(data.nbytes)
+    assert amplification["schedule"] < 0.85 * amplification["lru"], amplification
+    assert amplification["schedule"] <= 1.2, amplification
+
+
 # --------------------------------------------------------------------------- intensity range
 
 
@@ -336,62 +357,13 @@ def test_a_float_volume_without_attributes_needs_a_given_range(tmp_path):
 # --------------------------------------------------------------------------- remote
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A real S3-compatible HTTP server on loopback (moto's standalone server)."""
-    from moto.server import ThreadedMotoServer
-
-    with pytest.MonkeyPatch.context() as patch:
-        # Dummy credentials, and no profile, config file or instance metadata lookups that
-        # could leave the machine.
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": os.devnull,
-            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-        }.items():
-            patch.setenv(name, value)
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-            patch.delenv(name, raising=False)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        try:
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
-
-
-def upload(endpoint: str, local: Path, bucket: str, prefix: str) -> None:
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=bucket)
-    for path in sorted(local.rglob("*")):
-        if path.is_file():
-            key = f"{prefix}/{path.relative_to(local).as_posix()}"
-            client.put_object(Body=path.read_bytes(), Bucket=bucket, Key=key)
-
-
 def test_s3_reads_equal_the_local_array(tmp_path, s3_endpoint):
     data = random_volume(seed=3)
     local = tmp_path / "bucket"
     write_array(local / "vol.zarr", data, shards=(16, 32, 32))
     levels = write_ome(local / "scroll.ome.zarr", data, "0.4")
     upload(s3_endpoint, local, "scrolls", "v1")
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
-    }
+    options = s3_options(s3_endpoint)
     source = open_source("s3://scrolls/v1/vol.zarr", storage_options=options)
     assert source.chunks == (16, 32, 32)
     assert_reads_equal(source, data, n=4)

@@ -49,10 +49,12 @@ import tifffile
 import torch
 import zarr
 
+from ctseg.data.heap import bound_heap
 from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import VolumeSource, intensity_range, open_source
 from ctseg.inference.tiled import Work, finish, open_work, run_part
+from ctseg.inference.volume import weights_layout
 from ctseg.io import CtsegError, atomic_path, fresh_output, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import build_pyramid, create_image
@@ -162,6 +164,7 @@ def predict_scroll(
     output = Path(output)
     _check_request(models, run_name, output, probabilities, postprocess, parts, part, finish_only)
     model, patch, labels = models[0]
+    bound_heap()  # freed tiles go back to the system: the budget holds for the process's RSS
     settings = inference.with_window(patch)
     device = settings.torch_device()
     budget = int(settings.memory_budget_mb * 2**20)
@@ -205,7 +208,7 @@ def predict_scroll(
 def _warm_up(model: torch.nn.Module, settings: InferenceSettings, device: torch.device) -> None:
     """One forward of a batch of windows, so that the memory the model's activations take is
     counted with the model (what the budget leaves out) before the tiles' is measured."""
-    was_training = model.training
+    was_training, layout = model.training, weights_layout(model)
     model.to(device, memory_format=settings.memory_format(device)).eval()
     try:
         with torch.inference_mode():
@@ -214,7 +217,7 @@ def _warm_up(model: torch.nn.Module, settings: InferenceSettings, device: torch.
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 model(crops)
     finally:
-        model.train(was_training)
+        model.to(memory_format=layout).train(was_training)
 
 
 def _with_budget(

@@ -21,6 +21,9 @@ Every problem is a `CtsegError` of one line: the url, what is wrong, and what to
 
 from __future__ import annotations
 
+import collections
+import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -262,8 +265,15 @@ def open_source(
 
 class ChunkCache:
     """Boxes of a volume assembled from whole read units (chunks, or shards where sharded),
-    each fetched with one zarr read and kept decoded in an LRU cache of at most
-    `budget_bytes`, so overlapping windows do not fetch a chunk again while it is cached.
+    each fetched with one zarr read and kept decoded in a cache of at most `budget_bytes`, so
+    overlapping windows do not fetch a chunk again while it is cached.
+
+    Which chunk leaves a full cache: with a `schedule` (every box the caller will read, in
+    order), the one needed again furthest ahead, and a chunk needed never again is not kept
+    (Belady's rule, optimal for a known order: ctseg's tiles go in z-major order, and a chunk
+    row is needed again one plane of tiles later, which a least-recently-used cache smaller
+    than that plane would always have dropped: 1.65x the reads against 1.08x on the test of
+    tests/test_predict_scroll.py). Without one, the least recently used.
 
     A chunk larger than the budget is read but not kept; a budget of 0 keeps nothing. The
     counters say what the reads cost: `bytes_fetched` (decoded bytes of every chunk read from
@@ -271,12 +281,26 @@ class ChunkCache:
     `bytes_requested` (bytes of the boxes asked for), `chunks_fetched`, `hits` (chunks found
     in the cache) and `peak_cached_bytes`. Not thread-safe."""
 
-    def __init__(self, source: VolumeSource, budget_bytes: int) -> None:
+    def __init__(
+        self, source: VolumeSource, budget_bytes: int, schedule: Sequence[Box] | None = None
+    ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes}: expected >= 0")
         self.source = source
         self.budget_bytes = int(budget_bytes)
         self._chunks: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
+        # With a schedule: the read numbers at which each chunk is needed, the number of the
+        # read under way, and a heap of (-next use, chunk) for the chunks held (entries go
+        # stale as reads advance; `_evict` skips those).
+        self._uses: dict[tuple[int, int, int], collections.deque[int]] | None = None
+        self._reads = 0
+        self._furthest: list[tuple[float, tuple[int, int, int]]] = []
+        if schedule is not None:
+            self._uses = {}
+            for n, box in enumerate(schedule):
+                self._check(box)
+                for index in self._indices(box):
+                    self._uses.setdefault(index, collections.deque()).append(n)
         self.cached_bytes = 0
         self.bytes_fetched = 0
         self.bytes_requested = 0
@@ -307,26 +331,36 @@ class ChunkCache:
         stops = [int(part.stop) for part in box]
         out = np.empty([b - a for a, b in zip(starts, stops, strict=True)], self.source.dtype)
         self.bytes_requested += out.nbytes
+        if self._uses is not None:
+            for index in self._indices(box):  # this read's use of each chunk is now
+                uses = self._uses.get(index)
+                while uses and uses[0] <= self._reads:
+                    uses.popleft()
+        self._reads += 1
         if out.size == 0:
             return out
         unit = self.source.chunks
-        ranges = [
-            range(a // u, (b - 1) // u + 1) for a, b, u in zip(starts, stops, unit, strict=True)
-        ]
-        for iz in ranges[0]:
-            for iy in ranges[1]:
-                for ix in ranges[2]:
-                    index = (iz, iy, ix)
-                    chunk = self._chunk(index)
-                    origin = [i * u for i, u in zip(index, unit, strict=True)]
-                    lo = [max(a, o) for a, o in zip(starts, origin, strict=True)]
-                    hi = [min(b, o + n) for b, o, n in zip(stops, origin, chunk.shape, strict=True)]
-                    into = tuple(
-                        slice(a - s, b - s) for a, b, s in zip(lo, hi, starts, strict=True)
-                    )
-                    src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin, strict=True))
-                    out[into] = chunk[src]
+        for index in self._indices(box):
+            chunk = self._chunk(index)
+            origin = [i * u for i, u in zip(index, unit, strict=True)]
+            lo = [max(a, o) for a, o in zip(starts, origin, strict=True)]
+            hi = [min(b, o + n) for b, o, n in zip(stops, origin, chunk.shape, strict=True)]
+            into = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, starts, strict=True))
+            src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin, strict=True))
+            out[into] = chunk[src]
         return out
+
+    def _indices(self, box: Box) -> list[tuple[int, int, int]]:
+        """The grid indices of the chunks `box` meets, in z-major order."""
+        ranges = [
+            range(int(part.start) // u, (int(part.stop) - 1) // u + 1)
+            for part, u in zip(box, self.source.chunks, strict=True)
+        ]
+        return list(itertools.product(*ranges))  # type: ignore[arg-type]
+
+    def _next_use(self, index: tuple[int, int, int]) -> float:
+        uses = None if self._uses is None else self._uses.get(index)
+        return float(uses[0]) if uses else math.inf
 
     def _chunk(self, index: tuple[int, int, int]) -> np.ndarray:
         """The chunk at grid `index`, from the cache (then the most recently used) or fetched."""
@@ -334,6 +368,12 @@ class ChunkCache:
         if cached is not None:
             self._chunks.move_to_end(index)
             self.hits += 1
+            if self._uses is not None:
+                next_use = self._next_use(index)
+                if next_use == math.inf:  # this read was its last
+                    self.cached_bytes -= self._chunks.pop(index).nbytes
+                else:
+                    heapq.heappush(self._furthest, (-next_use, index))
             return cached
         region = tuple(
             slice(i * u, min((i + 1) * u, n))
@@ -356,12 +396,32 @@ class ChunkCache:
     def _keep(self, index: tuple[int, int, int], chunk: np.ndarray) -> None:
         if chunk.nbytes > self.budget_bytes:
             return
+        if self._uses is not None:
+            next_use = self._next_use(index)
+            if next_use == math.inf:
+                return  # never needed again
+            while self.cached_bytes + chunk.nbytes > self.budget_bytes:
+                furthest = self._furthest_held()
+                if furthest is None or furthest < next_use:
+                    return  # every chunk held is needed sooner than this one
+                self.cached_bytes -= self._chunks.pop(heapq.heappop(self._furthest)[1]).nbytes
+            heapq.heappush(self._furthest, (-next_use, index))
         while self.cached_bytes + chunk.nbytes > self.budget_bytes:
             _, old = self._chunks.popitem(last=False)
             self.cached_bytes -= old.nbytes
         self._chunks[index] = chunk
         self.cached_bytes += chunk.nbytes
         self.peak_cached_bytes = max(self.peak_cached_bytes, self.cached_bytes)
+
+    def _furthest_held(self) -> float | None:
+        """When the held chunk needed again furthest ahead is needed (the heap's top, once the
+        entries that went stale as reads advanced are dropped); None if nothing is held."""
+        while self._furthest:
+            negative, index = self._furthest[0]
+            if index in self._chunks and -negative == self._next_use(index):
+                return -negative
+            heapq.heappop(self._furthest)
+        return None
 
     def read_amplification(self, region_bytes: int | None = None) -> float:
         """Bytes fetched per byte of the region: `region_bytes` (e.g. the volume's bytes, when

@@ -56,11 +56,11 @@ from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import ChunkCache, VolumeSource
 from ctseg.inference.tiles import Box, Index, TileGrid, part_tiles, plan_tile
 from ctseg.inference.volume import (
-    _channels,
-    _store_attributes,
-    _weights_layout,
     accumulate_windows,
     device_input,
+    output_channels,
+    store_attributes,
+    weights_layout,
 )
 from ctseg.inference.windows import (
     check_coverage,
@@ -69,7 +69,7 @@ from ctseg.inference.windows import (
     weight_sum_1d,
     window_starts,
 )
-from ctseg.io import CtsegError, OutputBusy, output_lock, strict_json
+from ctseg.io import CtsegError, OutputBusy, output_lock, remove_path, strict_json
 from ctseg.labels import LabelSpec
 from ctseg.progress import Progress
 from ctseg.store import create_volume
@@ -84,16 +84,27 @@ def _name(index: Sequence[int]) -> str:
     return "_".join(str(int(i)) for i in index)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+def _write_atomic(path: Path, data: bytes, writer: str) -> None:
+    """`path` written under ``<name>.tmp-<writer>`` and renamed: `writer` names the part (or
+    the finish) that writes it, which holds a lock on that name, so its next run may remove
+    what a killed one left (`_remove_temporaries`)."""
+    tmp = path.with_name(f"{path.name}.tmp-{writer}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npy")
+def _save_atomic(path: Path, array: np.ndarray, writer: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{writer}.npy")
     np.save(tmp, array)
     os.replace(tmp, path)
+
+
+def _remove_temporaries(folder: Path, writer: str) -> None:
+    """The temporaries a killed run of `writer` left in the work folder (the caller holds the
+    lock on `writer`: no living process writes them)."""
+    for pattern in (f"*/*.tmp-{writer}*", f"spill/*/*.tmp-{writer}*"):
+        for stale in folder.glob(pattern):
+            stale.unlink(missing_ok=True)
 
 
 def output_chunks(source: VolumeSource) -> Shape3:
@@ -182,7 +193,7 @@ def open_work(
         tuple(window_starts(s, w, settings.overlap)) for s, w in zip(source.shape, win, strict=True)
     )
     check_coverage(starts, win, settings.overlap)
-    channels = _channels(labels)
+    channels = output_channels(labels)
     chunks: Shape3 = tuple(identity["chunks"])  # type: ignore[assignment]
     manifest_file = folder / MANIFEST
     if not manifest_file.exists():
@@ -226,7 +237,7 @@ def _create_probabilities(
     store_chunks: tuple[int, ...] = chunks
     if channels > 1:
         shape, store_chunks = (channels, *shape), (1, *chunks)
-    attributes = _store_attributes(Path(source.url), settings, weights_sha256, labels)
+    attributes = store_attributes(Path(source.url), settings, weights_sha256, labels)
     tmp = folder / f"{PROBABILITIES}.tmp-{os.getpid()}"
     create_volume(
         tmp, shape, np.float16, store_chunks, attributes=attributes, write_empty_chunks=False
@@ -236,9 +247,7 @@ def _create_probabilities(
     except OSError:  # another part made it first
         if not final.exists():
             raise
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
 
 
 # ----------------------------------------------------------------------------- final chunks
@@ -272,7 +281,7 @@ def _write_chunk(out: zarr.Array, box: Box, total: np.ndarray, norms: _Norms) ->
     out[(..., *_slices(box))] = values
 
 
-def _finalise_shared(work: Work, chunk: Index, out: zarr.Array, norms: _Norms) -> None:
+def _finalise_shared(work: Work, chunk: Index, out: zarr.Array, norms: _Norms, writer: str) -> None:
     """Sum the spills of a shared chunk, write its probabilities, mark it, drop the spills."""
     grid = work.grid
     box = grid.chunk_box(chunk)
@@ -282,10 +291,16 @@ def _finalise_shared(work: Work, chunk: Index, out: zarr.Array, norms: _Norms) -
         spill = work.spill(chunk, tile)
         if spill.with_suffix(".zero").exists():
             continue
+        if not spill.exists():  # never read as zeros: the chunk's value would be wrong
+            raise CtsegError(
+                f"{spill}: tile {_name(tile)}'s share of chunk {_name(chunk)} is missing from "
+                f"the work folder, though the tile is marked done; remove {work.folder} and "
+                "predict again"
+            )
         piece = _intersect(box, grid.extent(tile))
         total[(..., *_slices(piece, [lo for lo, _ in box]))] += np.load(spill)
     _write_chunk(out, box, total, norms)
-    _write_atomic(work.chunk_done(chunk), b"")
+    _write_atomic(work.chunk_done(chunk), b"", writer)
     spill_dir = work.folder / "spill" / _name(chunk)
     for f in spill_dir.glob("*"):
         f.unlink(missing_ok=True)
@@ -294,6 +309,14 @@ def _finalise_shared(work: Work, chunk: Index, out: zarr.Array, norms: _Norms) -
 
 
 # ----------------------------------------------------------------------------- one tile
+def _input_box(grid: TileGrid, tile: Index) -> tuple[slice, slice, slice]:
+    """The input a tile reads: its extent, inside the volume (the rest is padding)."""
+    inside = tuple(
+        (lo, min(hi, s)) for (lo, hi), s in zip(grid.extent(tile), grid.shape, strict=True)
+    )
+    return _slices(inside)  # type: ignore[arg-type]
+
+
 @dataclass
 class _Counts:
     windows: int = 0
@@ -316,14 +339,14 @@ def _run_tile(
     norms: _Norms,
     bar: Progress,
     counts: _Counts,
+    writer: str,
 ) -> list[Index]:
     """Compute `tile`, write what it alone makes final and spill the rest; returns its shared
     chunks."""
     grid = work.grid
     extent = grid.extent(tile)
     origin = [lo for lo, _ in extent]
-    inside = tuple((lo, min(hi, s)) for (lo, hi), s in zip(extent, grid.shape, strict=True))
-    raw = reader.read(_slices(inside))  # type: ignore[arg-type]
+    raw = reader.read(_input_box(grid, tile))
     every = [
         tuple(c - o for c, o in zip(corner, origin, strict=True)) for corner in grid.corners(tile)
     ]
@@ -352,11 +375,11 @@ def _run_tile(
         spill = work.spill(chunk, tile)
         spill.parent.mkdir(exist_ok=True)
         if piece.any():
-            _save_atomic(spill, piece)
+            _save_atomic(spill, piece, writer)
         else:
-            _write_atomic(spill.with_suffix(".zero"), b"")
+            _write_atomic(spill.with_suffix(".zero"), b"", writer)
         shared.append(chunk)
-    _write_atomic(work.tile_done(tile), b"")
+    _write_atomic(work.tile_done(tile), b"", writer)
     return shared
 
 
@@ -387,31 +410,34 @@ def run_part(
     tiles already done; returns counts, the read amplification and timings."""
     grid = work.grid
     low, high = work.manifest["intensity_range"]
+    writer = f"part-{part}-of-{parts}"
     mine = part_tiles(grid.tiles(), parts, part)
     own = set(mine)
     todo = [t for t in mine if not work.tile_done(t).exists()]
     counts = _Counts(resumed_tiles=len(mine) - len(todo))
-    reader = ChunkCache(source, cache_bytes)
+    reader = ChunkCache(source, cache_bytes, [_input_box(grid, t) for t in todo])
     norms = _Norms(grid)
     out = work.probabilities()
     n_windows = sum(len(grid.corners(t)) for t in todo)
     t0 = time.perf_counter()
-    was_training, layout = model.training, _weights_layout(model)
+    was_training, layout = model.training, weights_layout(model)
     model.to(device, memory_format=settings.memory_format(device)).eval()
     bar = Progress(total=n_windows, unit="window", desc=f"part {part + 1}/{parts}", file=sys.stderr)
     try:
-        with _holding(work, f"part-{part}-of-{parts}"), torch.inference_mode():
+        with _holding(work, writer), torch.inference_mode():
+            _remove_temporaries(work.folder, writer)
             for tile in todo:
                 shared = _run_tile(
-                    model, work, tile, reader, low, high, settings, device, out, norms, bar, counts
-                )
+                    model, work, tile, reader, low, high, settings, device, out, norms, bar,
+                    counts, writer,
+                )  # fmt: skip
                 counts.tiles += 1
                 for chunk in shared:
                     ready = grid.contributors(chunk)
                     if work.chunk_done(chunk).exists() or not set(ready) <= own:
                         continue
                     if all(work.tile_done(t).exists() for t in ready):
-                        _finalise_shared(work, chunk, out, norms)
+                        _finalise_shared(work, chunk, out, norms, writer)
                         counts.final_chunks += 1
     finally:
         bar.close()
@@ -466,12 +492,13 @@ def finish(work: Work, parts: int = 1) -> dict[str, Any]:
     norms = _Norms(grid)
     made = 0
     with _holding(work, "finish"):
+        _remove_temporaries(work.folder, "finish")
         for chunk in grid.all_chunks():
             if work.chunk_done(chunk).exists():
                 continue
             contributors = grid.contributors(chunk)
             if len(contributors) == 1:
                 continue  # written final by its tile
-            _finalise_shared(work, chunk, out, norms)
+            _finalise_shared(work, chunk, out, norms, "finish")
             made += 1
     return {"seam_chunks_final": made}

@@ -183,7 +183,8 @@ def _probabilities(logits: torch.Tensor, channels: int) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=1)
 
 
-def _channels(labels: LabelSpec | None) -> int:
+def output_channels(labels: LabelSpec | None) -> int:
+    """The model's output channels for `labels`: 1 for none or a binary spec."""
     return 1 if labels is None else labels.out_channels
 
 
@@ -456,7 +457,7 @@ def _blend_resident(
 
 
 # ----------------------------------------------------------------------------- volumes
-def _weights_layout(model: torch.nn.Module) -> torch.memory_format:
+def weights_layout(model: torch.nn.Module) -> torch.memory_format:
     """The memory format of the model's 3D convolution weights: restored after inference, so
     that the caller's model is left as it came."""
     for param in model.parameters():
@@ -488,19 +489,19 @@ def predict_volume(
     starts = _starts(image.shape, settings)
     dev = settings.torch_device()
     tune_malloc()
-    was_training, layout = model.training, _weights_layout(model)
+    was_training, layout = model.training, weights_layout(model)
     model.to(dev, memory_format=settings.memory_format(dev)).eval()
     try:
         with torch.inference_mode():
             probabilities, _ = _blend_resident(
-                model, image, low, high, starts, settings, dev, channels=_channels(labels)
+                model, image, low, high, starts, settings, dev, channels=output_channels(labels)
             )
             return probabilities
     finally:
         model.to(memory_format=layout).train(was_training)
 
 
-def _store_attributes(
+def store_attributes(
     image_store: Path,
     settings: InferenceSettings,
     weights_sha256: str | None,
@@ -552,7 +553,7 @@ def infer_volume(
     starts = _starts(shape, settings)
     check_coverage(starts, win, settings.overlap)
     n_flips = len(FLIP_DIMS) if settings.tta_flips else 1
-    channels = _channels(labels)
+    channels = output_channels(labels)
     needed = resident_bytes(shape, win, image.dtype.itemsize, settings.batch_size, channels)
     device_budget = settings.device_budget_bytes()
     resident = needed <= device_budget
@@ -562,7 +563,7 @@ def infer_volume(
         shape[0], win[0], starts[0], int(image.chunks[0]), plane_acc, plane_in, budget
     )
     n_windows = math.prod(len(s) for s in starts)
-    attributes = _store_attributes(image_store, settings, weights_sha256, labels)
+    attributes = store_attributes(image_store, settings, weights_sha256, labels)
     store_shape: tuple[int, ...] = shape
     store_chunks: tuple[int, ...] = tuple(int(c) for c in image.chunks)
     if channels > 1:
@@ -572,7 +573,7 @@ def infer_volume(
     # batch of four 48^3 windows at 16 channels); glibc would hand them back to the OS and
     # page-fault them in again every batch, a third of the CPU time in bench/infer.py.
     tune_malloc()
-    was_training, layout = model.training, _weights_layout(model)
+    was_training, layout = model.training, weights_layout(model)
     model.to(dev, memory_format=settings.memory_format(dev)).eval()
     t0 = time.perf_counter()
     bar = Progress(
