@@ -222,6 +222,7 @@ def test_an_unedited_placeholder_is_refused_before_anything_is_submitted(tmp_pat
         "default-resources: slurm_partition",
         "set-resources: train_model: slurm_partition",
         "set-resources: train_trial: slurm_partition",
+        "set-resources: scroll_part: slurm_partition",
     ):
         assert where in errors[0], errors
     assert "Traceback" not in proc.stderr, proc.stderr

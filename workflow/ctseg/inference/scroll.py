@@ -176,9 +176,9 @@ def predict_scroll(
     low, high, how = intensity_range(source, given_range, budget)
     print(f"predict: {source.describe()}\npredict: intensity range {low:g}..{high:g}, {how}",
           file=sys.stderr)  # fmt: skip
-    work = open_work(
-        work_folder_of(output), source, tile_settings, device, low, high, weights_sha256, labels
-    )
+    share = f"half of --memory-budget-mb {settings.memory_budget_mb:g}"
+    work = open_work(work_folder_of(output), source, tile_settings, device, low, high,
+                     weights_sha256, labels, share)  # fmt: skip
     summary: dict[str, Any] = {
         "run": run_name,
         "input": source.describe(),

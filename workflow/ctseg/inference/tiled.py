@@ -181,12 +181,13 @@ def open_work(
     high: float,
     weights_sha256: str | None = None,
     labels: LabelSpec | None = None,
+    budget_from: str | None = None,
 ) -> Work:
     """The work folder of this predict: made (manifest, empty probability store) by the first
-    run, checked against the manifest by every later one."""
+    run, checked against the manifest by every later one. The first run's tile fits
+    ``settings.memory_budget_mb`` (on a GPU also ``device_budget_mb``); `budget_from` says
+    where that budget comes from, for the refusal of one too small."""
     folder = Path(folder)
-    for sub in ("tiles", "chunks", "spill"):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
     identity = _identity(source, settings, device, low, high, weights_sha256, labels)
     win = settings.checked_window()
     starts = tuple(
@@ -198,10 +199,14 @@ def open_work(
     manifest_file = folder / MANIFEST
     if not manifest_file.exists():
         budget = settings.memory_budget_mb * 2**20
-        if device.type == "cuda":
-            budget = min(budget, settings.device_budget_bytes())
+        what = budget_from or f"memory_budget_mb {settings.memory_budget_mb:g}"
+        if device.type == "cuda" and settings.device_budget_bytes() < budget:
+            budget = settings.device_budget_bytes()
+            what = f"--device-budget-mb {settings.device_budget_mb:g}"
         per_voxel = working_bytes_per_voxel(source.dtype.itemsize, channels)
-        tile = plan_tile(source.shape, win, chunks, per_voxel, budget)
+        tile = plan_tile(source.shape, win, chunks, per_voxel, budget, what)
+        for sub in ("tiles", "chunks", "spill"):  # after every refusal: nothing left by one
+            (folder / sub).mkdir(parents=True, exist_ok=True)
         manifest = {**identity, "tile": list(tile)}
         tmp = folder / f"{MANIFEST}.tmp-{os.getpid()}"
         tmp.write_text(strict_json(manifest, indent=1))

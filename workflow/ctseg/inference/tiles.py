@@ -153,10 +153,12 @@ def plan_tile(
     chunks: Shape3,
     bytes_per_voxel: int,
     budget_bytes: float,
+    what: str = "the budget",
 ) -> Shape3:
     """The largest tile of whole chunks whose extent's working set (`bytes_per_voxel` for each
     of its voxels) fits `budget_bytes`: the whole volume if it fits, else the longest side
-    (in chunks) halved until it does. A budget smaller than one chunk's tile is refused."""
+    (in chunks) halved until it does. A budget smaller than one chunk's tile is refused, the
+    error saying where the budget comes from (`what`)."""
     tile = [math.ceil(s / c) * c for s, c in zip(shape, chunks, strict=True)]
     while extent_voxels(tuple(tile), window, shape) * bytes_per_voxel > budget_bytes:  # type: ignore[arg-type]
         in_chunks = [t // c for t, c in zip(tile, chunks, strict=True)]
@@ -164,9 +166,9 @@ def plan_tile(
         if in_chunks[axis] == 1:
             need = extent_voxels(tuple(chunks), window, shape) * bytes_per_voxel  # type: ignore[arg-type]
             raise CtsegError(
-                f"memory budget {budget_bytes / 2**20:.3g} MB: one tile of a chunk {chunks} "
-                f"with its window {window} needs {need / 2**20:.3g} MB; give a larger "
-                "--memory-budget-mb (or --device-budget-mb)"
+                f"a tile of one chunk {chunks} with its window {window} needs "
+                f"{need / 2**20:.3g} MB, more than the {budget_bytes / 2**20:.3g} MB the tiles "
+                f"get ({what}); give a larger budget"
             )
         tile[axis] = (in_chunks[axis] + 1) // 2 * chunks[axis]
     return tuple(tile)  # type: ignore[return-value]
