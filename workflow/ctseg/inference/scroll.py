@@ -49,7 +49,7 @@ import tifffile
 import torch
 import zarr
 
-from ctseg.data.heap import bound_heap
+from ctseg.data.heap import release_heap, tune_malloc
 from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import VolumeSource, intensity_range, open_source
@@ -89,6 +89,15 @@ def work_folder_of(output: Path) -> Path:
 
 
 def _peak_rss_mb() -> float:
+    """This process's peak RSS: its memory's high-water mark (``VmHWM``), which starts anew
+    at exec, where ``ru_maxrss`` keeps the peak of the process that forked it (a 550 MB test
+    runner's, for a predict it started)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -164,7 +173,9 @@ def predict_scroll(
     output = Path(output)
     _check_request(models, run_name, output, probabilities, postprocess, parts, part, finish_only)
     model, patch, labels = models[0]
-    bound_heap()  # freed tiles go back to the system: the budget holds for the process's RSS
+    # Freed activations stay in the heap (no page faults each forward); each tile's memory is
+    # handed back when the tile is done (`ctseg.inference.tiled`), so the budget holds for RSS.
+    tune_malloc()
     settings = inference.with_window(patch)
     device = settings.torch_device()
     budget = int(settings.memory_budget_mb * 2**20)
@@ -197,6 +208,7 @@ def predict_scroll(
             return {**summary, "peak_rss_mb": _peak_rss_mb()}
     t0 = time.perf_counter()
     summary["finish"] = finish(work, parts or 1)
+    release_heap()
     summary["outputs"] = _write_outputs(work, source, output, probabilities, postprocess, labels,
                                         budget)  # fmt: skip
     summary["finish_seconds"] = time.perf_counter() - t0

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import zarr
 
+from ctseg.data.heap import release_heap
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import ChunkCache, VolumeSource
 from ctseg.inference.tiles import Box, Index, TileGrid, part_tiles, plan_tile
@@ -437,6 +438,7 @@ def run_part(
                     counts, writer,
                 )  # fmt: skip
                 counts.tiles += 1
+                release_heap()  # the tile's buffers, before the next tile's
                 for chunk in shared:
                     ready = grid.contributors(chunk)
                     if work.chunk_done(chunk).exists() or not set(ready) <= own:
