@@ -21,11 +21,11 @@ Three sections, each a table and a ``RESULT`` line:
 2. **A volume 4x the memory budget** (``--large-shape``): the budget is set so that the in-memory
    working set counted as 8 bytes a voxel (float32 input + float32 accumulator) is 4x it; the
    uint8 volume itself is then half the budget. The tiled path under that budget, split and
-   with the allocator set as ``ctseg predict --memory-budget-mb`` does (`budget_split`,
-   `_heap_policy`: this version gives a quarter to the chunk cache and half to the tiles)
-   against the in-memory path on the same volume (resident: its working set fits the default
-   device budget); ratio tiled / in-memory (target >= 0.9), and the tiled path's peak RSS
-   increase against the budget.
+   with the allocator set as ``ctseg predict --memory-budget-mb`` does (`budget_split`: a
+   quarter to the chunk cache, half to the tiles; `_heap_policy`) against the in-memory path
+   on the same volume (resident: its working set fits the default device budget); ratio
+   tiled / in-memory (target >= 0.9), and the tiled path's peak RSS increase against the
+   budget.
 3. **Parts** (``--parts``, default 1 and 3): the volume of section 2 split over N parts, each
    `run_part(k, N)` in its own process one after another, then `finish` in another: voxels/s of
    each part (the voxels of its tiles / its seconds) and in total (the volume / the sum of the
@@ -36,13 +36,21 @@ Every measurement runs in a fresh child process (this script with ``--one``), af
 loaded, the modules imported and one warm-up forward at the batch size; its wall and CPU time
 (``time.process_time``: every thread of the child) are measured inside the child. On a shared
 machine the CPU time is the steadier of the two: a child that waits for a core loses wall time
-only. Memory, in MB, of the child: "peak RSS", its whole life's (``ru_maxrss``); "+run", the peak
+only. Memory, in MB, of the child: "peak RSS", its whole life's high-water mark (``VmHWM`` of
+/proc/self/status; ``ru_maxrss`` only where that is missing: after fork+exec it keeps the peak
+of the process that forked it, this script's, which has held whole volumes); "+run", the peak
 during the timed run (VmHWM, reset after the warm-up) less the RSS just before it: what the run
 adds to a loaded, warm model. Section 2 also runs the forwards alone, so that the activations'
 share of "+run" (which the budget does not count) shows; what glibc keeps of freed activations
 between forwards varies from run to run, so "+run" is an upper bound of what a path holds live.
-"faults k": the run's minor page faults, in thousands (``ru_minflt``): buffers the allocator
-handed back to the system and the next forward faults in again.
+"faults k": the run's minor page faults, in thousands (``ru_minflt``): memory the process
+touches for the first time or again after handing it back to the system.
+
+Allocator: the tiled, part, finish and forward children set glibc's thresholds as
+``ctseg predict`` does before its warm-up (`ctseg.data.heap.tune_malloc`: freed activations stay
+in the heap, so a forward does not fault them in again); `run_part` itself hands each tile's
+freed memory back (`ctseg.data.heap.release_heap`, ``malloc_trim(0)``) so that the RSS stays
+under the budget. `infer_volume` calls `tune_malloc` itself.
 
 Threads: ``--threads 1`` by default on a CPU (0: torch's default). On a shared 2-core machine
 torch's second thread waits for a busy core at every operation (a batch of four 16^3 windows
@@ -51,9 +59,7 @@ conditions. The model is a random-init ctseg U-Net (filters 16-32-64-128, instan
 bench/infer.py's), its output head rescaled so that about half the voxels are foreground.
 
 ``--profile FILE`` runs section 2's tiled child once more, under cProfile, and prints its top
-costs. ``--tune-malloc-tiled`` is a diagnostic: the tiled children call
-`ctseg.data.heap.tune_malloc` first, as `infer_volume` does, in place of the ``bound_heap``
-that ``ctseg predict`` sets.
+costs.
 MONAI is a bench-only extra: ``.venv/bin/pip install -e '.[bench]'``; ``--skip-monai`` leaves
 (a) out.
 """
@@ -183,6 +189,11 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
+    """This process's peak RSS since exec or the last `_reset_high_water` (VmHWM); where Linux
+    gives none, ``ru_maxrss``, which includes this script's peak (it forked the child)."""
+    peak = _high_water_mb()
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -250,16 +261,12 @@ def _tile_voxels(work: Any, tiles: list) -> int:
     )
 
 
-def _heap_policy(tune: bool) -> None:
-    """The allocator settings `ctseg predict` makes before its warm-up (`bound_heap`: freed
-    buffers go back to the system, so that the budget holds for the RSS), where this version of
-    ctseg has them; with `tune`, `tune_malloc` instead, as `infer_volume` makes (a diagnostic)."""
-    from ctseg.data import heap
+def _heap_policy() -> None:
+    """The allocator settings `ctseg predict` makes before its warm-up (`tune_malloc`: freed
+    activations stay in the heap); the per-tile `release_heap` is `run_part`'s own."""
+    from ctseg.data.heap import tune_malloc
 
-    if tune:
-        heap.tune_malloc()
-    elif hasattr(heap, "bound_heap"):
-        heap.bound_heap()
+    tune_malloc()
 
 
 def one(which: str, spec: dict) -> dict:
@@ -268,8 +275,6 @@ def one(which: str, spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    if which in ("tiled", "part", "finish", "forward"):
-        _heap_policy(bool(spec.get("tune_malloc")))
     # Imported before the clock starts, as `ctseg predict` has them imported when it starts.
     import ctseg.inference.scroll
     import ctseg.inference.tiled
@@ -282,6 +287,8 @@ def one(which: str, spec: dict) -> dict:
     win = settings.checked_window()
     amp = settings.use_amp(device)
     rss_loaded = _rss_mb()
+    if which in ("tiled", "part", "finish", "forward"):
+        _heap_policy()  # as `ctseg predict`: the model loaded, before the warm-up
     model = None
     if which != "finish":
         model = infer.load(spec["weights"], device)
@@ -293,7 +300,7 @@ def one(which: str, spec: dict) -> dict:
             torch.cuda.synchronize(device)
     peak_warm = _peak_mb()
     rss_before = _rss_mb()
-    own_peak = _reset_high_water()
+    _reset_high_water()
     profiler = None
     if spec.get("profile"):
         import cProfile
@@ -311,15 +318,15 @@ def one(which: str, spec: dict) -> dict:
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(spec["profile"])
-    peak = _peak_mb()
+    # The run's own peak: VmHWM reset after the warm-up, else the process's (an upper bound).
+    run_peak = _peak_mb()
     return {
         **figures,
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
         "minor_faults": faults,
-        "peak_mb": peak,
-        # The run's own peak: VmHWM reset after the warm-up, else the process's (an upper bound).
-        "run_peak_mb": (_high_water_mb() if own_peak else None) or peak,
+        "peak_mb": max(peak_warm, run_peak),
+        "run_peak_mb": run_peak,
         "rss_loaded_mb": rss_loaded,
         "peak_warm_mb": peak_warm,
         "rss_before_mb": rss_before,
@@ -498,12 +505,7 @@ class Bench:
             "batch": args.batch_size,
             "device": args.device,
             "threads": args.threads,
-            "tune_malloc": args.tune_malloc_tiled,
         }
-
-    @property
-    def tuned(self) -> str:
-        return " + tune_malloc" if self.args.tune_malloc_tiled else ""
 
     def run(self, which: str, **spec: Any) -> dict:
         return measure(which, {**self.base, **spec}, self.args.timeout)
@@ -554,7 +556,7 @@ class Bench:
         names = {
             "monai": "(a) MONAI sliding_window_inference",
             "memory": f"(b) ctseg infer_volume ({memory['mode']})",
-            "tiled": f"(c) ctseg tiled{self.tuned}, budget {GENEROUS_MB} MB",
+            "tiled": f"(c) ctseg tiled, budget {GENEROUS_MB} MB",
         }
         for key, m in runs.items():
             print(row(names[key], m, voxels))
@@ -624,7 +626,7 @@ class Bench:
         print(HEADER)
         resident = f"{memory['mode']}, needs {memory['resident_mb']:.1f} MB"
         print(row(f"in-memory infer_volume ({resident})", memory, voxels))
-        print(row(f"tiled{self.tuned}, budget {budget_mb:.2f} MB", tiled, voxels))
+        print(row(f"tiled, budget {budget_mb:.2f} MB", tiled, voxels))
         print(row("forwards alone (4 batches; no voxels)", forward, 0))
         print(
             f"  voxels/s tiled / in-memory: {ratios(tiled, memory)}, target >= {TARGET_RATIO}: "
@@ -772,12 +774,6 @@ def main() -> None:
         type=Path,
         default=None,
         help="cProfile section 2's tiled child into FILE; print its top",
-    )
-    parser.add_argument(
-        "--tune-malloc-tiled",
-        action="store_true",
-        help="diagnostic: the tiled children call ctseg.data.heap.tune_malloc, as infer_volume "
-        "does, in place of ctseg predict's bound_heap",
     )
     parser.add_argument("--one", default=None, choices=sorted(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
