@@ -366,6 +366,30 @@ def test_an_https_like_http_input_predicts_as_the_local_one(tmp_path, http_root)
     np.testing.assert_array_equal(*opened)
 
 
+def test_a_multiclass_run_writes_its_label_map_as_the_folder_predict_does(tmp_path):
+    from test_multiclass_inference import SPEC
+    from test_multiclass_inference import save_run as save_multiclass_run
+
+    save_multiclass_run(tmp_path / "results" / "mc", SPEC)
+    data = volume((32, 40, 36), seed=7)
+    store = zarr_volume(tmp_path / "v.zarr", data, stats=False)
+    (tmp_path / "tifs").mkdir()
+    tifffile.imwrite(tmp_path / "tifs" / "v.tif", data, photometric="minisblack")
+    run = tmp_path / "results" / "mc"
+    ctseg("predict", "--run", run, "-i", tmp_path / "tifs", "-o", tmp_path / "tif_masks")
+    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", "--parts", "2",
+          "--part", "0", "--memory-budget-mb", "6")  # fmt: skip
+    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", "--parts", "2",
+          "--part", "1", "--memory-budget-mb", "6")  # fmt: skip
+    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", "--parts", "2",
+          "--finish", "--memory-budget-mb", "6", "--summary", tmp_path / "s.json")  # fmt: skip
+    assert json.loads((tmp_path / "s.json").read_text())["tiles"] >= 2
+    reference = tifffile.imread(tmp_path / "tif_masks" / "v.tif")
+    level0 = zarr.open_group(tmp_path / "m.zarr", mode="r")["0"][...]
+    assert set(np.unique(reference)) <= {0, 10, 20, 30} and len(np.unique(reference)) > 2
+    np.testing.assert_array_equal(level0, reference)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
