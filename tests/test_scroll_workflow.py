@@ -152,7 +152,7 @@ def test_parts_on_slurm_one_killed_and_resumed_give_the_single_process_mask(
     volume = write_volume(tmp_path / f"{NAME}.zarr")
     (tmp_path / "wf").mkdir()
     workdir = copy_workflow(tmp_path / "wf", scroll_config(volume))
-    run_dir = save_run(workdir / "results" / RUN)
+    run_dir = save_run(workdir / "results" / RUN, 0)
     profile = edited_profile(
         workdir / "profiles" / "cluster",
         account="ctseg",

@@ -80,7 +80,7 @@ def timing_section(benchmarks_dir: Path | None, src: Sources, title: str = "Stag
 
 # The rules whose jobs hold a GPU (`resources: gpu=` in workflow/rules/*.smk; a test keeps
 # the two in step). Their wall time is the run's GPU time.
-GPU_RULES: tuple[str, ...] = ("infer", "predict", "train", "train_trial")
+GPU_RULES: tuple[str, ...] = ("infer", "predict", "scroll", "train", "train_trial")
 
 
 @dataclass(frozen=True)
