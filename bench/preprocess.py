@@ -145,12 +145,12 @@ def child_histogram(source: str) -> float:
     """The exact histogram convert counts (its default budget's piece size), whole volume."""
     import tifffile
 
-    from ctseg.preprocess.convert import HISTOGRAM_SHARE, _Histogram
+    from ctseg.preprocess.convert import HISTOGRAM_SHARE, Histogram
 
     volume = tifffile.imread(source)
 
     def once(_: int) -> float:
-        histogram = _Histogram(volume.dtype, int(256 * 2**20 * HISTOGRAM_SHARE) // 8)
+        histogram = Histogram(volume.dtype, int(256 * 2**20 * HISTOGRAM_SHARE) // 8)
         start = time.perf_counter()
         histogram.add(volume)
         return time.perf_counter() - start

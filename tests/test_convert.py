@@ -20,7 +20,7 @@ from ctseg.io import CtsegError, sha256_file, sha256_files
 from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.preprocess.convert import (
     MIN_PAIR_PIECE,
-    _Histogram,
+    Histogram,
     _inspect,
     _open_reader,
     _slab_depth,
@@ -513,7 +513,7 @@ def test_slab_plan_never_exceeds_the_slab_share():
 @pytest.mark.parametrize("size", [1, 2, 7, 100_001])
 @pytest.mark.parametrize("piece", [1000, MIN_PAIR_PIECE])
 def test_uint8_counted_in_pairs_is_exact(size, piece):
-    histogram = _Histogram(np.dtype(np.uint8), piece)
+    histogram = Histogram(np.dtype(np.uint8), piece)
     assert histogram.pairs == (piece >= MIN_PAIR_PIECE)
     values = random_volume((size,), seed=size)
 

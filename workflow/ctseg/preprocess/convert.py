@@ -593,10 +593,6 @@ def _percentile(counts: np.ndarray, q: float) -> float:
     return float(a + (b - a) * gamma)
 
 
-# The old private name, which tests/test_convert.py and bench/preprocess.py import.
-_Histogram = Histogram
-
-
 # --- writing -----------------------------------------------------------------------------------
 
 
