@@ -4,6 +4,7 @@ in-memory path and MONAI, in the same run.
     python bench/scroll.py                 # window 24^3; 72x132x132 and 96x160x160; ~3 min
     python bench/scroll.py --quick         # window 16^3; 48x80x80 and 64x112x112; ~1 min
     python bench/scroll.py --repeat 3      # the fastest of 3 runs of each path (sections 1-2)
+    python bench/scroll.py --section2-size large --skip-monai --parts 1   # ~5 min: see below
     python bench/scroll.py --device cuda --threads 0 --window 64 \\
         --fits-shape 192,320,320 --large-shape 256,512,512       # a GPU: voxels/s per GPU
 
@@ -58,6 +59,14 @@ took 0.64 s with 2 threads and 0.018 s with 1); one thread gives every path the 
 conditions. The model is a random-init ctseg U-Net (filters 16-32-64-128, instance norm, as
 bench/infer.py's), its output head rescaled so that about half the voxels are foreground.
 
+``--section2-size large`` runs sections 2-3 on a 192x288x288 volume (15.2 MB uint8, so a 30.4
+MB budget) with the same model, window (24^3) and batch: 64 tiles of 48x72x72 hold about 120
+windows each, against about 6 windows a tile for the default 96x160x160 (4.69 MB budget, 196
+tiles), where the per-tile `release_heap` (each tile's first forward faults the activations
+back in) and the per-tile file work are spread over few forwards. Each of its two section 2
+paths takes about 2 min on a 2-core CPU; with ``--skip-monai --parts 1`` the run takes about
+5 min. ``--large-shape`` still overrides the preset's volume; the default size is unchanged.
+
 ``--profile FILE`` runs section 2's tiled child once more, under cProfile, and prints its top
 costs.
 MONAI is a bench-only extra: ``.venv/bin/pip install -e '.[bench]'``; ``--skip-monai`` leaves
@@ -103,6 +112,9 @@ SIZES = {
     "full": (24, (72, 132, 132), (96, 160, 160)),
     "quick": (16, (48, 80, 80), (64, 112, 112)),
 }
+# --section2-size: the sections 2-3 volume, by preset ("default": the --quick/full one above).
+# "large": 15.2 MB uint8, a 30.4 MB budget: 64 tiles of 48x72x72, ~120 24^3 windows each.
+SECTION2_SIZES = {"large": (192, 288, 288)}
 INSTALL_MONAI = ".venv/bin/pip install -e '.[bench]'"
 
 
@@ -630,7 +642,8 @@ class Bench:
         print(row("forwards alone (4 batches; no voxels)", forward, 0))
         print(
             f"  voxels/s tiled / in-memory: {ratios(tiled, memory)}, target >= {TARGET_RATIO}: "
-            f"{'met' if met else 'NOT met'}; {tiled['tiles']} tiles of {fmt_shape(tiled['tile'])}, "
+            f"{'met' if met else 'NOT met'}; {tiled['tiles']} tiles of {fmt_shape(tiled['tile'])} "
+            f"({tiled['windows'] / tiled['tiles']:.1f} windows a tile), "
             f"read amplification {tiled['read_amplification']:.3f}, chunk cache peak "
             f"{tiled['peak_cached_bytes'] / 2**20:.2f} MB, finish {tiled['finish_seconds']:.2f} s"
         )
@@ -658,6 +671,10 @@ class Bench:
             f"forward_rss_increase_mb={increase(forward):.1f}",
             f"tiled_own_over_budget={own / budget_mb:.2f}",
             f"read_amplification={tiled['read_amplification']:.3f}",
+            f"tiles={tiled['tiles']}",
+            f"windows_per_tile={tiled['windows'] / tiled['tiles']:.1f}",
+            f"memory_faults={memory['minor_faults']}",
+            f"tiled_faults={tiled['minor_faults']}",
             f"identical={int(identical)}",
             f"memory_voxels_per_s={rate(voxels, memory['seconds']):.0f}",
             f"tiled_voxels_per_s={rate(voxels, tiled['seconds']):.0f}",
@@ -761,6 +778,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None, help="window edge (24; quick 16)")
     parser.add_argument("--fits-shape", type=parse_shape, default=None, help="section 1 Z,Y,X")
     parser.add_argument("--large-shape", type=parse_shape, default=None, help="sections 2-3 Z,Y,X")
+    parser.add_argument("--section2-size", choices=["default", *SECTION2_SIZES],
+                        default="default", help="sections 2-3 volume preset: default (96x160x160, "
+                        "budget 4.69 MB) or large (192x288x288, budget 30.4 MB; ~5 min with "
+                        "--skip-monai --parts 1)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=BATCH, help="windows per forward")
     parser.add_argument("--parts", type=int, nargs="+", default=[1, 3], help="part counts (1 3)")
     parser.add_argument("--skip-monai", action="store_true", help="leave MONAI (a) out")
@@ -786,7 +807,7 @@ def main() -> None:
     window, fits_shape, large_shape = SIZES["quick" if args.quick else "full"]
     args.window = args.window or window
     fits_shape = args.fits_shape or fits_shape
-    large_shape = args.large_shape or large_shape
+    large_shape = args.large_shape or SECTION2_SIZES.get(args.section2_size, large_shape)
     if args.threads is None:
         args.threads = 0 if args.device.startswith("cuda") else 1
     if args.repeat < 1:
