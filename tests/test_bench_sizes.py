@@ -4,7 +4,7 @@ and bench/measure.py's report of a failed child. The figures at these sizes say 
 speed: the checks are that each RESULT line is there and each figure is what it claims to be
 (finite, positive where it must be, a fraction in [0, 1], two implementations agreeing).
 
-bench/loader.py runs here too (`--smoke`, about 15 s).
+bench/loader.py runs here too (`--smoke`, about 15 s), and bench/scroll.py (`--quick`, about 40 s).
 bench/gpu_check.py, bench/mfu.py and bench/metrics.py run in test_bench_smoke.py,
 bench/recipe.py in test_bench_recipe.py, bench/postprocess_search.py in test_tuning.py."""
 
@@ -201,3 +201,28 @@ def test_blockwise_mask_bench_smoke() -> None:
     ratio = float(fields["blockwise_tracemalloc_mb"]) / float(fields["whole_tracemalloc_mb"])
     assert float(fields["tracemalloc_ratio"]) == pytest.approx(ratio, rel=0.02)
     assert "settings: t>0.5 hyst 0.6 min 32 fill close 1" in out
+
+
+def test_scroll_bench_quick() -> None:
+    """bench/scroll.py --quick: the tiled path equals the in-memory one bit for bit, one tile
+    and 4x the budget; its rates, ratios and read amplification are measured figures."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "scroll.py"), "--quick", "--skip-monai",
+         "--parts", "1"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {
+        line.split()[1]: dict(item.split("=", 1) for item in line.split()[2:])
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    }
+    fits, budget = results["scroll_fits"], results["scroll_budget"]
+    assert fits["identical"] == "1" and budget["identical"] == "1"
+    positive(fits, "c_over_b", "memory_voxels_per_s", "tiled_voxels_per_s")
+    positive(budget, "tiled_over_memory", "memory_voxels_per_s", "tiled_voxels_per_s")
+    ratio = float(budget["tiled_voxels_per_s"]) / float(budget["memory_voxels_per_s"])
+    assert float(budget["tiled_over_memory"]) == pytest.approx(ratio, rel=0.01)
+    assert float(budget["working_set_over_budget"]) == pytest.approx(4.0, rel=0.01)
+    assert int(budget["tiles"]) > 1 and budget["met"] in ("0", "1")
+    assert 1.0 <= float(budget["read_amplification"]) <= 1.2
