@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,6 +124,7 @@ def _in_place(args: argparse.Namespace) -> bool:
             ("--cache-mb", args.cache_mb),
             ("--intensity-range", args.intensity_range),
             ("--storage-options", args.storage_options),
+            ("--overwrite", args.overwrite or None),
         )
         if value is not None
     ]
@@ -166,14 +168,18 @@ def _predict_in_place(
         finish_only=args.finish,
         cache_mb=args.cache_mb,
         given_range=tuple(args.intensity_range) if args.intensity_range else None,
+        overwrite=args.overwrite,
+        command=["ctseg", *sys.argv[1:]],
     )
     if args.summary:
         Path(args.summary).write_text(strict_json(summary, indent=1))
     if args.part is not None:
-        print(f"ctseg predict: part {args.part} of {args.parts} of {args.input} done")
+        # Counted from 1, as the log's progress line counts it; --part takes it from 0.
+        print(f"ctseg predict: part {args.part + 1} of {args.parts} (--part {args.part}) of "
+              f"{args.input} done")  # fmt: skip
         return
     print(
-        f"ctseg predict: wrote {args.output} ({summary['outputs'].get('foreground_voxels', '-')} "
+        f"ctseg predict: wrote {args.output} ({summary['outputs']['foreground_voxels']} "
         f"foreground voxels) by {run.name} from {args.input}; peak RSS "
         f"{summary['peak_rss_mb']:.0f} MB"
     )
@@ -332,6 +338,12 @@ def _predict_parser(add_parser: AddParser) -> None:
     )
     whole.add_argument(
         "--storage-options", default=None, help="fsspec storage options as JSON (s3 endpoint...)"
+    )
+    whole.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the mask (and probabilities) an earlier ctseg predict wrote there; "
+        "nothing else is ever replaced",
     )
     p.add_argument(
         "--probabilities", default=None, help="also keep the probabilities as <DIR>/<id>.zarr"

@@ -34,13 +34,15 @@ tiles and its peak.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import resource
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +52,26 @@ import torch
 import zarr
 
 from ctseg.data.heap import release_heap, tune_malloc
+from ctseg.inference.outputs import (
+    LABEL_MAP,
+    MASK,
+    PROBABILITIES,
+    PROVENANCE_KEY,
+    check_output_paths,
+    provenance,
+    tiff_description,
+)
 from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import VolumeSource, intensity_range, open_source
 from ctseg.inference.tiled import Work, finish, open_work, run_part
 from ctseg.inference.volume import weights_layout
-from ctseg.io import CtsegError, atomic_path, fresh_output, remove_path
+from ctseg.io import CtsegError, disk_full, fresh_output, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import build_pyramid, create_image
 from ctseg.postprocess.blockwise import blockwise_mask, refused_step
 from ctseg.postprocess.masks import PostprocessSettings
-from ctseg.postprocess.write import check_label_map_settings, label_map
+from ctseg.postprocess.write import channel_names, check_label_map_settings, label_map
 from ctseg.store import create_volume
 
 OME_SUFFIXES = (".zarr",)
@@ -167,12 +178,21 @@ def predict_scroll(
     finish_only: bool = False,
     cache_mb: float | None = None,
     given_range: tuple[float, float] | None = None,
+    overwrite: bool = False,
+    command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The mask of the volume at `url` by the run's one model into `output`, or, with `parts`,
-    part `part` of its probabilities, or the finish (module docstring). Returns the figures."""
+    part `part` of its probabilities, or the finish (module docstring). Returns the figures.
+    An output that would replace or enter the input, or replace what ctseg did not write, is
+    refused before the input is read; one of ctseg's is replaced only with `overwrite`
+    (`ctseg.inference.outputs.check_output_paths`, which repeats `command` in its fix)."""
     output = Path(output)
     _check_request(models, run_name, output, probabilities, postprocess, parts, part, finish_only)
     model, patch, labels = models[0]
+    kinds = {"-o": (output, MASK if labels.is_binary else LABEL_MAP)}
+    if probabilities is not None:
+        kinds["--probabilities"] = (probabilities, PROBABILITIES)
+    check_output_paths(url, kinds, work_folder_of(output), overwrite, command)
     # Freed activations stay in the heap (no page faults each forward); each tile's memory is
     # handed back when the tile is done (`ctseg.inference.tiled`), so the budget holds for RSS.
     tune_malloc()
@@ -201,7 +221,8 @@ def predict_scroll(
     }
     if not finish_only:
         k, n = (part, parts) if part is not None else (0, 1)
-        done = run_part(model, work, source, tile_settings, device, k, n, cache)  # type: ignore[arg-type]
+        with _resumable_when_full(work.folder, k, n):
+            done = run_part(model, work, source, tile_settings, device, k, n, cache)  # type: ignore[arg-type]
         summary["part"] = done
         print(_part_line(done), file=sys.stderr)
         if part is not None:
@@ -209,12 +230,42 @@ def predict_scroll(
     t0 = time.perf_counter()
     summary["finish"] = finish(work, parts or 1)
     release_heap()
+    record = functools.partial(
+        provenance,
+        run=run_name,
+        weights_sha256=[weights_sha256],
+        weights=[1.0],
+        inference=settings.as_dict(),
+        postprocess=postprocess.as_dict() if labels.is_binary else None,
+        labels=labels.to_dict(),
+        source={"url": source.url, "level": source.level, "intensity_range": [low, high]},
+    )
     summary["outputs"] = _write_outputs(work, source, output, probabilities, postprocess, labels,
-                                        budget)  # fmt: skip
+                                        budget, record)  # fmt: skip
     summary["finish_seconds"] = time.perf_counter() - t0
     summary["peak_rss_mb"] = _peak_rss_mb()
     remove_path(work.folder)
     return summary
+
+
+@contextlib.contextmanager
+def _resumable_when_full(folder: Path, part: int, parts: int) -> Iterator[None]:
+    """A disk that fills while a part writes its tiles is one line; the tiles it finished are
+    kept (each is renamed into place whole), so the same command goes on once there is room."""
+    try:
+        yield
+    except CtsegError:
+        raise
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is None:
+            raise
+        who = f"part {part + 1} of {parts} (--part {part})" if parts > 1 else "the predict"
+        raise CtsegError(
+            f"{folder}: no space left on the device while {who} wrote its tiles "
+            f"({full.strerror or full}); the tiles it finished are kept: free some space there "
+            "and rerun the same command to go on"
+        ) from exc
 
 
 def _warm_up(model: torch.nn.Module, settings: InferenceSettings, device: torch.device) -> None:
@@ -244,12 +295,15 @@ def _with_budget(
 
 
 def _part_line(done: Mapping[str, Any]) -> str:
+    low = done["read_amplification"] < 1 and done["skipped_windows"] > 0
     return (
         f"predict: part {done['part'] + 1} of {done['parts']}: {done['tiles_computed']} tiles "
         f"computed ({done['tiles_resumed']} done before), {done['windows']} windows, "
         f"{done['skipped_windows']} skipped as empty; read amplification "
         f"{done['read_amplification']:.3f} ({done['bytes_fetched'] / 2**20:.1f} MB fetched for "
-        f"{done['bytes_of_region'] / 2**20:.1f} MB of input), {done['seconds']:.1f} s"
+        f"{done['bytes_of_region'] / 2**20:.1f} MB of input"
+        + ("; below 1: the chunks only skipped windows meet are not read" if low else "")
+        + f"), {done['seconds']:.1f} s"
     )
 
 
@@ -288,9 +342,18 @@ def _write_mask(
         if postprocess.closing_radius:
             closing = create_volume(scratch, shape, np.uint8, block, write_empty_chunks=False)
         return blockwise_mask(probs, out, postprocess, block, closing)
+    names = channel_names(labels)
+    values = np.array([labels.labels[name] for name in names])
+    counts = np.zeros(len(names), dtype=np.int64)
     for box in _blocks(shape, block):
-        out[box] = label_map(np.asarray(probs[(slice(None), *box)]), labels)
-    return {"classes": labels.out_channels - 1}
+        block_map = label_map(np.asarray(probs[(slice(None), *box)]), labels)
+        out[box] = block_map
+        counts += (block_map[..., None] == values).sum(axis=tuple(range(block_map.ndim)))
+    return {
+        "classes": labels.n_classes,
+        "class_voxels": {name: int(n) for name, n in zip(names, counts, strict=True)},
+        "foreground_voxels": int(counts[1:].sum()),
+    }
 
 
 def _write_outputs(
@@ -301,29 +364,35 @@ def _write_outputs(
     postprocess: PostprocessSettings,
     labels: LabelSpec,
     budget: int,
+    record: Callable[[str], dict[str, Any]],
 ) -> dict[str, Any]:
+    """The mask (or label map) and the probabilities asked for, each with `record` of its kind
+    (`ctseg.inference.outputs.provenance`)."""
     probs = work.probabilities()
     shape: Shape3 = source.shape
     chunks: Shape3 = tuple(work.manifest["chunks"])  # type: ignore[assignment]
     block = _post_block(chunks, shape, budget)
     scratch = work.folder / "closing.zarr"
     done: dict[str, Any] = {"mask": str(output)}
+    mask_record = record(MASK if labels.is_binary else LABEL_MAP)
     if output.suffix in OME_SUFFIXES:
         with fresh_output(output, what=f"write the mask of {source.url}") as tmp:
             group = create_image(tmp, shape, np.uint8, chunks, spacing=source.spacing,
-                                 name="mask", attributes={"source": source.describe()})  # fmt: skip
+                                 name="mask", attributes={PROVENANCE_KEY: mask_record})  # fmt: skip
             done.update(_write_mask(probs, group["0"], postprocess, labels, block, scratch))
             build_pyramid(group, "mode", budget // 4)
     else:
         mask = create_volume(work.folder / "mask.zarr", shape, np.uint8, chunks)
         done.update(_write_mask(probs, mask, postprocess, labels, block, scratch))
-        with atomic_path(output) as tmp:
+        with fresh_output(output, what=f"write the mask of {source.url}") as tmp:
             pages = (np.asarray(mask[z]) for z in range(shape[0]))
-            tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack")
+            tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack",
+                             description=tiff_description(mask_record), metadata=None)  # fmt: skip
     if probabilities is not None:
         with fresh_output(probabilities, what="write the probabilities") as tmp:
             group = create_image(tmp, shape, np.float16, chunks, spacing=source.spacing,
-                                 name="probabilities")  # fmt: skip
+                                 name="probabilities",
+                                 attributes={PROVENANCE_KEY: record(PROBABILITIES)})  # fmt: skip
             for box in _blocks(shape, block):
                 group["0"][box] = probs[box]
             build_pyramid(group, "mean", budget // 4)

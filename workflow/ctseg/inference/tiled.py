@@ -39,6 +39,7 @@ its own name, and they write disjoint files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -70,7 +71,7 @@ from ctseg.inference.windows import (
     weight_sum_1d,
     window_starts,
 )
-from ctseg.io import CtsegError, OutputBusy, output_lock, remove_path, strict_json
+from ctseg.io import CtsegError, OutputBusy, free_bytes, output_lock, remove_path, strict_json
 from ctseg.labels import LabelSpec
 from ctseg.progress import Progress
 from ctseg.store import create_volume
@@ -95,8 +96,17 @@ def _write_atomic(path: Path, data: bytes, writer: str) -> None:
 
 
 def _save_atomic(path: Path, array: np.ndarray, writer: str) -> None:
+    """`array` saved under a temporary name and renamed (`_write_atomic`). numpy reports a
+    disk that fills as a short write without an errno ("problem writing element 2560 to file"
+    for a strided array): with less room left than the array takes, that is a full disk."""
     tmp = path.with_name(f"{path.name}.tmp-{writer}.npy")
-    np.save(tmp, array)
+    try:
+        np.save(tmp, np.ascontiguousarray(array))
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno is None and free_bytes(path.parent) < array.nbytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+        raise
     os.replace(tmp, path)
 
 
@@ -470,13 +480,23 @@ def run_part(
 
 
 def _region_bytes(grid: TileGrid, tiles: Sequence[Index], itemsize: int) -> int:
-    """Bytes of the input region the tiles cover: the union of their extents' z-y-x boxes,
-    counted as the volume's bytes when every tile is there."""
+    """Bytes of the input region the tiles cover: the union of their extents (within the
+    volume), counted exactly over the grid of the extents' own edges, so that a part's tiles
+    that do not fill their bounding box are not counted as if they did."""
     if not tiles:
         return 0
-    lo = [min(grid.extent(t)[a][0] for t in tiles) for a in range(3)]
-    hi = [min(max(grid.extent(t)[a][1] for t in tiles), grid.shape[a]) for a in range(3)]
-    return int(np.prod([h - low for low, h in zip(lo, hi, strict=True)])) * itemsize
+    boxes = [
+        [(lo, min(hi, grid.shape[a])) for a, (lo, hi) in enumerate(grid.extent(t))] for t in tiles
+    ]
+    edges = [sorted({e for box in boxes for e in box[a]}) for a in range(3)]
+    covered = np.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for box in boxes:
+        covered[
+            tuple(slice(edges[a].index(lo), edges[a].index(hi)) for a, (lo, hi) in enumerate(box))
+        ] = True
+    sizes = [np.diff(e) for e in edges]
+    voxels = np.einsum("zyx,z,y,x->", covered, *sizes, dtype=np.int64)
+    return int(voxels) * itemsize
 
 
 def finish(work: Work, parts: int = 1) -> dict[str, Any]:
