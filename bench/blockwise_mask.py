@@ -4,11 +4,12 @@
     python bench/blockwise_mask.py --smoke   # 24^3, 8^3 blocks: seconds (CI)
 
 Both read the same float32 probabilities from a .npy memmap on disk (smoothed noise, so there
-are components, cavities and cracks) with every step the blockwise mask supports on (hysteresis
-3D, a component filter, the cavity fill, a closing of radius 1); the blockwise mask writes into
-a memmap, the whole-volume mask is an array. Each runs in its own child process: its time, its
-peak RSS (ru_maxrss, less the child's RSS before the run: the interpreter and imports) and its
-peak of Python-tracked allocations (tracemalloc, which sees numpy's arrays), in a second run.
+are components, cavities and cracks) with hysteresis 3D, a component filter, the cavity fill
+and a closing of radius 1 on; the blockwise mask writes into a memmap (the mask before the
+closing into a zarr array in a scratch folder beside it), the whole-volume mask is an array.
+Each runs in its own child process: its time, its peak RSS (ru_maxrss, less the child's RSS
+before the run: the interpreter and imports) and its peak of Python-tracked allocations
+(tracemalloc, which sees numpy's arrays), in a second run.
 The masks must be identical. The run ends with
 
     RESULT blockwise_mask size=<n> block=<b> identical=1 tracemalloc_ratio=<x> rss_ratio=<x>
@@ -60,12 +61,10 @@ def child(mode: str, probs_path: Path, out_path: Path, block: int) -> None:
             np.save(out_path, mask)
         else:
             out = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.uint8, shape=probs.shape)
-            scratch = np.lib.format.open_memmap(
-                out_path.with_suffix(".scratch.npy"), mode="w+", dtype=np.uint8, shape=probs.shape
-            )
-            blockwise_mask(probs, out, SETTINGS, block=(block,) * 3, scratch=scratch)
+            scratch_dir = out_path.with_suffix(".scratch")
+            blockwise_mask(probs, out, SETTINGS, block=(block,) * 3, scratch_dir=scratch_dir)
             out.flush()
-            del out, scratch
+            del out
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()

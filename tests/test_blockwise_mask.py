@@ -1,16 +1,23 @@
 """The blockwise mask (ctseg.postprocess.blockwise) is `binary_mask`'s, bit for bit, with its
 counts: on noise and on structures that only join across block faces, edges and corners or in a
-far block, for block shapes that divide the volume, that do not, one voxel thin, and one block
-larger than the volume; plugging and patching are refused in one line."""
+far block, holes and patch rings cut by block borders, for block shapes that divide the volume,
+that do not, one voxel thin, and one block larger than the volume, with every step alone and
+together; `post_block` picks blocks that fit the budget and refuses in one line when one chunk
+does not."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
+import cc3d
 import numpy as np
 import pytest
 from scipy import ndimage
 
 from ctseg.io import CtsegError
-from ctseg.postprocess.blockwise import blockwise_mask
+from ctseg.postprocess import blockwise
+from ctseg.postprocess.blockwise import blockwise_mask, patch_halo, plug_halo, post_block
 from ctseg.postprocess.masks import PostprocessSettings, binary_mask
 
 SHAPE = (18, 15, 13)
@@ -42,7 +49,24 @@ SETTINGS = {
         fill_holes=True,
         closing_radius=2,
     ),  # fmt: skip
+    "plug": PostprocessSettings(threshold=0.5, plug_holes_max_area=6),
+    "patch": PostprocessSettings(threshold=0.5, patch_holes_max_area=16),
+    "plug_patch_close": PostprocessSettings(
+        threshold=0.5, plug_holes_max_area=3, patch_holes_max_area=24, closing_radius=1
+    ),
+    "everything": PostprocessSettings(
+        threshold=0.4,
+        hysteresis_high=0.8,
+        min_component_voxels=12,
+        fill_holes=True,
+        plug_holes_max_area=4,
+        patch_holes_max_area=30,
+        closing_radius=2,
+    ),
 }
+# The settings with a step that reads the mask with an in-plane halo: fewer blocks, for time.
+HALO_SETTINGS = ("plug", "patch", "plug_patch_close", "everything")
+HALO_BLOCKS = [(4, 4, 4), (5, 7, 3), (18, 1, 13), (6, 6, 20)]
 
 
 def noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -89,8 +113,37 @@ def check(probs: np.ndarray, settings: PostprocessSettings, block: tuple[int, ..
 def test_identical_to_the_whole_volume(name: str) -> None:
     settings = SETTINGS[name]
     for probs in (noise(SHAPE, 0), structures()):
-        for block in BLOCKS:
+        for block in HALO_BLOCKS if name in HALO_SETTINGS else BLOCKS:
             check(probs, settings, block)
+
+
+def test_the_noise_has_holes_to_plug_and_patch() -> None:
+    """The halo settings are a real test on the noise: each of their steps changes it."""
+    for name in HALO_SETTINGS:
+        settings = SETTINGS[name]
+        counts = binary_mask(noise(SHAPE, 0), settings)[1]
+        if settings.plug_holes_max_area:
+            assert counts["plugged_voxels"] > 0, (name, counts)
+        if settings.patch_holes_max_area:
+            assert counts["patched_voxels"] > 0, (name, counts)
+
+
+def test_random_volumes_settings_and_blocks() -> None:
+    """Random shapes, noise, settings and blocks (one voxel thin, not dividing, whole axes)."""
+    rng = np.random.default_rng(11)
+    for case in range(6):
+        shape = tuple(int(n) for n in rng.integers(5, 14, size=3))
+        probs = noise(shape, 100 + case)
+        settings = PostprocessSettings(
+            threshold=float(rng.choice([0.4, 0.5, 0.6])),
+            min_component_voxels=int(rng.choice([0, 6])),
+            fill_holes=bool(rng.integers(2)),
+            plug_holes_max_area=int(rng.choice([0, 2, 5, 9])),
+            patch_holes_max_area=int(rng.choice([0, 12, 40])),
+            closing_radius=int(rng.choice([0, 1, 2])),
+        )
+        block = tuple(int(rng.choice([1, int(rng.integers(2, 7)), n])) for n in shape)
+        check(probs, settings, block)
 
 
 def test_the_structures_need_the_merge() -> None:
@@ -144,39 +197,175 @@ def test_a_component_across_many_blocks() -> None:
         check(p, settings, block)
 
 
-def test_array_likes_and_the_scratch() -> None:
-    """A memmap input and output, and a caller's scratch for the closing."""
-    probs = noise((10, 9, 8), 5)
-    settings = SETTINGS["all_3d"]
-    expected = binary_mask(probs, settings)[0]
-    out = np.zeros(probs.shape, np.uint8)
-    scratch = np.zeros(probs.shape, np.uint8)
-    blockwise_mask(probs, out, settings, block=(4, 4, 4), scratch=scratch)
-    assert np.array_equal(out, expected)
-    assert scratch.any()  # it held the mask before the closing
+def test_array_likes_and_the_scratch_folder(tmp_path: Path) -> None:
+    """A memmap input and output, and a caller's scratch folder: made, and left empty (each
+    intermediate mask removed once read)."""
+    probs = np.lib.format.open_memmap(
+        tmp_path / "probs.npy", mode="w+", dtype=np.float32, shape=(10, 9, 8)
+    )
+    probs[:] = noise((10, 9, 8), 5)
+    out = np.lib.format.open_memmap(
+        tmp_path / "out.npy", mode="w+", dtype=np.uint8, shape=(10, 9, 8)
+    )
+    settings = SETTINGS["everything"]
+    scratch = tmp_path / "work" / "scratch"
+    blockwise_mask(probs, out, settings, block=(4, 4, 4), scratch_dir=scratch)
+    assert np.array_equal(out, binary_mask(np.asarray(probs), settings)[0])
+    assert scratch.is_dir() and not any(scratch.iterdir())
 
 
-@pytest.mark.parametrize(
-    ("settings", "message"),
-    [
-        (
-            PostprocessSettings(plug_holes_max_area=64),
-            "plug_holes_max_area=64 works per whole slice along z, y and x (a hole is a 2D "
-            "component of a whole plane): not available blockwise",
+def sheet_with_holes(shape: tuple[int, int, int]) -> np.ndarray:
+    """A confident sheet filling the z-slice z = 1 (the slices across y and x see a line):
+    - a 3 x 3 hole (9 pixels), a 2 x 6 one (12) and a 4 x 4 one (16), cut by block borders;
+    - a hole open to the volume's face (x = 0), never enclosed;
+    - two 2 x 2 holes three pixels apart, whose patch rings overlap: the right one has the larger
+      label, so the pixels between them count for it; beside the left one, five background pixels
+      of slits from the face (x = 0), large and open, so not holes. Alone, the left hole's ring
+      is 55 / 60 mask and it is patched; beside the right one it keeps 31 / 36 and stays open."""
+    p = np.full(shape, 0.1, np.float32)
+    p[1] = 0.9
+    p[1, 2:5, 13:16] = 0.1
+    p[1, 14:16, 12:18] = 0.1
+    p[1, 13:17, 20:24] = 0.1
+    p[1, 17:19, 0:3] = 0.1
+    p[1, 8:10, 4:6] = 0.1  # the left patch hole
+    p[1, 8:10, 9:11] = 0.1  # the right one
+    p[1, 6, 0:3] = p[1, 10, 0:3] = p[1, 12, 0:2] = 0.1  # the slits
+    return p
+
+
+def test_holes_cut_by_block_borders() -> None:
+    p = sheet_with_holes((3, 20, 26))
+    plug = PostprocessSettings(threshold=0.5, plug_holes_max_area=12)
+    mask, counts = binary_mask(p, plug)
+    assert mask[1, 3, 14] and mask[1, 15, 15]  # 9 and 12 pixels: plugged
+    assert not mask[1, 14, 21] and not mask[1, 18, 1]  # 16 pixels; open to the face
+    assert counts["plugged_voxels"] == 9 + 12 + 4 + 4
+    for settings in (
+        plug,
+        PostprocessSettings(threshold=0.5, patch_holes_max_area=16),
+        PostprocessSettings(
+            threshold=0.5, plug_holes_max_area=9, patch_holes_max_area=16, closing_radius=1
         ),
-        (
-            PostprocessSettings(patch_holes_max_area=1024, closing_radius=1),
-            "patch_holes_max_area=1024 works per whole slice along z, y and x (a hole is a 2D "
-            "component of a whole plane): not available blockwise",
-        ),
-    ],
-)
-def test_refused_steps(settings: PostprocessSettings, message: str) -> None:
-    out = np.zeros((4, 4, 4), np.uint8)
+    ):
+        for block in ((3, 4, 14), (1, 6, 7), (3, 20, 1), (2, 5, 4)):
+            check(p, settings, block)
+
+
+def test_patch_rings_overlapping_across_a_block_border() -> None:
+    p = sheet_with_holes((3, 20, 26))
+    settings = PostprocessSettings(threshold=0.5, patch_holes_max_area=4)
+    mask = binary_mask(p, settings)[0]
+    assert mask[1, 8, 9] and not mask[1, 8, 4]  # the right hole patched, the left one not
+    alone = p.copy()
+    alone[1, 8:10, 9:11] = 0.9
+    assert binary_mask(alone, settings)[0][1, 8, 4]  # without the right one, the left is patched
+    # Borders between the two holes (x = 7, 8), through them, one voxel thin across each axis.
+    for block in ((3, 20, 7), (3, 20, 8), (1, 9, 10), (3, 9, 5), (3, 1, 26), (2, 20, 1)):
+        check(p, settings, block)
+
+
+def tight_halos() -> np.ndarray:
+    """The worst cases of the halos, for a block ending at x = 8, in a sheet filling z = 1:
+    - row 14: a line hole of 4 pixels from x = 7, the block's last column, to x = 10, A - 1 past
+      it (A = 4);
+    - row 6: a line hole H of 4 pixels from x = 7 to 10 and a thief of 4 from x = 16 to 19,
+      2P + 2R - 2 past the block (P = 4, R = 3): the thief has the larger label, and the ring
+      pixels at x = 13, within R of both, count for it. Three slits from the face y = 0 put six
+      background pixels in H's ring: alone, 60 / 66 of it is mask and H is patched; robbed of the
+      seven pixels at x = 13, 53 / 59 is, and H stays open."""
+    p = np.full((3, 18, 24), 0.1, np.float32)
+    p[1] = 0.9
+    p[1, 14, 7:11] = 0.1
+    p[1, 6, 7:11] = 0.1
+    p[1, 6, 16:20] = 0.1
+    p[1, 0:5, [5, 7, 9]] = 0.1
+    return p
+
+
+def check_one_voxel_less_of_halo_is_wrong(
+    settings: PostprocessSettings,
+    halo: str,
+    pixel: tuple[int, int, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tight_halos` blockwise is exact with the halo `halo` names, wrong at `pixel` with one
+    voxel less: the bound is the least that works."""
+    p, block = tight_halos(), (3, 18, 8)
+    expected = binary_mask(p, settings)[0]
+    check(p, settings, block)
+    exact = getattr(blockwise, halo)
+    monkeypatch.setattr(blockwise, halo, lambda area: exact(area) - 1)
+    out = np.zeros(p.shape, np.uint8)
+    blockwise_mask(p, out, settings, block=block)
+    assert out[pixel] != expected[pixel]
+
+
+def test_the_plug_halo_is_tight(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = PostprocessSettings(threshold=0.5, plug_holes_max_area=4)
+    assert binary_mask(tight_halos(), settings)[0][1, 14, 7]  # plugged
+    check_one_voxel_less_of_halo_is_wrong(settings, "plug_halo", (1, 14, 7), monkeypatch)
+
+
+def test_the_patch_halo_is_tight(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = PostprocessSettings(threshold=0.5, patch_holes_max_area=4)
+    p = tight_halos()
+    assert not binary_mask(p, settings)[0][1, 6, 7]  # robbed by the thief: open
+    p[1, 6, 16:20] = 0.9
+    assert binary_mask(p, settings)[0][1, 6, 7]  # without the thief: patched
+    check_one_voxel_less_of_halo_is_wrong(settings, "patch_halo", (1, 6, 7), monkeypatch)
+
+
+def test_labels_keep_their_order_in_a_crop() -> None:
+    """What the patching's halo relies on: cc3d numbers the components of a crop of a slice in
+    the same relative order as those of the whole slice, for the components lying whole in the
+    crop away from its sides."""
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        plane = ndimage.gaussian_filter(rng.random((40, 36)), 1.0) > 0.5
+        full = cc3d.connected_components(plane, connectivity=4)
+        y0, x0 = rng.integers(0, 15, size=2)
+        y1, x1 = y0 + rng.integers(10, 25), x0 + rng.integers(10, 21)
+        crop = cc3d.connected_components(np.ascontiguousarray(plane[y0:y1, x0:x1]), connectivity=4)
+        edge = np.unique(np.concatenate([crop[0], crop[-1], crop[:, 0], crop[:, -1]]))
+        inner = [c for c in np.unique(crop) if c and c not in edge]
+        whole = [int(full[y0:y1, x0:x1][crop == c][0]) for c in inner]
+        assert whole == sorted(whole)
+
+
+def test_halos() -> None:
+    assert plug_halo(64) == 64 and plug_halo(0) == 0
+    assert patch_halo(1024) == 2 * 1024 + 2 * 3 - 1 and patch_halo(0) == 0
+
+
+def test_post_block_fits_the_budget_in_whole_chunks() -> None:
+    shape, chunks = (500, 700, 900), (64, 64, 64)
+    for settings in (
+        PostprocessSettings(),
+        PostprocessSettings(plug_holes_max_area=64, closing_radius=2),
+        PostprocessSettings(patch_holes_max_area=256),
+    ):
+        small = post_block(chunks, shape, settings, 2**30)
+        large = post_block(chunks, shape, settings, 16 * 2**30)
+        for block in (small, large):
+            assert all(b % c == 0 or b == n for b, c, n in zip(block, chunks, shape, strict=True))
+        assert math.prod(large) > math.prod(small) >= math.prod(chunks)
+    # A chunk larger than the volume: the block is the chunk, whatever the halo.
+    assert post_block((64, 64, 64), (10, 20, 30), SETTINGS["everything"], 2**20) == (64, 64, 64)
+
+
+def test_post_block_refuses_in_one_line_when_one_chunk_does_not_fit() -> None:
+    settings = PostprocessSettings(patch_holes_max_area=1024, closing_radius=1)
     with pytest.raises(CtsegError) as info:
-        blockwise_mask(np.zeros((4, 4, 4), np.float32), out, settings, block=(2, 2, 2))
-    assert str(info.value) == message and "\n" not in message
-    assert not out.any()  # refused before writing anything
+        post_block((128, 128, 128), (2000, 8000, 8000), settings, 512 * 2**20)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("post-processing t>0.5 patch 1024 close 1 needs ")
+    assert "one chunk (128, 128, 128) read with a halo of 2053 voxels (patch 1024)" in message
+    assert "more than 25% of --memory-budget-mb 512" in message
+    at_least = int(message.rsplit(" ", 1)[1])
+    assert at_least > 512
+    post_block((128, 128, 128), (2000, 8000, 8000), settings, at_least * 2**20)  # then it fits
 
 
 def test_bad_blocks() -> None:

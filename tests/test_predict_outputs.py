@@ -196,3 +196,49 @@ def test_a_disk_that_fills_under_a_parts_spill_is_one_line_and_the_part_goes_on(
         np.testing.assert_array_equal(tifffile.imread(out), tifffile.imread(reference))
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_outputs_a_viewer_reads_right_with_the_datasets_spacing_and_provenance(tmp_path):
+    """A binary run's mask and probabilities, and a multi-class run's label map and channel
+    probabilities, each pass ome-zarr-models' validation as the image kind it is, carry the
+    dataset plan's spacing 2.5 x 1 x 1 (a plain Zarr input records none) with a pyramid toward
+    isotropic voxels, and record how they were made."""
+    from ome_zarr_models.v05 import Image, ImageLabel
+    from test_multiclass_inference import SPEC
+    from test_multiclass_inference import save_run as save_multiclass_run
+    from test_ome_zarr import validate
+
+    from ctseg.labels import LabelSpec
+    from ctseg.ome_zarr import check_image
+    from ctseg.plan import DatasetPlan, write_dataset_plan
+
+    spacing = (2.5, 1.0, 1.0)
+    write_dataset_plan(tmp_path / "results" / "plans" / "dataset.json",
+                       DatasetPlan(LabelSpec({"background": 0, "papyrus": 1}), spacing,
+                                   "dataset.yaml"))  # fmt: skip
+    binary = save_run(tmp_path / "results" / "tiny")
+    multi = tmp_path / "results" / "mc"
+    save_multiclass_run(multi, SPEC)
+    store = zarr_volume(tmp_path / "v.zarr", volume((40, 96, 80), seed=3), chunks=(16, 32, 32))
+    for run, name in ((binary, "bin"), (multi, "mc")):
+        out, probs = tmp_path / f"{name}.zarr", tmp_path / f"{name}_p.zarr"
+        ctseg("predict", "--run", run, "-i", store, "-o", out, "--probabilities", probs,
+              "--memory-budget-mb", "24")  # fmt: skip
+    for name, kind, channels in (("bin", ImageLabel, None), ("bin_p", Image, None),
+                                 ("mc", ImageLabel, None), ("mc_p", Image, 4)):  # fmt: skip
+        path = tmp_path / f"{name}.zarr"
+        validate(path, kind)
+        image = check_image(path)
+        assert image["scales"][0][-3:] == list(spacing), image["scales"]
+        # Level 1 halves y and x only (2.5 x 2 x 2), level 2 all three (5 x 4 x 4).
+        assert image["levels"][1][-3:] == (40, 48, 40) and image["levels"][2][-3:] == (20, 24, 20)
+        assert (channels is None) == (image["channels"] is None)
+        record = image["attributes"]["ctseg"]
+        assert record["input"]["spacing"] == list(spacing)
+        assert record["input"]["spacing_from"] == "the run's dataset plan"
+        assert record["run"] in ("tiny", "mc") and record["weights_sha256"][0]
+    labels = check_image(tmp_path / "mc.zarr")["label_values"]
+    assert [c.name for c in labels.values()] == ["background", *SPEC.classes]
+    assert sorted(labels) == sorted(SPEC.labels.values())
+    assert check_image(tmp_path / "mc_p.zarr")["channels"] == ["background", *SPEC.classes]
+    assert zarr.open_group(tmp_path / "mc_p.zarr", mode="r")["0"].shape == (4, 40, 96, 80)

@@ -22,8 +22,8 @@ from test_volume_source import http_root  # noqa: F401 (a fixture)
 
 from ctseg.inference.settings import InferenceSettings
 from ctseg.inference.source import open_source
+from ctseg.inference.tiled import MANIFEST, open_work, run_part
 from ctseg.inference.tiled import finish as finish_work
-from ctseg.inference.tiled import open_work, run_part
 from ctseg.inference.tiles import TileGrid, part_tiles
 from ctseg.inference.volume import infer_volume
 from ctseg.inference.windows import check_coverage, from_fixed, to_fixed, window_starts
@@ -245,11 +245,18 @@ def in_memory_mask(run_dir: Path, data: np.ndarray, tmp: Path, settings) -> np.n
 
 
 def test_predict_in_place_matches_the_tiff_path_in_parts_and_as_ome_zarr(tmp_path):
+    """A tuned run whose settings plug and patch holes (each per whole 2D slice, done block by
+    block with the halo its area bounds) and close: the run's tuned.json applies in place
+    unchanged, in one part and in three, and gives the TIFF path's mask."""
     run = save_run(tmp_path / "results" / "tiny")
+    tuned = {"threshold": 0.5, "hysteresis_high": None, "min_component_voxels": 20,
+             "fill_holes": True, "plug_holes_max_area": 16, "patch_holes_max_area": 40,
+             "closing_radius": 1}  # fmt: skip
+    (run / "postprocess").mkdir()
+    (run / "postprocess" / "tuned.json").write_text(json.dumps({"settings": tuned, "score": 0.5}))
     data = volume((48, 60, 52), seed=4)
     store = zarr_volume(tmp_path / "v.zarr", data, stats=False)
-    options = ["--overlap", "0.5", "--batch-size", "2", "--min-component-voxels", "20",
-               "--fill-holes"]  # fmt: skip
+    options = ["--overlap", "0.5", "--batch-size", "2"]
     reference = in_memory_mask(run, data, tmp_path, options)
     budget = ["--memory-budget-mb", "4"]
     ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *options, *budget,
@@ -267,23 +274,23 @@ def test_predict_in_place_matches_the_tiff_path_in_parts_and_as_ome_zarr(tmp_pat
     out, work = tmp_path / "parts.tif", tmp_path / ".parts.tif.predict"
     parts = [*options, *budget, "--parts", "3"]
     ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "0")
-    slow = {**os.environ, "PYTHONPATH": str(_slow_tiles_hook(tmp_path)), "SLOW_TILES_S": "0.3"}
-    proc = subprocess.Popen([str(BIN / "ctseg"), "predict", "--run", str(run), "-i", str(store),
-                             "-o", str(out), *parts, "--part", "1"], env=slow,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 120
-    part1 = set(map(str, _part_tile_names(work, 3, 1)))
-    while not part1 & {p.stem for p in (work / "tiles").glob("*.done")}:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    slow = slow_tiles_env(tmp_path)
+    kill_after_a_tile([str(BIN / "ctseg"), "predict", "--run", str(run), "-i", str(store), "-o",
+                       str(out), *map(str, parts), "--part", "1"], slow, work, 1, 3)  # fmt: skip
     ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "1",
           "--summary", tmp_path / "p1.json")  # fmt: skip
     assert json.loads((tmp_path / "p1.json").read_text())["part"]["tiles_resumed"] >= 1
     ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "2")
     ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--finish")
     np.testing.assert_array_equal(tifffile.imread(out), reference)
+
+
+def slow_tiles_env(tmp: Path) -> dict[str, str]:
+    """The environment of a process whose every tile takes 0.3 s longer (`_slow_tiles_hook`)."""
+    path = os.pathsep.join(
+        p for p in (str(_slow_tiles_hook(tmp)), os.environ.get("PYTHONPATH")) if p
+    )
+    return {**os.environ, "PYTHONPATH": path, "SLOW_TILES_S": "0.3"}
 
 
 def _slow_tiles_hook(tmp: Path) -> Path:
@@ -304,9 +311,23 @@ def _slow_tiles_hook(tmp: Path) -> Path:
     return folder
 
 
-def _part_tile_names(work: Path, parts: int, part: int) -> list[str]:
-    from ctseg.inference.tiled import MANIFEST
+def kill_after_a_tile(
+    command: list[str], env: dict[str, str], work: Path, part: int, parts: int
+) -> None:
+    """Start `command` (a part), SIGKILL it once one of its tiles is done (in `work`)."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (work / MANIFEST).exists() or not set(_part_tile_names(work, parts, part)) & {
+        p.stem for p in (work / "tiles").glob("*.done")
+    }:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
 
+
+def _part_tile_names(work: Path, parts: int, part: int) -> list[str]:
     manifest = json.loads((work / MANIFEST).read_text())
     shape, window, chunks = manifest["shape"], manifest["window"], manifest["chunks"]
     starts = tuple(
@@ -395,8 +416,11 @@ def test_a_multiclass_run_writes_its_label_map_as_the_folder_predict_does(tmp_pa
     [
         (["--part", "1"], "--part and --finish go with --parts N"),
         (["--parts", "3"], "--parts 3: give --part K (0..2) or --finish"),
-        (["--plug-holes-max-area", "4"], "plug_holes_max_area=4 works per whole slice"),
-        (["--memory-budget-mb", "0.1"], "MB the tiles get (half of --memory-budget-mb 0.1)"),
+        (
+            ["--memory-budget-mb", "1", "--window", "32,32,32"],
+            "MB the tiles get (half of --memory-budget-mb 1)",
+        ),
+        (["--memory-budget-mb", "0.5"], "raise --memory-budget-mb to at least 0.7"),
     ],
 )
 def test_requests_the_in_place_predict_cannot_do_are_one_line(tmp_path, extra, message):
@@ -412,3 +436,19 @@ def test_requests_the_in_place_predict_cannot_do_are_one_line(tmp_path, extra, m
     assert not (tmp_path / "m.zarr").exists() and not (tmp_path / ".m.zarr.predict").exists()
     bad = ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.nii", check=False)
     assert "the output of a volume read in place is an OME-Zarr image" in bad.stderr
+
+
+def test_post_processing_whose_halo_does_not_fit_is_refused_before_any_tile(tmp_path):
+    """Patching holes of 4096 pixels reads each block with a halo of 8197 voxels in-plane: on a
+    600 x 600 plane that does not fit a quarter of 4 MB, and the refusal gives the budget."""
+    run = save_run(tmp_path / "results" / "tiny")
+    store = zarr_volume(
+        tmp_path / "v.zarr", np.zeros((16, 600, 600), np.uint8), chunks=(16, 64, 64)
+    )
+    patch = ["--patch-holes-max-area", "4096", "--memory-budget-mb", "4"]
+    done = ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *patch,
+                 check=False)  # fmt: skip
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and "raise --memory-budget-mb to at least" in last, done.stderr
+    assert "windows" not in done.stderr  # no tile was started
+    assert not (tmp_path / ".m.zarr.predict").exists()

@@ -4,7 +4,9 @@
 # finished into one OME-Zarr mask, results/<run>/scroll/<name>.zarr. The parts keep their tiles
 # in the work folder beside it, results/<run>/scroll/.<name>.zarr.predict/, which no rule
 # declares: Snakemake never deletes it, so a killed or failed part, run again, goes on from the
-# tiles it finished; the finish removes it.
+# tiles it finished; the finish removes it. Both rules pass --overwrite: the mask lies in
+# results/, which Snakemake replaces when it reruns a job; a path ctseg did not write is still
+# refused.
 import re
 import shlex
 
@@ -104,7 +106,7 @@ rule scroll_part:
         "--parts {wildcards.n} --part {wildcards.k} --summary {output.summary:q} "
         "--weights {params.weights} {params.options} --overlap {params.overlap} "
         "--batch-size {params.batch} {params.tta} --memory-budget-mb {params.budget} "
-        "--device-budget-mb {params.device_budget} {params.settings} > {log:q} 2>&1"
+        "--device-budget-mb {params.device_budget} {params.settings} --overwrite > {log:q} 2>&1"
 
 
 rule scroll_finish:
@@ -154,4 +156,4 @@ rule scroll_finish:
         "--parts {params.parts} --finish --summary {output.summary:q} "
         "--weights {params.weights} {params.options} --overlap {params.overlap} "
         "--batch-size {params.batch} {params.tta} --memory-budget-mb {params.budget} "
-        "--device-budget-mb {params.device_budget} {params.settings} > {log:q} 2>&1"
+        "--device-budget-mb {params.device_budget} {params.settings} --overwrite > {log:q} 2>&1"

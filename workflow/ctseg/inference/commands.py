@@ -145,6 +145,7 @@ def _predict_in_place(
 ) -> None:
     import json
 
+    from ctseg.inference.predict import run_spacing
     from ctseg.inference.scroll import predict_scroll
     from ctseg.training.checkpoint import stored_digest
 
@@ -155,11 +156,14 @@ def _predict_in_place(
     summary = predict_scroll(
         run.name,
         models,
-        stored_digest(run.weight_files[0]),
+        [stored_digest(weights) for weights in run.weight_files],
         args.input,
         Path(args.output),
         inference,
         postprocess,
+        weights=run.weights,
+        weights_from=run.weights_from,
+        dataset_spacing=run_spacing(run),
         level=args.level,
         storage_options=options,
         probabilities=Path(args.probabilities) if args.probabilities else None,
@@ -278,35 +282,8 @@ def _infer_parser(add_parser: AddParser) -> None:
     p.set_defaults(func=cmd_infer)
 
 
-def _predict_parser(add_parser: AddParser) -> None:
-    p = add_parser(
-        "predict",
-        help="a trained run's post-processed masks of a folder of new volumes",
-        description="The masks of every volume in --input (<id>.tif/.tiff, or <id>/ of slice "
-        "TIFFs) by the run's models, as <output>/<id>.tif (uint8 0/1). Post-processing: "
-        "<run>/postprocess/tuned.json when it exists and no fixed option is given, else the "
-        "fixed options (their defaults unless given).",
-    )
-    p.add_argument(
-        "--run",
-        required=True,
-        help="results/<run>: an experiment, a fold <exp>.fold<i>, a cross-validation <exp>.cv "
-        "or an ensemble",
-    )
-    p.add_argument(
-        "-i",
-        "--input",
-        required=True,
-        help="folder of TIFF volumes or slice folders; or one volume read in place: a Zarr array "
-        "or OME-Zarr group (a path, s3://..., https://...)",
-    )
-    p.add_argument(
-        "-o",
-        "--output",
-        required=True,
-        help="folder for the masks <id>.tif; for a volume read in place, <name>.zarr (an "
-        "OME-Zarr image with a pyramid) or <name>.tif",
-    )
+def _in_place_options(p: argparse.ArgumentParser) -> None:
+    """The options of a volume read in place (`ctseg.inference.scroll`)."""
     whole = p.add_argument_group("a volume read in place (docs/whole-scrolls.md)")
     whole.add_argument("--level", default=None, help="the OME-Zarr level to read (default: 0)")
     whole.add_argument(
@@ -345,6 +322,38 @@ def _predict_parser(add_parser: AddParser) -> None:
         help="replace the mask (and probabilities) an earlier ctseg predict wrote there; "
         "nothing else is ever replaced",
     )
+
+
+def _predict_parser(add_parser: AddParser) -> None:
+    p = add_parser(
+        "predict",
+        help="a trained run's post-processed masks of a folder of new volumes",
+        description="The masks of every volume in --input (<id>.tif/.tiff, or <id>/ of slice "
+        "TIFFs) by the run's models, as <output>/<id>.tif (uint8 0/1). Post-processing: "
+        "<run>/postprocess/tuned.json when it exists and no fixed option is given, else the "
+        "fixed options (their defaults unless given).",
+    )
+    p.add_argument(
+        "--run",
+        required=True,
+        help="results/<run>: an experiment, a fold <exp>.fold<i>, a cross-validation <exp>.cv "
+        "or an ensemble",
+    )
+    p.add_argument(
+        "-i",
+        "--input",
+        required=True,
+        help="folder of TIFF volumes or slice folders; or one volume read in place: a Zarr array "
+        "or OME-Zarr group (a path, s3://..., https://...)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="folder for the masks <id>.tif; for a volume read in place, <name>.zarr (an "
+        "OME-Zarr image with a pyramid) or <name>.tif",
+    )
+    _in_place_options(p)
     p.add_argument(
         "--probabilities", default=None, help="also keep the probabilities as <DIR>/<id>.zarr"
     )

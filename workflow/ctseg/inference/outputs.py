@@ -39,7 +39,8 @@ PROVENANCE_KEY = "ctseg"
 MASK, LABEL_MAP, PROBABILITIES = "mask", "label map", "probabilities"
 TIFF_SUFFIXES = (".tif", ".tiff")
 # What a work folder (`ctseg.inference.tiled`) holds before its manifest is written, or after a
-# killed run: its subfolders, the stores of the finish, temporaries and lock files.
+# killed run: its subfolders, the stores of the finish, temporaries and lock files (and a
+# combined run's member-<i>/ work folders).
 WORK_MANIFEST = "manifest.json"
 WORK_ENTRIES = (
     "tiles",
@@ -152,7 +153,7 @@ def _is_work_folder(folder: Path) -> bool:
         return True
     return all(
         entry.name in WORK_ENTRIES
-        or entry.name.startswith(".")
+        or entry.name.startswith((".", "member-"))
         or entry.name.startswith(tuple(f"{name}.tmp-" for name in (WORK_MANIFEST, *WORK_ENTRIES)))
         for entry in folder.iterdir()
     )

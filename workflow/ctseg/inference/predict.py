@@ -85,6 +85,7 @@ from ctseg.io import (
     work_folder,
 )
 from ctseg.labels import LabelSpec
+from ctseg.plan import read_dataset_plan
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
 from ctseg.postprocess.write import channel_names, check_label_map_settings, write_mask
@@ -173,6 +174,13 @@ def resolve_run(
         return PredictRun(name, run_dir, "trained", (name,), (run_dir / weights_file,), (1.0,), "")
     files = tuple(root / m / weights_file for m in members)
     return PredictRun(name, run_dir, kind, members, files, mix, where)
+
+
+def run_spacing(run: PredictRun) -> tuple[float, float, float] | None:
+    """The voxel spacing (z, y, x) of the run's dataset, from the dataset plan beside its
+    results (``results/plans/dataset.json``), or None where there is none."""
+    plan = run.directory.parent / "plans" / "dataset.json"
+    return read_dataset_plan(plan).spacing if plan.is_file() else None
 
 
 def _folds_lookup(experiments_dir: Path) -> Callable[[str], int | None]:

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
 import resource
 import sys
 import time
@@ -51,7 +50,9 @@ import tifffile
 import torch
 import zarr
 
+from ctseg.config import check_weights
 from ctseg.data.heap import release_heap, tune_malloc
+from ctseg.inference.ensemble import weighted_mean
 from ctseg.inference.outputs import (
     LABEL_MAP,
     MASK,
@@ -64,12 +65,12 @@ from ctseg.inference.outputs import (
 from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import VolumeSource, intensity_range, open_source
-from ctseg.inference.tiled import Work, finish, open_work, run_part
+from ctseg.inference.tiled import Work, finish, open_work, output_chunks, run_part
 from ctseg.inference.volume import weights_layout
 from ctseg.io import CtsegError, disk_full, fresh_output, remove_path
 from ctseg.labels import LabelSpec
-from ctseg.ome_zarr import build_pyramid, create_image
-from ctseg.postprocess.blockwise import blockwise_mask, refused_step
+from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
+from ctseg.postprocess.blockwise import blockwise_mask, post_block
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.write import channel_names, check_label_map_settings, label_map
 from ctseg.store import create_volume
@@ -120,7 +121,7 @@ def _rss_mb() -> float:
 
 def _check_request(
     models: Sequence[LoadedModel],
-    run_name: str,
+    inference: InferenceSettings,
     output: Path,
     probabilities: Path | None,
     postprocess: PostprocessSettings,
@@ -128,28 +129,20 @@ def _check_request(
     part: int | None,
     finish_only: bool,
 ) -> None:
-    if len(models) != 1:
-        raise CtsegError(
-            f"{run_name}: a combined run ({len(models)} models) predicts folders of TIFFs; a "
-            "volume read in place takes one trained run (give results/<experiment>)"
-        )
     if output.suffix not in OME_SUFFIXES + TIFF_SUFFIXES:
         raise CtsegError(
             f"{output}: the output of a volume read in place is an OME-Zarr image <name>.zarr "
             "or a TIFF <name>.tif"
         )
+    windows = {inference.with_window(m.patch).window for m in models}
+    if len(windows) > 1:
+        raise CtsegError(
+            f"{output}: the run's models were trained on the patches {sorted(windows)}; the "
+            "members of a combined run are blended with one window: give --window Z,Y,X"
+        )
     labels = models[0].labels
-    if labels.is_binary:
-        refused = refused_step(postprocess)
-        if refused is not None:
-            raise CtsegError(f"{output}: {refused}; give 0 for it")
-    else:
+    if not labels.is_binary:
         check_label_map_settings(postprocess, output)
-        if probabilities is not None:
-            raise CtsegError(
-                f"{probabilities}: --probabilities of a multi-class run read in place is not "
-                "written (an OME-Zarr image is one channel); leave it out"
-            )
     if probabilities is not None and probabilities.suffix != ".zarr":
         raise CtsegError(f"{probabilities}: --probabilities here is an OME-Zarr <name>.zarr")
     if parts is None and (part is not None or finish_only):
@@ -161,15 +154,23 @@ def _check_request(
             raise CtsegError(f"--parts {parts}: give --part K (0..{parts - 1}) or --finish")
 
 
+def member_folders(root: Path, members: int) -> list[Path]:
+    """Each model's work folder: the predict's own for one model; ``member-<i>/`` in it for
+    each model of a combined run, so that each resumes on its own tiles."""
+    return [root] if members == 1 else [root / f"member-{i}" for i in range(members)]
+
+
 def predict_scroll(
     run_name: str,
     models: Sequence[LoadedModel],
-    weights_sha256: str | None,
+    weights_sha256: Sequence[str | None],
     url: str,
     output: Path,
     inference: InferenceSettings,
     postprocess: PostprocessSettings,
     *,
+    weights: Sequence[float] = (1.0,),
+    weights_from: str = "--weights",
     level: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     probabilities: Path | None = None,
@@ -178,74 +179,155 @@ def predict_scroll(
     finish_only: bool = False,
     cache_mb: float | None = None,
     given_range: tuple[float, float] | None = None,
+    dataset_spacing: tuple[float, float, float] | None = None,
     overwrite: bool = False,
     command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The mask of the volume at `url` by the run's one model into `output`, or, with `parts`,
-    part `part` of its probabilities, or the finish (module docstring). Returns the figures.
-    An output that would replace or enter the input, or replace what ctseg did not write, is
-    refused before the input is read; one of ctseg's is replaced only with `overwrite`
-    (`ctseg.inference.outputs.check_output_paths`, which repeats `command` in its fix)."""
+    """The mask of the volume at `url` by the run's models (one, or several averaged with
+    `weights`, as `ctseg.inference.ensemble.ensemble_volume` averages them) into `output`, or,
+    with `parts`, part `part` of their probabilities, or the finish (module docstring). Returns
+    the figures. An output that would replace or enter the input, or replace what ctseg did not
+    write, is refused before the input is read; one of ctseg's is replaced only with
+    `overwrite` (`ctseg.inference.outputs.check_output_paths`, which repeats `command`). The
+    outputs' voxel spacing is the input's own NGFF scale, else `dataset_spacing`."""
     output = Path(output)
-    _check_request(models, run_name, output, probabilities, postprocess, parts, part, finish_only)
-    model, patch, labels = models[0]
+    _check_request(models, inference, output, probabilities, postprocess, parts, part, finish_only)
+    norm = check_weights(weights, len(models), weights_from)
+    labels = models[0].labels
     kinds = {"-o": (output, MASK if labels.is_binary else LABEL_MAP)}
     if probabilities is not None:
         kinds["--probabilities"] = (probabilities, PROBABILITIES)
-    check_output_paths(url, kinds, work_folder_of(output), overwrite, command)
+    root = work_folder_of(output)
+    check_output_paths(url, kinds, root, overwrite, command)
     # Freed activations stay in the heap (no page faults each forward); each tile's memory is
     # handed back when the tile is done (`ctseg.inference.tiled`), so the budget holds for RSS.
     tune_malloc()
-    settings = inference.with_window(patch)
+    settings = inference.with_window(models[0].patch)
     device = settings.torch_device()
     budget = int(settings.memory_budget_mb * 2**20)
     cache = int(cache_mb * 2**20) if cache_mb is not None else int(budget * CACHE_SHARE)
     tile_settings = _with_budget(settings, (budget * TILE_SHARE) / 2**20, budget - cache)
     source = open_source(url, level, storage_options)
-    _warm_up(model, settings, device)
-    rss_before = _rss_mb()  # the model and its activations, the store's libraries imported
+    # The post-processing's blocks, before any tile: settings whose halos do not fit the budget
+    # are refused now, not after hours of tiles.
+    block = post_block(output_chunks(source), source.shape, postprocess, budget)
+    for loaded in models:
+        _warm_up(loaded.model, settings, device)
+    rss_before = _rss_mb()  # the models and their activations, the store's libraries imported
     low, high, how = intensity_range(source, given_range, budget)
     print(f"predict: {source.describe()}\npredict: intensity range {low:g}..{high:g}, {how}",
           file=sys.stderr)  # fmt: skip
     share = f"half of --memory-budget-mb {settings.memory_budget_mb:g}"
-    work = open_work(work_folder_of(output), source, tile_settings, device, low, high,
-                     weights_sha256, labels, share)  # fmt: skip
+    works = [
+        open_work(folder, source, tile_settings, device, low, high, sha, labels, share)
+        for folder, sha in zip(member_folders(root, len(models)), weights_sha256, strict=True)
+    ]
     summary: dict[str, Any] = {
         "run": run_name,
         "input": source.describe(),
         "intensity_range": [low, high],
-        "tile": list(work.grid.tile),
-        "tiles": len(work.grid.tiles()),
-        "work": str(work.folder),
+        "tile": list(works[0].grid.tile),
+        "tiles": len(works[0].grid.tiles()),
+        "models": len(models),
+        "work": str(root),
         "rss_before_mb": rss_before,
     }
     if not finish_only:
         k, n = (part, parts) if part is not None else (0, 1)
-        with _resumable_when_full(work.folder, k, n):
-            done = run_part(model, work, source, tile_settings, device, k, n, cache)  # type: ignore[arg-type]
-        summary["part"] = done
-        print(_part_line(done), file=sys.stderr)
+        summary["part"] = _compute_part(models, works, source, tile_settings, device, k, n, cache)
         if part is not None:
             return {**summary, "peak_rss_mb": _peak_rss_mb()}
     t0 = time.perf_counter()
-    summary["finish"] = finish(work, parts or 1)
+    summary["finish"] = [finish(work, parts or 1) for work in works]
     release_heap()
+    spacing, spacing_from = (
+        (source.spacing, "the input's NGFF scale")
+        if source.spacing is not None
+        else (dataset_spacing, "the run's dataset plan")
+        if dataset_spacing is not None
+        else (None, "none recorded: 1 per axis")
+    )
+    print(f"predict: voxel spacing {spacing or '1, 1, 1'} ({spacing_from})", file=sys.stderr)
     record = functools.partial(
         provenance,
         run=run_name,
-        weights_sha256=[weights_sha256],
-        weights=[1.0],
+        weights_sha256=list(weights_sha256),
+        weights=norm,
         inference=settings.as_dict(),
         postprocess=postprocess.as_dict() if labels.is_binary else None,
         labels=labels.to_dict(),
-        source={"url": source.url, "level": source.level, "intensity_range": [low, high]},
+        source={
+            "url": source.url,
+            "level": source.level,
+            "intensity_range": [low, high],
+            "spacing": spacing,
+            "spacing_from": spacing_from,
+        },  # fmt: skip
     )
-    summary["outputs"] = _write_outputs(work, source, output, probabilities, postprocess, labels,
-                                        budget, record)  # fmt: skip
+    chunks: Shape3 = tuple(works[0].manifest["chunks"])  # type: ignore[assignment]
+    probs = _mean_of_members(works, norm, root, block)
+    summary["outputs"] = _write_outputs(probs, chunks, block, root, source, output, probabilities,
+                                        postprocess, labels, budget, record, spacing)  # fmt: skip
     summary["finish_seconds"] = time.perf_counter() - t0
     summary["peak_rss_mb"] = _peak_rss_mb()
-    remove_path(work.folder)
+    remove_path(root)
     return summary
+
+
+def _compute_part(
+    models: Sequence[LoadedModel],
+    works: Sequence[Work],
+    source: VolumeSource,
+    settings: InferenceSettings,
+    device: torch.device,
+    part: int,
+    parts: int,
+    cache: int,
+) -> dict[str, Any]:
+    """Part `part` of `parts` of every model's tiles, one model after another; the log's line
+    and the figures are over them all."""
+    done = []
+    for loaded, work in zip(models, works, strict=True):
+        with _resumable_when_full(work.folder, part, parts):
+            done.append(run_part(loaded.model, work, source, settings, device, part, parts, cache))
+    merged = _merged_parts(done)
+    print(_part_line(merged), file=sys.stderr)
+    return merged
+
+
+def _merged_parts(done: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One part's figures over the models of a combined run: the counts and bytes summed (each
+    model reads the input for its own tiles), the read amplification over them all."""
+    if len(done) == 1:
+        return dict(done[0])
+    summed = ("tiles", "tiles_computed", "tiles_resumed", "windows", "skipped_windows",
+              "chunks_final", "bytes_fetched", "bytes_of_region", "seconds")  # fmt: skip
+    merged = {**done[0], **{key: sum(d[key] for d in done) for key in summed}}
+    region = merged["bytes_of_region"]
+    merged["read_amplification"] = merged["bytes_fetched"] / region if region else 0.0
+    merged["models"] = [dict(d) for d in done]
+    return merged
+
+
+def _mean_of_members(
+    works: Sequence[Work], weights: Sequence[float], root: Path, block: Shape3
+) -> zarr.Array:
+    """The probabilities the mask is made of: the one model's, or the weighted mean of the
+    models' (`ctseg.inference.ensemble.weighted_mean`, block by block: the same values as the
+    folder predict's `ensemble_volume` writes, which averages voxel by voxel too)."""
+    members = [work.probabilities() for work in works]
+    if len(members) == 1:
+        return members[0]
+    first = members[0]
+    mean = create_volume(root / "probabilities.zarr", first.shape, np.float16, first.chunks,
+                         write_empty_chunks=False)  # fmt: skip
+    lead = (slice(None),) * (first.ndim - 3)
+    for box in _blocks(tuple(int(s) for s in first.shape[-3:]), block):  # type: ignore[arg-type]
+        where = (*lead, *box)
+        shape = (*first.shape[:-3], *(b.stop - b.start for b in box))
+        mean[where] = weighted_mean(lambda i, where=where: np.asarray(members[i][where]),
+                                    weights, shape)  # fmt: skip
+    return mean
 
 
 @contextlib.contextmanager
@@ -316,18 +398,6 @@ def _blocks(shape: Shape3, block: Shape3) -> Iterator[tuple[slice, slice, slice]
         )
 
 
-def _post_block(chunks: Shape3, shape: Shape3, budget: int) -> Shape3:
-    """Whole chunks whose post-processing (about 40 bytes a voxel) fits a quarter of the budget."""
-    block = list(chunks)
-    while True:
-        grown = list(block)
-        axis = min(range(3), key=lambda a: block[a])
-        grown[axis] = min(grown[axis] * 2, max(shape[axis], chunks[axis]))
-        if grown == block or math.prod(grown) * 40 > budget / 4:
-            return tuple(block)  # type: ignore[return-value]
-        block = grown
-
-
 def _write_mask(
     probs: zarr.Array,
     out: Any,
@@ -338,10 +408,7 @@ def _write_mask(
 ) -> dict[str, Any]:
     shape: Shape3 = tuple(int(s) for s in probs.shape[-3:])  # type: ignore[assignment]
     if labels.is_binary:
-        closing = None
-        if postprocess.closing_radius:
-            closing = create_volume(scratch, shape, np.uint8, block, write_empty_chunks=False)
-        return blockwise_mask(probs, out, postprocess, block, closing)
+        return blockwise_mask(probs, out, postprocess, block, scratch)
     names = channel_names(labels)
     values = np.array([labels.labels[name] for name in names])
     counts = np.zeros(len(names), dtype=np.int64)
@@ -357,7 +424,10 @@ def _write_mask(
 
 
 def _write_outputs(
-    work: Work,
+    probs: zarr.Array,
+    chunks: Shape3,
+    block: Shape3,
+    folder: Path,
     source: VolumeSource,
     output: Path,
     probabilities: Path | None,
@@ -365,24 +435,33 @@ def _write_outputs(
     labels: LabelSpec,
     budget: int,
     record: Callable[[str], dict[str, Any]],
+    spacing: tuple[float, ...] | None,
 ) -> dict[str, Any]:
-    """The mask (or label map) and the probabilities asked for, each with `record` of its kind
-    (`ctseg.inference.outputs.provenance`)."""
-    probs = work.probabilities()
+    """The mask (or label map) of `probs` and the probabilities asked for, in blocks of whole
+    `chunks`, each with `record` of its kind (`ctseg.inference.outputs.provenance`) and the
+    voxel `spacing` as its scale; the stores they pass through are made in the work `folder`.
+    A mask or label map is an NGFF label image (its classes' names and colours), a multi-class
+    run's probabilities an image with a channel per class."""
     shape: Shape3 = source.shape
-    chunks: Shape3 = tuple(work.manifest["chunks"])  # type: ignore[assignment]
-    block = _post_block(chunks, shape, budget)
-    scratch = work.folder / "closing.zarr"
+    scratch = folder / "postprocess"
     done: dict[str, Any] = {"mask": str(output)}
     mask_record = record(MASK if labels.is_binary else LABEL_MAP)
+    names = channel_names(labels)
+    colours = label_colors(len(names))
+    if labels.is_binary:  # a mask holds 0 and 1 whatever the dataset's foreground value
+        classes = {0: LabelClass(names[0], colours[0]), 1: LabelClass(names[1], colours[1])}
+    else:
+        classes = {labels.labels[n]: LabelClass(n, c) for n, c in zip(names, colours, strict=True)}
     if output.suffix in OME_SUFFIXES:
         with fresh_output(output, what=f"write the mask of {source.url}") as tmp:
-            group = create_image(tmp, shape, np.uint8, chunks, spacing=source.spacing,
-                                 name="mask", attributes={PROVENANCE_KEY: mask_record})  # fmt: skip
+            group = create_image(tmp, shape, np.uint8, chunks, spacing=spacing,
+                                 name="mask" if labels.is_binary else "labels",
+                                 label_values=classes,
+                                 attributes={PROVENANCE_KEY: mask_record})  # fmt: skip
             done.update(_write_mask(probs, group["0"], postprocess, labels, block, scratch))
             build_pyramid(group, "mode", budget // 4)
     else:
-        mask = create_volume(work.folder / "mask.zarr", shape, np.uint8, chunks)
+        mask = create_volume(folder / "mask.zarr", shape, np.uint8, chunks)
         done.update(_write_mask(probs, mask, postprocess, labels, block, scratch))
         with fresh_output(output, what=f"write the mask of {source.url}") as tmp:
             pages = (np.asarray(mask[z]) for z in range(shape[0]))
@@ -390,11 +469,13 @@ def _write_outputs(
                              description=tiff_description(mask_record), metadata=None)  # fmt: skip
     if probabilities is not None:
         with fresh_output(probabilities, what="write the probabilities") as tmp:
-            group = create_image(tmp, shape, np.float16, chunks, spacing=source.spacing,
+            group = create_image(tmp, shape, np.float16, chunks, spacing=spacing,
                                  name="probabilities",
+                                 channels=None if labels.is_binary else names,
                                  attributes={PROVENANCE_KEY: record(PROBABILITIES)})  # fmt: skip
+            lead = (slice(None),) * (probs.ndim - 3)  # a multi-class store's channels
             for box in _blocks(shape, block):
-                group["0"][box] = probs[box]
+                group["0"][(*lead, *box)] = probs[(*lead, *box)]
             build_pyramid(group, "mean", budget // 4)
         done["probabilities"] = str(probabilities)
     return done

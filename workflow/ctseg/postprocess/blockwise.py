@@ -1,10 +1,10 @@
 """`binary_mask` block by block: the same mask, bit for bit, of a volume too large for memory.
 
-`blockwise_mask(probs, out, settings, block)` reads the probabilities from an array-like (a numpy
-array, a memmap, a zarr array: anything with ``shape`` that a tuple of slices indexes) one block
-at a time and writes the uint8 0/1 mask into `out` (anything a tuple of slices assigns to) one
-block at a time. Each step it supports gives exactly `masks.binary_mask`'s result, on any volume
-and any block shape (blocks that do not divide the shape, blocks one voxel thin):
+`blockwise_mask(probs, out, settings, block, scratch_dir)` reads the probabilities from an
+array-like (a numpy array, a memmap, a zarr array: anything with ``shape`` that a tuple of slices
+indexes) one block at a time and writes the uint8 0/1 mask into `out` (anything a tuple of slices
+assigns to) one block at a time. Every step gives exactly `masks.binary_mask`'s result, on any
+volume and any block shape (blocks that do not divide the shape, blocks one voxel thin):
 
 * ``threshold``: per block.
 * ``hysteresis_high`` (``3d``: 26-connected; ``z``: 8-connected within each z-slice),
@@ -18,38 +18,70 @@ and any block shape (blocks that do not divide the shape, blocks one voxel thin)
   3D and the component filter share one pass (a kept hysteresis component is a whole component
   of prob > threshold); hysteresis along z, then the component filter, then the cavity fill
   each need their own.
-* ``closing_radius`` r: the pre-closing mask goes to `scratch` (a uint8 array-like of the
-  volume's shape; by default a memmap in a temporary directory, on disk), then each block is
-  closed from its block grown by 2r (the dilation's r plus the erosion's r), the part of that
-  halo outside the volume filled as `masks.close` fills it (the face voxels repeated).
+* ``plug_holes_max_area``, ``patch_holes_max_area`` and ``closing_radius``: each reads the whole
+  mask of the step before, so that mask is written to a uint8 zarr array in `scratch_dir` (on
+  disk, compressed; a temporary directory by default; removed once the step has read it), and
+  each block of the step's result is computed from the block grown by a halo read back from
+  it. A halo past the volume's faces is cut off there, so the grown block's sides on the
+  volume's faces are the faces the whole-volume step sees; its other sides are cut by the halo.
+* Plugging, holes of at most A pixels: per slice along each axis (as `masks.plug_holes`), each
+  block's slices grown by ``plug_halo(A)`` = A pixels in their two in-plane axes. A hole (a
+  4-connected background component of the slice not touching its border) of at most A pixels
+  that has a pixel in the block lies within A - 1 of that pixel: whole in the grown slice, off
+  its cut sides, so a hole of the grown slice too. Conversely a background component of the
+  grown slice touching none of its sides has all its neighbours in the grown slice: it is a
+  whole component of the full slice, off its border, a hole there too.
+* Patching, holes of at most P pixels with a ring of width R (`masks.PATCH_RING`): grown by
+  ``patch_halo(P)`` = 2P + 2R - 1. A hole meeting the block lies within P - 1 of it and its ring
+  within P - 1 + R; each ring pixel counts for the hole with the largest label within R of it,
+  and such a hole lies whole within 2P - 2 + 2R of the block: inside the grown slice and off its
+  cut sides, so found as above. cc3d numbers a slice's components in the order of their first
+  pixel in a raster scan, which a crop does not change for two components lying whole in it:
+  the larger label wins the same ring pixels.
+* Closing, radius r: grown by 2r in all three axes (the dilation's r then the erosion's r), the
+  part of that halo outside the volume filled as `masks.close` fills it (the face voxels
+  repeated).
 
-Refused, with one line (`CtsegError`): ``plug_holes_max_area`` and ``patch_holes_max_area``.
-Both work per whole 2D slice along z, y and x (a hole is a 2D component of a slice's background
-that does not reach the slice's border), so a slice in one axis spans whole planes of the
-others: no block short of the whole volume is exact.
+The plugging and the patching grow one axis's slices at a time (a slab one block thick across
+that axis, grown in the other two), not the block in all three axes: a halo of P is far larger
+than a block, and the slab holds (b + 2h)^2 b voxels where the grown block would hold
+(b + 2h)^3.
 
-Memory: one block of probabilities and the block's masks and labels (the closing's block also
-with its halo), the component tables (a count, a flag and a merged id per component per block),
-the touching pairs found on the block faces, and the label planes on the faces of two layers of
-blocks along z (what the next blocks merge with).
+Memory: one block of probabilities and the block's masks and labels; for the plugging and the
+patching one grown slab and one grown slice's labels; for the closing the grown block; the
+component tables (a count, a flag and a merged id per component per block), the touching pairs
+found on the block faces, and the label planes on the faces of two layers of blocks along z
+(what the next blocks merge with). `post_block` picks a block of whole chunks whose working set,
+halos included, fits the post-processing's part of the memory budget.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
+import math
+import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import cc3d
 import numpy as np
+import zarr
 from scipy import ndimage
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
 from ctseg.io import CtsegError
-from ctseg.postprocess.masks import PostprocessSettings
+from ctseg.postprocess.masks import (
+    PATCH_MIN_FOREGROUND,
+    PATCH_RING,
+    PostprocessSettings,
+    _holes,
+)
+from ctseg.store import create_volume
 
 Block = tuple[slice, slice, slice]
 Index = tuple[int, int, int]
@@ -68,18 +100,119 @@ _Z_SLICE_8 = np.zeros((3, 3, 3), bool)
 _Z_SLICE_8[1] = True
 
 
-def refused_step(settings: PostprocessSettings) -> str | None:
-    """The one line saying which step of `settings` cannot be done blockwise, or None."""
-    for name, value in (
-        ("plug_holes_max_area", settings.plug_holes_max_area),
-        ("patch_holes_max_area", settings.patch_holes_max_area),
+# The post-processing's part of --memory-budget-mb (the rest goes to the chunk cache, the tile
+# and the pyramid: `ctseg.inference.scroll`).
+POST_SHARE = 0.25
+# The scratch arrays' chunks: a block, at least this many voxels along each axis (fewer, larger
+# files where blocks are small; a block is written into part of a chunk then).
+SCRATCH_MIN_CHUNK = 32
+# Bytes a voxel of a block holds in the component passes: its probabilities, its mask after each
+# step, its labels and their global ids (int64).
+COMPONENT_BYTES_PER_VOXEL = 40
+# Bytes a pixel of one grown slice holds while it is plugged or patched: its copy, its hole
+# labels (uint32) and their dilation, the masks between them, the pixels added. tracemalloc
+# measured 12-13 for the labels, the dilation and the masks on 500^2 and 1500^2 slices.
+SLICE_BYTES_PER_PIXEL = 16
+# Bytes a voxel of the grown block holds in the closing: the block read, padded, dilated, eroded
+# (tracemalloc: 2.8).
+CLOSING_BYTES_PER_VOXEL = 4
+
+
+def plug_halo(max_area: int) -> int:
+    """The in-plane halo that makes plugging holes of at most `max_area` pixels exact: such a
+    hole lies within `max_area` - 1 pixels of any of its pixels (module docstring)."""
+    return max(0, max_area)
+
+
+def patch_halo(max_area: int, ring: int = PATCH_RING) -> int:
+    """The in-plane halo that makes patching holes of at most `max_area` pixels exact: the hole
+    (within `max_area` - 1), its ring (`ring` more), each hole whose dilation by `ring` reaches
+    that ring (`ring` and `max_area` - 1 more), one pixel past them (module docstring)."""
+    return 2 * max_area + 2 * ring - 1 if max_area > 0 else 0
+
+
+def _widest_halo(settings: PostprocessSettings) -> tuple[int, str]:
+    """The largest halo the settings' steps read, and the step's setting, e.g. `plug 64`."""
+    halos = [
+        (plug_halo(settings.plug_holes_max_area), f"plug {settings.plug_holes_max_area}"),
+        (patch_halo(settings.patch_holes_max_area), f"patch {settings.patch_holes_max_area}"),
+        (2 * settings.closing_radius, f"close {settings.closing_radius}"),
+    ]
+    return max(halos)
+
+
+def _working_set(block: Sequence[int], shape: Sequence[int], settings: PostprocessSettings) -> int:
+    """Bytes `blockwise_mask` holds at once for one block of this shape (estimated): the most of
+    the component passes, the plugging's and the patching's grown slabs and slices, and the
+    closing's grown block. Beside each grown read: the block's result and the scratch array's
+    chunks zarr decodes at once (up to its ``async.concurrency``)."""
+    sizes = [min(b, n) for b, n in zip(block, shape, strict=True)]
+    voxels = math.prod(sizes)
+    chunk = [min(n, max(b, SCRATCH_MIN_CHUNK)) for b, n in zip(sizes, shape, strict=True)]
+
+    def beside(read: Sequence[int]) -> int:
+        """The block's result, and the chunks zarr decodes at once for a read of this shape."""
+        touched = math.prod(-(-r // c) + 1 for r, c in zip(read, chunk, strict=True))
+        decoded = min(int(zarr.config.get("async.concurrency")), touched)
+        return voxels + decoded * math.prod(chunk)
+
+    need = COMPONENT_BYTES_PER_VOXEL * voxels
+    for halo in (
+        plug_halo(settings.plug_holes_max_area),
+        patch_halo(settings.patch_holes_max_area),
     ):
-        if value > 0:
-            return (
-                f"{name}={value} works per whole slice along z, y and x (a hole is a 2D "
-                "component of a whole plane): not available blockwise"
-            )
-    return None
+        if halo == 0:
+            continue
+        for axis in range(3):
+            slab = [
+                b if a == axis else min(n, b + 2 * halo)
+                for a, (b, n) in enumerate(zip(sizes, shape, strict=True))
+            ]
+            read = math.prod(slab)
+            need = max(need, read + beside(slab) + SLICE_BYTES_PER_PIXEL * (read // slab[axis]))
+    if settings.closing_radius:
+        halo = 2 * settings.closing_radius
+        grown = [min(n, b + 2 * halo) for b, n in zip(sizes, shape, strict=True)]
+        need = max(need, CLOSING_BYTES_PER_VOXEL * math.prod(grown) + beside(grown))
+    return need
+
+
+def post_block(
+    chunks: Sequence[int],
+    shape: Sequence[int],
+    settings: PostprocessSettings,
+    memory_budget_bytes: int,
+) -> tuple[int, int, int]:
+    """A block of whole `chunks` for `blockwise_mask` of a volume of `shape` whose working set,
+    halos included, fits `POST_SHARE` of `memory_budget_bytes` (the whole --memory-budget-mb):
+    from one chunk, the shortest axis that can still grow doubled while it fits (larger blocks
+    read their halos fewer times). One chunk that does not fit is an error naming the budget it
+    needs."""
+    chunks = tuple(int(c) for c in chunks)
+    shape = tuple(int(n) for n in shape)
+    _check_block(shape, chunks)
+    budget = memory_budget_bytes * POST_SHARE
+    need = _working_set(chunks, shape, settings)
+    if need > budget:
+        halo, step = _widest_halo(settings)
+        read = f" read with a halo of {halo} voxels ({step})" if halo else ""
+        raise CtsegError(
+            f"post-processing {settings.label()} needs {need / 2**20:.3g} MB for one chunk "
+            f"{chunks}{read}, more than {POST_SHARE:.0%} of --memory-budget-mb "
+            f"{memory_budget_bytes / 2**20:.3g}: raise --memory-budget-mb to at least "
+            f"{math.ceil(need / POST_SHARE / 2**20 * 10) / 10:g}"
+        )
+    block = list(chunks)
+    while True:
+        growable = [a for a in range(3) if block[a] < shape[a]]
+        if not growable:
+            return tuple(block)  # type: ignore[return-value]
+        axis = min(growable, key=lambda a: block[a])
+        grown = list(block)
+        grown[axis] = min(block[axis] * 2, max(shape[axis], chunks[axis]))
+        if _working_set(grown, shape, settings) > budget:
+            return tuple(block)  # type: ignore[return-value]
+        block = grown
 
 
 def _check_block(shape: tuple[int, ...], block: tuple[int, ...]) -> None:
@@ -274,6 +407,59 @@ def _close_block(scratch: Any, block: Block, shape: tuple[int, ...], radius: int
     return np.ascontiguousarray(closed[inner])
 
 
+def _per_slice_block(
+    source: Any,
+    block: Block,
+    shape: tuple[int, ...],
+    halo: int,
+    added: Callable[[np.ndarray], np.ndarray],
+) -> np.ndarray:
+    """bool: the block of the mask in `source` with the pixels `added` gives for each 2D slice
+    (C-contiguous, oriented as `masks` orients it) set, in every slice across z, y and x; the
+    three axes read the same `source`, as `masks.plug_holes` and `masks.patch_holes` do. Each
+    axis reads a slab one block thick across it and grown by `halo` in its two in-plane axes."""
+    result = None
+    for axis in range(3):
+        read = tuple(
+            s if a == axis else slice(max(0, s.start - halo), min(n, s.stop + halo))
+            for a, (s, n) in enumerate(zip(block, shape, strict=True))
+        )
+        slab = np.asarray(source[read], dtype=np.uint8)
+        inner = tuple(
+            slice(s.start - r.start, s.stop - r.start) for s, r in zip(block, read, strict=True)
+        )
+        if result is None:
+            result = slab[inner].astype(bool)
+        in_plane = inner[:axis] + inner[axis + 1 :]
+        planes, target = np.moveaxis(slab, axis, 0), np.moveaxis(result, axis, 0)
+        for k in range(planes.shape[0]):
+            target[k] |= added(np.ascontiguousarray(planes[k]))[in_plane]
+        del slab, planes  # before the next axis's slab is read
+    assert result is not None
+    return result
+
+
+def _plugged(plane: np.ndarray, max_area: int) -> np.ndarray:
+    """bool: the pixels `masks.plug_holes` adds to one 2D slice."""
+    return _holes(plane, max_area) > 0
+
+
+def _patched(plane: np.ndarray, max_area: int) -> np.ndarray:
+    """bool: the pixels `masks.patch_holes` adds to one 2D slice: the holes whose ring is at
+    least `PATCH_MIN_FOREGROUND` mask, a ring pixel counting for the largest label near it."""
+    holes = _holes(plane, max_area)
+    if not holes.any():
+        return np.zeros(plane.shape, bool)
+    around = ndimage.grey_dilation(holes, size=2 * PATCH_RING + 1, mode="constant", cval=0)
+    ring_pixels = (around > 0) & (holes == 0)
+    count = int(holes.max()) + 1
+    total = np.bincount(around[ring_pixels], minlength=count)
+    solid = np.bincount(around[ring_pixels & (plane > 0)], minlength=count)
+    inside = solid >= PATCH_MIN_FOREGROUND * np.maximum(total, 1)
+    inside[0] = False
+    return inside[holes]
+
+
 def _memo(stage: Stage) -> Stage:
     """`stage`, computed once per block (a block's value is the same in every pass)."""
     last: dict[str, Any] = {}
@@ -370,72 +556,115 @@ def blockwise_mask(
     out: Any,
     settings: PostprocessSettings,
     block: tuple[int, int, int] = (64, 64, 64),
-    scratch: Any = None,
+    scratch_dir: Path | None = None,
 ) -> dict[str, int]:
     """Write `masks.binary_mask(probs, settings)`'s mask into `out`, block by block, and return
-    its counts (the same dict; ``plugged_voxels`` and ``patched_voxels`` 0). `probs`: an
-    array-like (Z, Y, X) read a block at a time; `out`: an array-like of the same shape written
-    a block at a time (uint8 0/1); `scratch`: with a closing, a uint8 array-like of the same
-    shape for the mask before the closing (default: a memmap in a temporary directory).
-    Plugging and patching are refused (`refused_step`)."""
+    its counts (the same dict). `probs`: an array-like (Z, Y, X) read a block at a time; `out`:
+    an array-like of the same shape written a block at a time (uint8 0/1); `scratch_dir`: the
+    folder (made if missing) for the masks that plugging, patching and closing read with halos,
+    uint8 zarr arrays chunked by `block` (at least `SCRATCH_MIN_CHUNK` a side), each removed
+    once read (None: a temporary directory).
+    `block`: from `post_block`, to keep the working set within the memory budget."""
     shape = tuple(int(n) for n in probs.shape)
     block = tuple(block)  # type: ignore[assignment]
     _check_block(shape, block)
     if tuple(out.shape) != shape:
         raise CtsegError(f"blockwise mask: output shape {tuple(out.shape)} != input {shape}")
-    refused = refused_step(settings)
-    if refused is not None:
-        raise CtsegError(refused)
-    plain, binarised, filtered, filled = _stages(probs, settings, block)
-    counts = _write(
-        probs, out, settings.closing_radius, block, scratch, plain, binarised, filtered, filled
-    )
+    stages = _stages(probs, settings, block)
+    counts = _write(probs, out, block, scratch_dir, stages, _later_steps(settings, shape))
     return {
         "foreground_voxels": counts["closed"],
         "hysteresis_dropped_voxels": counts["plain"] - counts["binarised"],
         "removed_voxels": counts["binarised"] - counts["filtered"],
         "filled_voxels": counts["filled"] - counts["filtered"],
-        "plugged_voxels": 0,
-        "patched_voxels": 0,
-        "closed_voxels": counts["closed"] - counts["filled"],
+        "plugged_voxels": counts["plugged"] - counts["filled"],
+        "patched_voxels": counts["patched"] - counts["plugged"],
+        "closed_voxels": counts["closed"] - counts["patched"],
     }
 
 
+# A step that reads the whole mask of the step before with a halo: (scratch array, the block's
+# slices) to the block's mask after the step.
+HaloStep = Callable[[Any, Block], np.ndarray]
+
+
+def _later_steps(
+    settings: PostprocessSettings, shape: tuple[int, ...]
+) -> list[tuple[str, HaloStep]]:
+    """The steps after the cavity fill that are on, in `binary_mask`'s order, each with the name
+    of the mask it makes."""
+    steps: list[tuple[str, HaloStep]] = []
+    plug, patch = settings.plug_holes_max_area, settings.patch_holes_max_area
+
+    def per_slice(halo: int, added: Callable[[np.ndarray], np.ndarray]) -> HaloStep:
+        return functools.partial(_per_slice_block, shape=shape, halo=halo, added=added)
+
+    if plug > 0:
+        plugged = functools.partial(_plugged, max_area=plug)
+        steps.append(("plugged", per_slice(plug_halo(plug), plugged)))
+    if patch > 0:
+        patched = functools.partial(_patched, max_area=patch)
+        steps.append(("patched", per_slice(patch_halo(patch), patched)))
+    if settings.closing_radius > 0:
+        radius = settings.closing_radius
+        steps.append(("closed", functools.partial(_close_block, shape=shape, radius=radius)))
+    return steps
+
+
+@contextlib.contextmanager
+def _scratch_folder(scratch_dir: Path | None) -> Iterator[Path]:
+    """The caller's folder, made if missing, or a temporary one removed afterwards."""
+    if scratch_dir is None:
+        with tempfile.TemporaryDirectory(prefix="ctseg-blockwise-") as tmp:
+            yield Path(tmp)
+    else:
+        Path(scratch_dir).mkdir(parents=True, exist_ok=True)
+        yield Path(scratch_dir)
+
+
 def _write(
-    probs: Any, out: Any, radius: int, block: tuple[int, ...], scratch: Any, *stages: Stage
+    probs: Any,
+    out: Any,
+    block: tuple[int, ...],
+    scratch_dir: Path | None,
+    stages: tuple[Stage, Stage, Stage, Stage],
+    later: list[tuple[str, HaloStep]],
 ) -> dict[str, int]:
-    """The last passes: the mask after the cavity fill to `out` (with a closing, to `scratch`,
-    then each block closed to `out`); the voxels of each stage's mask."""
+    """The last passes: the mask after the cavity fill, then after each of the `later` steps,
+    each to a scratch array the next step reads, the last to `out`; the voxels of each mask (a
+    step that is off: the mask before it)."""
     shape = tuple(int(n) for n in probs.shape)
     plain, binarised, filtered, filled = stages
-    counts = dict.fromkeys(("plain", "binarised", "filtered", "filled", "closed"), 0)
-    temporary, target = None, None
-    if radius > 0 and scratch is None:
-        temporary = tempfile.TemporaryDirectory(prefix="ctseg-blockwise-")
-        scratch = np.lib.format.open_memmap(
-            Path(temporary.name) / "mask.npy", mode="w+", dtype=np.uint8, shape=shape
-        )
-    try:
-        target = scratch if radius > 0 else out
+    counts = dict.fromkeys(("plain", "binarised", "filtered", "filled"), 0)
+    names = ["filled", *(name for name, _ in later)]  # the masks, in the order they are made
+    with contextlib.ExitStack() as stack:
+        folder = stack.enter_context(_scratch_folder(scratch_dir)) if later else None
+
+        def target_for(name: str) -> Any:
+            """`out` for the last mask, a scratch array in `folder` for the others."""
+            if name == names[-1]:
+                return out
+            assert folder is not None
+            chunks = tuple(max(b, SCRATCH_MIN_CHUNK) for b in block)
+            return create_volume(folder / f"{name}.zarr", shape, np.uint8, chunks,
+                                 write_empty_chunks=False)  # fmt: skip
+
+        target = target_for("filled")
         for index, sl in _blocks(shape, block):
             p = np.asarray(probs[sl])
-            for name, stage in (
-                ("plain", plain),
-                ("binarised", binarised),
-                ("filtered", filtered),
-                ("filled", filled),
-            ):
+            for name, stage in zip(counts, stages, strict=True):
                 counts[name] += int(np.count_nonzero(stage(index, sl, p)))
             target[sl] = filled(index, sl, p).view(np.uint8)
-        if radius > 0:
+        for before, (name, step) in zip(names[:-1], later, strict=True):
+            source, target = target, target_for(name)
+            counts[name] = 0
             for _, sl in _blocks(shape, block):
-                closed = _close_block(scratch, sl, shape, radius)
-                counts["closed"] += int(np.count_nonzero(closed))
-                out[sl] = closed
-        else:
-            counts["closed"] = counts["filled"]
-    finally:
-        if temporary is not None:
-            del scratch, target  # the memmap's last references, before its file goes
-            temporary.cleanup()
+                result = step(source, sl)
+                counts[name] += int(np.count_nonzero(result))
+                target[sl] = result.astype(np.uint8, copy=False)
+            assert folder is not None
+            shutil.rmtree(folder / f"{before}.zarr")  # no later step reads it
+    previous = counts["filled"]
+    for name in ("plugged", "patched", "closed"):
+        previous = counts.setdefault(name, previous)
     return counts
