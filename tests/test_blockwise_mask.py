@@ -363,9 +363,9 @@ def test_post_block_refuses_in_one_line_when_one_chunk_does_not_fit() -> None:
     assert message.startswith("post-processing t>0.5 patch 1024 close 1 needs ")
     assert "one chunk (128, 128, 128) read with a halo of 2053 voxels (patch 1024)" in message
     assert "more than 25% of --memory-budget-mb 512" in message
-    at_least = int(message.rsplit(" ", 1)[1])
+    at_least = float(message.rsplit(" ", 1)[1])
     assert at_least > 512
-    post_block((128, 128, 128), (2000, 8000, 8000), settings, at_least * 2**20)  # then it fits
+    post_block((128, 128, 128), (2000, 8000, 8000), settings, int(at_least * 2**20))  # it fits
 
 
 def test_bad_blocks() -> None:

@@ -64,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
         print(f"ctseg {words[0] if words else ''}: error: {exc.line()}", file=sys.stderr)
         return 2
+    # The command line as given, for a refusal whose fix is the same command with an option.
+    args.argv = ["ctseg", *(sys.argv[1:] if argv is None else argv)]
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if on_main_thread else None
     func: Callable[[argparse.Namespace], None] = args.func

@@ -302,8 +302,13 @@ def _explicit_os_error(exc: BaseException) -> OSError | None:
 
 
 @contextlib.contextmanager
-def disk_full_is_an_error(path: str | Path, what: str) -> Iterator[None]:
-    """Turn running out of space inside the block into a one-line `CtsegError` naming `path`.
+def disk_full_is_an_error(
+    path: str | Path,
+    what: str,
+    after: str = "the partial output was removed: free some space and rerun",
+) -> Iterator[None]:
+    """Turn running out of space inside the block into a one-line `CtsegError` naming `path`,
+    ending with `after`: what is left and what to do.
 
     Use it outside `atomic_path`, so that the partial output is gone when the message says so.
     """
@@ -317,8 +322,7 @@ def disk_full_is_an_error(path: str | Path, what: str) -> Iterator[None]:
             raise
         raise CtsegError(
             f"{path}: no space left on the device while {what} ({full.strerror or full}; "
-            f"{free_bytes(path)} bytes free now); the partial output was removed: free some "
-            "space and rerun"
+            f"{free_bytes(path)} bytes free now); {after}"
         ) from exc
 
 

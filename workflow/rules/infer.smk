@@ -74,7 +74,8 @@ rule predict:
 # New volumes: config predict.input (a folder of TIFF volumes or slice folders) predicted by
 # the run predict.run (default: the first of `experiment`) with `ctseg predict`, its masks in
 # <run>/predict/<folder name>/<id>.tif. The run's models, ensemble weights and tuned.json are
-# inputs, so the workflow makes them first.
+# inputs, so the workflow makes them first. --overwrite: the masks lie in results/, which
+# Snakemake replaces when it reruns a job; a file ctseg did not write is still refused.
 PREDICT_RUN = config["predict"]["run"] or DEFAULT_RUNS[0]
 PREDICT_FOLDER = alternatives(
     [Path(config["predict"]["input"]).name] if config["predict"]["input"] else []
@@ -135,4 +136,4 @@ rule predict_volume:
         "--weights {params.weights} "
         "-o {params.out:q} --overlap {params.overlap} --batch-size {params.batch} {params.tta} "
         "--memory-budget-mb {params.budget} --device-budget-mb {params.device_budget} "
-        "{params.settings} > {log:q} 2>&1"
+        "{params.settings} --overwrite > {log:q} 2>&1"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,6 +100,9 @@ def cmd_predict(args: argparse.Namespace) -> None:
         only=args.only,
         scratch=Path(args.scratch) if args.scratch else None,
         postprocess_from=source,
+        summary=Path(args.summary) if args.summary else None,
+        overwrite=args.overwrite,
+        command=args.argv,
     )
     figures = write_summary(Path(args.summary or Path(args.output) / SUMMARY_FILE), summary)
     print(
@@ -124,7 +126,6 @@ def _in_place(args: argparse.Namespace) -> bool:
             ("--cache-mb", args.cache_mb),
             ("--intensity-range", args.intensity_range),
             ("--storage-options", args.storage_options),
-            ("--overwrite", args.overwrite or None),
         )
         if value is not None
     ]
@@ -173,7 +174,7 @@ def _predict_in_place(
         cache_mb=args.cache_mb,
         given_range=tuple(args.intensity_range) if args.intensity_range else None,
         overwrite=args.overwrite,
-        command=["ctseg", *sys.argv[1:]],
+        command=args.argv,
     )
     if args.summary:
         Path(args.summary).write_text(strict_json(summary, indent=1))
@@ -316,12 +317,6 @@ def _in_place_options(p: argparse.ArgumentParser) -> None:
     whole.add_argument(
         "--storage-options", default=None, help="fsspec storage options as JSON (s3 endpoint...)"
     )
-    whole.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the mask (and probabilities) an earlier ctseg predict wrote there; "
-        "nothing else is ever replaced",
-    )
 
 
 def _predict_parser(add_parser: AddParser) -> None:
@@ -358,6 +353,12 @@ def _predict_parser(add_parser: AddParser) -> None:
         "--probabilities", default=None, help="also keep the probabilities as <DIR>/<id>.zarr"
     )
     p.add_argument("--only", nargs="+", default=None, metavar="ID", help="only these volumes")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the masks (and probabilities) an earlier ctseg predict wrote there; "
+        "nothing ctseg did not write is ever replaced",
+    )
     p.add_argument(
         "--weights",
         default=None,

@@ -206,3 +206,60 @@ def check_output_paths(
             f"{', '.join(str(resolved[o][0]) for o in rewrite)}: a ctseg output is there "
             f"already; rerun with --overwrite to replace it{again}"
         )
+
+
+def _is_probability_store(path: Path) -> bool:
+    """Whether `path` is a probability store `ctseg infer` wrote (it records its window)."""
+    try:
+        attrs = dict(zarr.open_array(str(path), mode="r").attrs)
+    except Exception:  # not a zarr array: someone else's
+        return False
+    return "window" in attrs and "blending" in attrs
+
+
+def check_folder_outputs(
+    masks: Sequence[Path],
+    probabilities: Sequence[Path],
+    summary: Path,
+    overwrite: bool,
+    command: Sequence[str] | None,
+) -> None:
+    """What a predict of a folder of volumes will write, checked before any volume is read:
+    each mask ``<id>.tif`` and probability store ``<id>.zarr`` already there must be ctseg's
+    (one it recorded, `written_kind`; a store `ctseg infer` wrote) and is replaced only with
+    `overwrite`; the summary file must be a ctseg summary (the predict adds its rows)."""
+    rewrite = []
+    for path in [*masks, *probabilities]:
+        if not (path.exists() or path.is_symlink()):
+            continue
+        ours = (
+            written_kind(path) in (MASK, LABEL_MAP)
+            if path in masks
+            else (_is_probability_store(path))
+        )
+        if not ours:
+            raise CtsegError(
+                f"{path}: exists and is not an output of ctseg; it is left as it is: give "
+                "another output folder, or move it aside yourself"
+            )
+        rewrite.append(path)
+    if summary.exists() and not _is_summary(summary):
+        raise CtsegError(
+            f"{summary}: exists and is not a summary of ctseg predict; it is left as it is: "
+            "give --summary another path, or move it aside yourself"
+        )
+    if rewrite and not overwrite:
+        again = "" if command is None else f": {shlex.join([*command, '--overwrite'])}"
+        listed = ", ".join(p.name for p in rewrite[:3]) + (", ..." if len(rewrite) > 3 else "")
+        raise CtsegError(
+            f"{rewrite[0].parent}: ctseg outputs are there already ({listed}); rerun with "
+            f"--overwrite to replace them{again}"
+        )
+
+
+def _is_summary(path: Path) -> bool:
+    try:
+        volumes = json.loads(path.read_text()).get("volumes")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(volumes, dict)

@@ -66,10 +66,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zarr
 
 from ctseg.config import check_weights, load_ensemble, load_experiment
 from ctseg.inference.ensemble import ensemble_volume, load_weights
 from ctseg.inference.inputs import input_volumes
+from ctseg.inference.outputs import (
+    LABEL_MAP,
+    MASK,
+    check_folder_outputs,
+    provenance,
+    tiff_description,
+)
 from ctseg.inference.run import LoadedModel, load_checkpoint
 from ctseg.inference.settings import InferenceSettings
 from ctseg.inference.volume import infer_volume
@@ -326,12 +334,17 @@ def predict_folder(
     only: Sequence[str] | None = None,
     scratch: Path | None = None,
     postprocess_from: str = "given",
+    summary: Path | None = None,
+    overwrite: bool = False,
+    command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """``<out_dir>/<id>.tif`` of every volume of `folder` (or of the ids in `only`) by `run`,
     whose `models` are `load_models`'; returns what was done, one row per volume (module
     docstring). The log (stderr) names the run, its models and weights, and the
     post-processing with `postprocess_from`, its source (a multi-class run: its classes).
-    The summary's ``masks`` says what the masks are (`describe_masks`)."""
+    The summary's ``masks`` says what the masks are (`describe_masks`). Masks, probability
+    stores and the `summary` file already there are checked first: only ctseg's are replaced,
+    and only with `overwrite` (`ctseg.inference.outputs.check_folder_outputs`)."""
     folder, out_dir = Path(folder), Path(out_dir)
     outputs = {"--output": out_dir, "--probabilities": probabilities_dir, "--scratch": scratch}
     labels = models[0].labels
@@ -342,6 +355,13 @@ def predict_folder(
     ids = _selected(volumes, only, folder)
     for rid in ids:
         read_header(volumes[rid])  # convert's checks, before any long step
+    check_folder_outputs(
+        [out_dir / f"{rid}.tif" for rid in ids],
+        [Path(probabilities_dir) / f"{rid}.zarr" for rid in ids] if probabilities_dir else [],
+        Path(summary or out_dir / SUMMARY_FILE),
+        overwrite,
+        command,
+    )
     device = inference.torch_device()
     digests = [stored_digest(f) for f in run.weight_files]  # kept with each probability store
     for where in (out_dir, probabilities_dir):
@@ -421,7 +441,20 @@ def _predict_volume(
         )
         for member_prob in member_probs:
             remove_path(member_prob)
-    mask = _write_mask(prob, out_dir / f"{rid}.tif", postprocess, info["shape"][-3:])
+    labels = models[0].labels
+    record = provenance(
+        MASK if labels.is_binary else LABEL_MAP,
+        run=run.name,
+        weights_sha256=digests,
+        weights=[w / sum(run.weights) for w in run.weights],
+        inference=inference.with_window(models[0].patch).as_dict(),
+        postprocess=postprocess.as_dict() if labels.is_binary else None,
+        labels=labels.to_dict(),
+        source={"url": str(source), "level": None, "intensity_range": _range_of(image)},
+    )
+    mask = _write_mask(
+        prob, out_dir / f"{rid}.tif", postprocess, info["shape"][-3:], tiff_description(record)
+    )
     remove_path(image)
     if not probabilities_dir:
         remove_path(prob)
@@ -435,14 +468,24 @@ def _predict_volume(
     }
 
 
+def _range_of(image: Path) -> list[float]:
+    """The intensity range `ctseg convert` recorded in the image store."""
+    attrs = zarr.open_array(str(image), mode="r").attrs
+    return [float(attrs["p0_5"]), float(attrs["p99_5"])]
+
+
 def _write_mask(
-    prob: Path, mask: Path, postprocess: PostprocessSettings, shape: Sequence[int]
+    prob: Path,
+    mask: Path,
+    postprocess: PostprocessSettings,
+    shape: Sequence[int],
+    description: str,
 ) -> dict[str, Any]:
     """`write_mask`, with a disk that fills on the way one line naming the mask. tifffile says
     a short write without an errno ("110592 requested and 40704 written"): with less room
     left than the mask takes, that is a full disk too."""
     try:
-        return write_mask(prob, mask, postprocess)
+        return write_mask(prob, mask, postprocess, description)
     except OSError as exc:
         free, needed = free_bytes(mask.parent), math.prod(shape)
         short_write = exc.errno is None and free < needed

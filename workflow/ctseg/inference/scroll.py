@@ -1,5 +1,6 @@
-"""`ctseg predict -i <volume.zarr>`: a whole scroll's mask, read in place, tiled under the budgets,
-split over parts, resumable, written as an OME-Zarr image (or a TIFF).
+"""`ctseg predict -i <volume.zarr>`: a whole scroll's mask by any run (one model, or the weighted
+models of a cross-validation or an ensemble), read in place, tiled under the budgets, split over
+parts, resumable, written as an OME-Zarr image (or a TIFF) that records how it was made.
 
 `predict_scroll` takes a Zarr array or one level of an OME-Zarr pyramid, on a disk, on ``s3://``
 or behind ``https://`` (`ctseg.inference.source.open_source`), and never copies it: the tiles
@@ -14,13 +15,22 @@ folder `work_folder_of(output)` (beside the output, kept until the predict is fi
   as a run never stopped; a run of other settings, weights or input is refused while the work
   folder holds another's tiles.
 
-Finishing makes the seams final, then the mask: a binary model's post-processing block by block
-(`ctseg.postprocess.blockwise.blockwise_mask`, the in-memory mask bit for bit; plugging and
-patching work per whole plane and are refused), a multi-class model's argmax label map block by
-block. An output ending in ``.zarr`` is an OME-Zarr image (NGFF 0.5) with a pyramid
-(`ctseg.ome_zarr`), chunks left empty unwritten; one ending in ``.tif``/``.tiff`` is a TIFF (for
-volumes of competition size). ``--probabilities P.zarr`` keeps the float16 probabilities as an
-OME-Zarr image too (binary models). Both are renamed into place whole; the work folder is then
+Each model of a combined run has its own work folder (`member_folders`), so each resumes on its
+own tiles; a part computes its tiles of every model. Before anything is read, the outputs are
+checked (`ctseg.inference.outputs.check_output_paths`): nothing of the input, and nothing ctseg
+did not write, is ever replaced; ctseg's own outputs only with ``overwrite``.
+
+Finishing makes the seams final, averages the models' probabilities with the run's weights block
+by block (`ctseg.inference.ensemble.weighted_mean`, the folder predict's arithmetic), then makes
+the mask: a binary model's post-processing block by block under every setting
+(`ctseg.postprocess.blockwise.blockwise_mask`, the in-memory mask bit for bit; its blocks,
+halos included, are sized before any tile, `post_block`), a multi-class model's argmax label map
+block by block. An output ending in ``.zarr`` is an OME-Zarr label image (NGFF 0.5, class names
+and colours) with a pyramid toward isotropic voxels (`ctseg.ome_zarr`), chunks left empty
+unwritten; one ending in ``.tif``/``.tiff`` is a TIFF (for volumes of competition size).
+``--probabilities P.zarr`` keeps the float16 probabilities as an OME-Zarr image too, with a
+channel per class for a multi-class run. Each records its provenance
+(`ctseg.inference.outputs.provenance`) and is renamed into place whole; the work folder is then
 removed.
 
 Memory: ``memory_budget_mb`` bounds the host memory this adds to the loaded model: a quarter to
@@ -34,7 +44,6 @@ tiles and its peak.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -67,7 +76,7 @@ from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import VolumeSource, intensity_range, open_source
 from ctseg.inference.tiled import Work, finish, open_work, output_chunks, run_part
 from ctseg.inference.volume import weights_layout
-from ctseg.io import CtsegError, disk_full, fresh_output, remove_path
+from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
 from ctseg.postprocess.blockwise import blockwise_mask, post_block
@@ -83,6 +92,9 @@ TIFF_SUFFIXES = (".tif", ".tiff")
 CACHE_SHARE = 0.25
 TILE_SHARE = 0.5
 ZARR_MARKERS = ("zarr.json", ".zarray", ".zattrs", ".zgroup")
+RESUME_AFTER_FULL = (
+    "the tiles it finished are kept: free some space there and rerun the same command to go on"
+)
 
 
 def is_volume_store(text: str) -> bool:
@@ -154,6 +166,16 @@ def _check_request(
             raise CtsegError(f"--parts {parts}: give --part K (0..{parts - 1}) or --finish")
 
 
+def _kinds(
+    output: Path, probabilities: Path | None, labels: LabelSpec
+) -> dict[str, tuple[Path, str]]:
+    """Each output option's path and the kind of output it will be."""
+    kinds = {"-o": (output, MASK if labels.is_binary else LABEL_MAP)}
+    if probabilities is not None:
+        kinds["--probabilities"] = (probabilities, PROBABILITIES)
+    return kinds
+
+
 def member_folders(root: Path, members: int) -> list[Path]:
     """Each model's work folder: the predict's own for one model; ``member-<i>/`` in it for
     each model of a combined run, so that each resumes on its own tiles."""
@@ -184,21 +206,15 @@ def predict_scroll(
     command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The mask of the volume at `url` by the run's models (one, or several averaged with
-    `weights`, as `ctseg.inference.ensemble.ensemble_volume` averages them) into `output`, or,
-    with `parts`, part `part` of their probabilities, or the finish (module docstring). Returns
-    the figures. An output that would replace or enter the input, or replace what ctseg did not
-    write, is refused before the input is read; one of ctseg's is replaced only with
-    `overwrite` (`ctseg.inference.outputs.check_output_paths`, which repeats `command`). The
-    outputs' voxel spacing is the input's own NGFF scale, else `dataset_spacing`."""
+    `weights` as `ensemble_volume` averages them) into `output`, or, with `parts`, part `part`,
+    or the finish (module docstring); returns the figures. The outputs are checked first
+    (`check_output_paths`); their spacing is the input's NGFF scale, else `dataset_spacing`."""
     output = Path(output)
     _check_request(models, inference, output, probabilities, postprocess, parts, part, finish_only)
     norm = check_weights(weights, len(models), weights_from)
     labels = models[0].labels
-    kinds = {"-o": (output, MASK if labels.is_binary else LABEL_MAP)}
-    if probabilities is not None:
-        kinds["--probabilities"] = (probabilities, PROBABILITIES)
     root = work_folder_of(output)
-    check_output_paths(url, kinds, root, overwrite, command)
+    check_output_paths(url, _kinds(output, probabilities, labels), root, overwrite, command)
     # Freed activations stay in the heap (no page faults each forward); each tile's memory is
     # handed back when the tile is done (`ctseg.inference.tiled`), so the budget holds for RSS.
     tune_malloc()
@@ -240,14 +256,7 @@ def predict_scroll(
     t0 = time.perf_counter()
     summary["finish"] = [finish(work, parts or 1) for work in works]
     release_heap()
-    spacing, spacing_from = (
-        (source.spacing, "the input's NGFF scale")
-        if source.spacing is not None
-        else (dataset_spacing, "the run's dataset plan")
-        if dataset_spacing is not None
-        else (None, "none recorded: 1 per axis")
-    )
-    print(f"predict: voxel spacing {spacing or '1, 1, 1'} ({spacing_from})", file=sys.stderr)
+    spacing, spacing_from = _spacing(source, dataset_spacing)
     record = functools.partial(
         provenance,
         run=run_name,
@@ -274,6 +283,21 @@ def predict_scroll(
     return summary
 
 
+def _spacing(
+    source: VolumeSource, dataset_spacing: tuple[float, float, float] | None
+) -> tuple[tuple[float, ...] | None, str]:
+    """The outputs' voxel spacing and where it comes from (said in the log): the input's own
+    NGFF scale, else the run's dataset plan, else none (1 per axis)."""
+    if source.spacing is not None:
+        spacing, where = source.spacing, "the input's NGFF scale"
+    elif dataset_spacing is not None:
+        spacing, where = dataset_spacing, "the run's dataset plan"
+    else:
+        spacing, where = None, "none recorded: 1 per axis"
+    print(f"predict: voxel spacing {spacing or '1, 1, 1'} ({where})", file=sys.stderr)
+    return spacing, where
+
+
 def _compute_part(
     models: Sequence[LoadedModel],
     works: Sequence[Work],
@@ -287,8 +311,10 @@ def _compute_part(
     """Part `part` of `parts` of every model's tiles, one model after another; the log's line
     and the figures are over them all."""
     done = []
+    who = f"part {part + 1} of {parts} (--part {part})" if parts > 1 else "the predict"
     for loaded, work in zip(models, works, strict=True):
-        with _resumable_when_full(work.folder, part, parts):
+        # Each tile is renamed into place whole, so a part stopped by a full disk goes on.
+        with disk_full_is_an_error(work.folder, f"{who} wrote its tiles", after=RESUME_AFTER_FULL):
             done.append(run_part(loaded.model, work, source, settings, device, part, parts, cache))
     merged = _merged_parts(done)
     print(_part_line(merged), file=sys.stderr)
@@ -328,26 +354,6 @@ def _mean_of_members(
         mean[where] = weighted_mean(lambda i, where=where: np.asarray(members[i][where]),
                                     weights, shape)  # fmt: skip
     return mean
-
-
-@contextlib.contextmanager
-def _resumable_when_full(folder: Path, part: int, parts: int) -> Iterator[None]:
-    """A disk that fills while a part writes its tiles is one line; the tiles it finished are
-    kept (each is renamed into place whole), so the same command goes on once there is room."""
-    try:
-        yield
-    except CtsegError:
-        raise
-    except Exception as exc:
-        full = disk_full(exc)
-        if full is None:
-            raise
-        who = f"part {part + 1} of {parts} (--part {part})" if parts > 1 else "the predict"
-        raise CtsegError(
-            f"{folder}: no space left on the device while {who} wrote its tiles "
-            f"({full.strerror or full}); the tiles it finished are kept: free some space there "
-            "and rerun the same command to go on"
-        ) from exc
 
 
 def _warm_up(model: torch.nn.Module, settings: InferenceSettings, device: torch.device) -> None:

@@ -76,10 +76,10 @@ from scipy.sparse.csgraph import connected_components
 
 from ctseg.io import CtsegError
 from ctseg.postprocess.masks import (
-    PATCH_MIN_FOREGROUND,
     PATCH_RING,
     PostprocessSettings,
-    _holes,
+    patched_pixels,
+    slice_holes,
 )
 from ctseg.store import create_volume
 
@@ -441,23 +441,7 @@ def _per_slice_block(
 
 def _plugged(plane: np.ndarray, max_area: int) -> np.ndarray:
     """bool: the pixels `masks.plug_holes` adds to one 2D slice."""
-    return _holes(plane, max_area) > 0
-
-
-def _patched(plane: np.ndarray, max_area: int) -> np.ndarray:
-    """bool: the pixels `masks.patch_holes` adds to one 2D slice: the holes whose ring is at
-    least `PATCH_MIN_FOREGROUND` mask, a ring pixel counting for the largest label near it."""
-    holes = _holes(plane, max_area)
-    if not holes.any():
-        return np.zeros(plane.shape, bool)
-    around = ndimage.grey_dilation(holes, size=2 * PATCH_RING + 1, mode="constant", cval=0)
-    ring_pixels = (around > 0) & (holes == 0)
-    count = int(holes.max()) + 1
-    total = np.bincount(around[ring_pixels], minlength=count)
-    solid = np.bincount(around[ring_pixels & (plane > 0)], minlength=count)
-    inside = solid >= PATCH_MIN_FOREGROUND * np.maximum(total, 1)
-    inside[0] = False
-    return inside[holes]
+    return slice_holes(plane, max_area) > 0
 
 
 def _memo(stage: Stage) -> Stage:
@@ -603,7 +587,7 @@ def _later_steps(
         plugged = functools.partial(_plugged, max_area=plug)
         steps.append(("plugged", per_slice(plug_halo(plug), plugged)))
     if patch > 0:
-        patched = functools.partial(_patched, max_area=patch)
+        patched = functools.partial(patched_pixels, max_area=patch)
         steps.append(("patched", per_slice(patch_halo(patch), patched)))
     if settings.closing_radius > 0:
         radius = settings.closing_radius

@@ -214,7 +214,7 @@ def hysteresis_z(probs: np.ndarray, low: float, high: float) -> np.ndarray:
     return _keep_seeded(labels, probs > high)
 
 
-def _holes(plane: np.ndarray, max_area: int) -> np.ndarray:
+def slice_holes(plane: np.ndarray, max_area: int) -> np.ndarray:
     """Labels of the holes of a 2D mask with at most `max_area` pixels (0 elsewhere). A hole is
     a 4-connected component of the background that does not touch the border."""
     labels, count = cc3d.connected_components(plane == 0, connectivity=4, return_N=True)
@@ -247,8 +247,31 @@ def plug_holes(mask: np.ndarray, max_area: int) -> np.ndarray:
         return mask.astype(bool).view(np.uint8)
     out = mask.astype(bool)
     for plane, target in _slices(mask, out):
-        target |= _holes(plane, max_area) > 0
+        target |= slice_holes(plane, max_area) > 0
     return out.view(np.uint8)
+
+
+def patched_pixels(
+    plane: np.ndarray,
+    max_area: int,
+    ring: int = PATCH_RING,
+    min_foreground: float = PATCH_MIN_FOREGROUND,
+) -> np.ndarray:
+    """bool: the pixels `patch_holes` adds to one 2D slice: its holes of at most `max_area`
+    pixels at least `min_foreground` of whose ring, `ring` pixels wide, is mask. Where two holes'
+    rings overlap, a pixel counts for the one with the larger label (grey dilation of the
+    labels): an approximation only where holes lie within 2 * ring pixels of each other."""
+    holes = slice_holes(plane, max_area)
+    if not holes.any():
+        return np.zeros(plane.shape, bool)
+    around = ndimage.grey_dilation(holes, size=2 * ring + 1, mode="constant", cval=0)
+    ring_pixels = (around > 0) & (holes == 0)
+    count = int(holes.max()) + 1
+    total = np.bincount(around[ring_pixels], minlength=count)
+    solid = np.bincount(around[ring_pixels & (plane > 0)], minlength=count)
+    inside = solid >= min_foreground * np.maximum(total, 1)
+    inside[0] = False
+    return inside[holes]
 
 
 def patch_holes(
@@ -260,25 +283,13 @@ def patch_holes(
     """Patching of large holes: like `plug_holes` up to `max_area` voxels, but a hole is filled
     only when at least `min_foreground` of the pixels within `ring` of it in its slice (a
     square neighbourhood, the hole itself left out) are mask: the hole is a tear in a sheet
-    that runs along the slice. Where two holes' rings overlap, a pixel counts for the one with
-    the larger label (grey dilation of the labels): an approximation only where holes lie within
-    2 * ring pixels of each other."""
+    that runs along the slice (`patched_pixels`, slice by slice along each axis)."""
     mask = np.asarray(mask)
     if max_area <= 0:
         return mask.astype(bool).view(np.uint8)
     out = mask.astype(bool)
     for plane, target in _slices(mask, out):
-        holes = _holes(plane, max_area)
-        if not holes.any():
-            continue
-        around = ndimage.grey_dilation(holes, size=2 * ring + 1, mode="constant", cval=0)
-        ring_pixels = (around > 0) & (holes == 0)
-        count = int(holes.max()) + 1
-        total = np.bincount(around[ring_pixels], minlength=count)
-        solid = np.bincount(around[ring_pixels & (plane > 0)], minlength=count)
-        inside = solid >= min_foreground * np.maximum(total, 1)
-        inside[0] = False
-        target |= inside[holes]
+        target |= patched_pixels(plane, max_area, ring, min_foreground)
     return out.view(np.uint8)
 
 

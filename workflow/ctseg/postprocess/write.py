@@ -115,8 +115,14 @@ def _from_stored(stored: np.ndarray, labels: LabelSpec) -> np.ndarray:
     return np.asarray(labels.from_stored(stored), dtype=np.uint8)
 
 
-def write_mask(prob_store: Path, out_tif: Path, settings: PostprocessSettings) -> dict[str, Any]:
-    """The mask of `prob_store` under `settings`, written atomically to `out_tif`; returns the
+def write_mask(
+    prob_store: Path,
+    out_tif: Path,
+    settings: PostprocessSettings,
+    description: str | None = None,
+) -> dict[str, Any]:
+    """The mask of `prob_store` under `settings`, written atomically to `out_tif` (with
+    `description` as the TIFF's ImageDescription, when given: what made it); returns the
     settings, whether the whole mask was held, and the voxel counts of each step."""
     prob_store, out_tif = Path(prob_store), Path(out_tif)
     probs = open_checked(prob_store, "probability store", channels=True)
@@ -125,8 +131,10 @@ def write_mask(prob_store: Path, out_tif: Path, settings: PostprocessSettings) -
             f"{prob_store}: a {probs.dtype} store, not probabilities (an image or a mask?); "
             "pass the float16 probability store that ctseg infer writes"
         )
+    # tifffile's own shape description is left out where ours is given: a TIFF has one.
+    tags = {"description": description, "metadata": None} if description is not None else {}
     if probs.ndim == 4:
-        return _write_label_map(prob_store, probs, out_tif, settings)
+        return _write_label_map(prob_store, probs, out_tif, settings, tags)
     shape = tuple(int(s) for s in probs.shape)
     whole = settings.whole_volume
     info: dict[str, Any] = {**settings.as_dict(), "holds_whole_mask": whole}
@@ -134,13 +142,15 @@ def write_mask(prob_store: Path, out_tif: Path, settings: PostprocessSettings) -
         if not whole:
             counter = [0]
             pages = _threshold_pages(probs, settings.threshold, counter)
-            tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack")
+            tifffile.imwrite(
+                tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack", **tags
+            )
             info["foreground_voxels"] = counter[0]
         else:
             # float16, as stored: 2 bytes a voxel, the same values the search thresholded.
             mask, counts = binary_mask(np.asarray(probs[...]), settings)
             info.update(counts)
-            tifffile.imwrite(tmp, mask, photometric="minisblack")
+            tifffile.imwrite(tmp, mask, photometric="minisblack", **tags)
     return info
 
 
@@ -156,7 +166,11 @@ def _threshold_pages(
 
 
 def _write_label_map(
-    prob_store: Path, probs: zarr.Array, out_tif: Path, settings: PostprocessSettings
+    prob_store: Path,
+    probs: zarr.Array,
+    out_tif: Path,
+    settings: PostprocessSettings,
+    tags: dict[str, Any],
 ) -> dict[str, Any]:
     """The label map of a multi-class store (module docstring), a z-chunk of it at a time,
     written atomically; returns the voxel count of each class and of all the foreground."""
@@ -172,7 +186,7 @@ def _write_label_map(
     }
     with atomic_path(out_tif) as tmp:
         pages = _label_pages(probs, labels, counts)
-        tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack")
+        tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack", **tags)
     info["class_voxels"] = {name: int(n) for name, n in zip(names, counts, strict=True)}
     info["foreground_voxels"] = int(counts[1:].sum())
     return info
