@@ -30,6 +30,7 @@ from conftest import REPO, TINY_CONFIG, TINY_EXPERIMENT, run_snakemake
 from ctseg import rule_args
 from ctseg.cli import main
 from ctseg.config import load_config
+from ctseg.inference.outputs import read_record
 from ctseg.network.model import build_model
 from ctseg.training.checkpoint import save_checkpoint, stored_digest
 
@@ -110,7 +111,7 @@ def ctseg(*args: object) -> None:
     assert main([str(a) for a in args]) == 0
 
 
-def workflow_mask(project: Path, run: str, source: Path, rid: str, work: Path) -> bytes:
+def workflow_mask(project: Path, run: str, source: Path, rid: str, work: Path) -> np.ndarray:
     """The mask the workflow's rules make of `source` with `run`, their commands by hand."""
     infer = SHIPPED["infer"]
     image = work / "zarr" / f"{rid}.zarr"
@@ -137,18 +138,18 @@ def workflow_mask(project: Path, run: str, source: Path, rid: str, work: Path) -
     )
     mask = work / f"{rid}.tif"
     ctseg("postprocess", probs[-1], mask, *[a.strip("'") for a in settings.split()])
-    return mask.read_bytes()
+    return tifffile.imread(mask)
 
 
 def predict(project: Path, run: str, folder: Path, out: Path, *extra: object) -> dict:
     ctseg("predict", "--run", project / "results" / run, "-i", folder, "-o", out,
           "--experiments-dir", project / "config" / "experiments", "--ensembles-dir",
           project / "config" / "ensembles", "--device", "cpu", *extra)  # fmt: skip
-    return {p.name: p.read_bytes() for p in sorted(out.glob("*.tif"))}
+    return {p.name: p for p in sorted(out.glob("*.tif"))}
 
 
 @pytest.mark.parametrize("run", list(MEMBERS))
-def test_predict_gives_the_workflows_masks_byte_for_byte(project, tmp_path, run, capsys):
+def test_predict_gives_the_workflows_masks_voxel_for_voxel(project, tmp_path, run, capsys):
     volumes = tmp_path / "new_volumes"
     sources = {
         "vol_a": write_volume(volumes / "vol_a.tif", volume((20, 24, 28), seed=5)),
@@ -166,9 +167,14 @@ def test_predict_gives_the_workflows_masks_byte_for_byte(project, tmp_path, run,
 
     for rid, source in sources.items():
         expected = workflow_mask(project, run, source, rid, tmp_path / "workflow")
-        assert masks[f"{rid}.tif"] == expected, rid
-        mask = tifffile.imread(tmp_path / "workflow" / f"{rid}.tif")
-        assert mask.dtype == np.uint8 and 0.02 < mask.mean() < 0.98  # not a trivial mask
+        mask = tifffile.imread(masks[f"{rid}.tif"])
+        assert mask.dtype == expected.dtype == np.uint8 and 0.02 < mask.mean() < 0.98, rid
+        np.testing.assert_array_equal(mask, expected)  # voxel for voxel
+        # ... and the predict's mask records what made it (its TIFF description).
+        record = read_record(masks[f"{rid}.tif"])
+        assert record["run"] == run and record["weights"] == pytest.approx(
+            [w / sum(MEMBERS[run].values()) for w in MEMBERS[run].values()]
+        )
 
     # The console ends with one line; the figures are in the folder's predict.json.
     summary_file = tmp_path / "masks" / "predict.json"
