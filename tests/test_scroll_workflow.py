@@ -243,7 +243,7 @@ def test_parts_on_slurm_one_killed_and_resumed_give_the_single_process_mask(
     logs = workdir / "results" / "logs" / "scroll"
     attempts = sorted((logs / f"{RUN}_{NAME}_part-{killed}-of-{PARTS}.log.attempts").iterdir())
     assert [a.name.split("-")[1] for a in attempts][0] == first, attempts
-    done = f"ctseg predict: part {killed} of {PARTS} of {volume} done"
+    done = f"ctseg predict: part {killed + 1} of {PARTS} (--part {killed}) of {volume} done"
     assert len(attempts) == 2, attempts
     assert done not in attempts[0].read_text() and done in attempts[1].read_text()
     assert not (scroll / f".{NAME}.zarr.predict").exists()  # removed by the finish
