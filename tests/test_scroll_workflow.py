@@ -110,6 +110,14 @@ def test_a_dry_run_plans_a_job_per_part_and_a_finish_and_says_what_is_missing(tm
         assert f"--parts {PARTS} --part {k} --summary results/{RUN}/scroll/{NAME}/part-" in out
     assert f"-o results/{RUN}/scroll/{NAME}.zarr --parts {PARTS} --finish " in out
     assert "rule train_model:" in out  # no last.pt: the run is trained first
+    # A cross-validation predicts the scroll with every fold's model in each part.
+    cv = run_snakemake(
+        workdir, "-n", "-p", "scroll", "--config",
+        f"scroll={{volume: {tmp_path / NAME}.zarr, parts: {PARTS}, run: exp001_cv.cv}}",
+    ).stdout  # fmt: skip
+    assert len(re.findall(r"^rule scroll_part:$", cv, re.M)) == PARTS, cv
+    assert f"--run results/exp001_cv.cv -i {tmp_path / NAME}.zarr" in cv
+    assert len(re.findall(r"^rule train_model:$", cv, re.M)) == 2  # its two folds
     # Without scroll.volume the target is one line naming the key.
     refused = run_snakemake(
         workdir, "-n", "scroll", "--config", "scroll={volume: null}", check=False

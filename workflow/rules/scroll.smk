@@ -1,7 +1,8 @@
 # A whole scroll: config scroll.volume (a Zarr array or OME-Zarr group; a path, s3:// or
 # https://), read in place by `ctseg predict` with the run scroll.run (default: the first of
-# `experiment`, a trained run: one model), split into scroll.parts jobs of one GPU each, then
-# finished into one OME-Zarr mask, results/<run>/scroll/<name>.zarr. The parts keep their tiles
+# `experiment`; an experiment, a fold, a cross-validation <exp>.cv or an ensemble: every model of
+# it in each part), split into scroll.parts jobs of one GPU each, then finished into one
+# OME-Zarr mask, results/<run>/scroll/<name>.zarr. The parts keep their tiles
 # in the work folder beside it, results/<run>/scroll/.<name>.zarr.predict/, which no rule
 # declares: Snakemake never deletes it, so a killed or failed part, run again, goes on from the
 # tiles it finished; the finish removes it. Both rules pass --overwrite: the mask lies in
@@ -31,8 +32,7 @@ if SCROLL["volume"] and not re.fullmatch(ID_REGEX, SCROLL_NAME):
 
 rule scroll:
     input:
-        # One line naming the key for a volume not set, and for a run of several models (a
-        # cross-validation or an ensemble); an unknown run is named by run_kind.
+        # One line naming the key for a volume not set; an unknown run is named by run_kind.
         lambda wildcards: (
             SCROLL["volume"]
             or refuse(
@@ -40,20 +40,17 @@ rule scroll:
                 "predict, e.g. --config 'scroll={volume: s3://bucket/scroll1.zarr, parts: 4}'"
             )
         )
-        and (
-            run_kind(SCROLL_RUN) == "trained"
-            or refuse(
-                f"config scroll.run: {SCROLL_RUN} is a {run_kind(SCROLL_RUN)} run; a volume "
-                "read in place is predicted by one trained run (an experiment or a fold)"
-            )
-        )
+        and run_kind(SCROLL_RUN)
         and SCROLL_MASK.format(exp=SCROLL_RUN, name=SCROLL_NAME),
 
 
 rule scroll_part:
     input:
-        # last.pt or best.pt (config infer.weights).
-        weights=lambda wildcards: predicting_weights(wildcards.exp),
+        # Each model's last.pt or best.pt (config infer.weights), an ensemble's tuned weights.
+        weights=lambda wildcards: [
+            predicting_weights(r) for r in trained_runs(wildcards.exp)
+        ],
+        ensemble_weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
         # tuned.json for infer.postprocess: tuned: a part checks the post-processing the
         # finish applies, before its GPU hours.
         settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
@@ -71,7 +68,7 @@ rule scroll_part:
     benchmark:
         bench("{exp}", "scroll/{name}/part-{k}-of-{n}")
     wildcard_constraints:
-        exp=TRAINED_RUN,
+        exp=ANY_RUN,
         name=re.escape(SCROLL_NAME) if SCROLL["volume"] else "(?!)",
         k=r"\d+",
         n=r"\d+",
@@ -117,7 +114,10 @@ rule scroll_finish:
             n=SCROLL["parts"],
             allow_missing=True,
         ),
-        weights=lambda wildcards: predicting_weights(wildcards.exp),
+        weights=lambda wildcards: [
+            predicting_weights(r) for r in trained_runs(wildcards.exp)
+        ],
+        ensemble_weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
         settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
     output:
         # An OME-Zarr image with a pyramid (ctseg.ome_zarr).
@@ -128,7 +128,7 @@ rule scroll_finish:
     benchmark:
         bench("{exp}", "scroll/{name}/finish")
     wildcard_constraints:
-        exp=TRAINED_RUN,
+        exp=ANY_RUN,
         name=re.escape(SCROLL_NAME) if SCROLL["volume"] else "(?!)",
     conda:
         "../../environment.yml"
