@@ -32,6 +32,7 @@ import tifffile
 import zarr
 
 from ctseg import __version__
+from ctseg.inference.ensemble import WINDOW_ATTRIBUTES
 from ctseg.io import CtsegError
 
 PROVENANCE_KEY = "ctseg"
@@ -201,20 +202,25 @@ def check_output_paths(
             f"{WORK_MANIFEST}); it is left as it is: move it aside"
         )
     if rewrite and not overwrite:
-        again = "" if command is None else f": {shlex.join([*command, '--overwrite'])}"
         raise CtsegError(
             f"{', '.join(str(resolved[o][0]) for o in rewrite)}: a ctseg output is there "
-            f"already; rerun with --overwrite to replace it{again}"
+            f"already; rerun with --overwrite to replace it{_with_overwrite(command)}"
         )
 
 
+def _with_overwrite(command: Sequence[str] | None) -> str:
+    """The refusal's fix: ``: <the command line> --overwrite`` (nothing without one)."""
+    return "" if command is None else f": {shlex.join([*command, '--overwrite'])}"
+
+
 def _is_probability_store(path: Path) -> bool:
-    """Whether `path` is a probability store `ctseg infer` wrote (it records its window)."""
+    """Whether `path` is a probability store `ctseg infer` wrote: one that records its
+    sliding window (`ctseg.inference.ensemble.WINDOW_ATTRIBUTES`)."""
     try:
         attrs = dict(zarr.open_array(str(path), mode="r").attrs)
     except Exception:  # not a zarr array: someone else's
         return False
-    return "window" in attrs and "blending" in attrs
+    return all(key in attrs for key in WINDOW_ATTRIBUTES)
 
 
 def check_folder_outputs(
@@ -229,14 +235,11 @@ def check_folder_outputs(
     (one it recorded, `written_kind`; a store `ctseg infer` wrote) and is replaced only with
     `overwrite`; the summary file must be a ctseg summary (the predict adds its rows)."""
     rewrite = []
-    for path in [*masks, *probabilities]:
+    kinds = [(path, True) for path in masks] + [(path, False) for path in probabilities]
+    for path, is_mask in kinds:
         if not (path.exists() or path.is_symlink()):
             continue
-        ours = (
-            written_kind(path) in (MASK, LABEL_MAP)
-            if path in masks
-            else (_is_probability_store(path))
-        )
+        ours = written_kind(path) in (MASK, LABEL_MAP) if is_mask else _is_probability_store(path)
         if not ours:
             raise CtsegError(
                 f"{path}: exists and is not an output of ctseg; it is left as it is: give "
@@ -249,11 +252,10 @@ def check_folder_outputs(
             "give --summary another path, or move it aside yourself"
         )
     if rewrite and not overwrite:
-        again = "" if command is None else f": {shlex.join([*command, '--overwrite'])}"
         listed = ", ".join(p.name for p in rewrite[:3]) + (", ..." if len(rewrite) > 3 else "")
         raise CtsegError(
             f"{rewrite[0].parent}: ctseg outputs are there already ({listed}); rerun with "
-            f"--overwrite to replace them{again}"
+            f"--overwrite to replace them{_with_overwrite(command)}"
         )
 
 

@@ -271,7 +271,7 @@ def predict_scroll(
             "intensity_range": [low, high],
             "spacing": spacing,
             "spacing_from": spacing_from,
-        },  # fmt: skip
+        },
     )
     chunks: Shape3 = tuple(works[0].manifest["chunks"])  # type: ignore[assignment]
     probs = _mean_of_members(works, norm, root, block)
