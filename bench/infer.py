@@ -13,15 +13,15 @@ MONAI is a bench-only extra: ``.venv/bin/pip install -e '.[bench]'`` (``--skip-m
 the rest without it).
 
 Figures:
-- voxels/s of `ctseg.inference.volume.infer_volume` (batch 4 by default, Gaussian blending; the
-  volume is resident, and a streamed run is shown beside it) against the baseline below, on the same
+- voxels/s of `ctseg.inference.run.infer_volume` (batch 4 by default, Gaussian blending; the
+  volume is one tile) against the baseline below, on the same
   U-Net (filters 16-32-64-128, instance norm: a realistic width for a CPU, so the forward
   dominates) and the same volume. Both use the same window positions, Gaussian map, device
   and precision (bf16 autocast on CUDA, fp32 on a CPU), and both run one warm-up forward at
   their batch size first; the table shows the largest difference between the probability
   volumes as a check that they compute the same thing. Another row runs the baseline with the
   allocator setting that `infer_volume` makes, to split the speedup into its two parts.
-- peak RSS of the streaming inference at two volume depths (z grows 4x), with a 32 MB budget:
+- peak RSS of the inference in tiles at two volume depths (z grows 4x), with a 32 MB budget:
   bounded memory shows as a flat line. The loop baseline is measured beside it. These runs use a
   1x1x1 convolution in place of the U-Net so that volumes big enough for volume-sized buffers
   to show run in seconds; a U-Net's activations depend on the window batch only, and the speed
@@ -32,7 +32,7 @@ it reads the window from the Zarr store (zero-padded where it overhangs), normal
 the model on a batch of one under torch.inference_mode, applies the sigmoid and the Gaussian
 map (computed once, not per window), and adds p * g and g into two whole-volume float32 arrays;
 at the end it divides and writes the float16 store. What it lacks: batching windows, reading
-each input slab once, the bounded accumulator and the allocator setting.
+each input tile once, the bounded tiles and the allocator setting.
 
 Where the speedup comes from on a CPU (2 shared cores, torch 2.13, fp32):
 the forward is more than 95% of the time (cProfile), so only a faster forward
@@ -52,12 +52,12 @@ H200 (``--quick --batch-size 16 --shape 192,192,192``) gave 8.6x, with bf16 on b
 
 MONAI comparison (``monai_ratio``): MONAI's ``sliding_window_inference`` on the same model,
 volume, window, overlap (0.5), Gaussian blending (sigma = window / 8), batch size, device and
-precision. Both are timed from the same Zarr store to a probability array on the host: ctseg's
-`predict_volume` (the resident path of `infer_volume` without the store write; float16, what
-the store holds) and, for MONAI, the store read and normalised by the same function, copied to
-the device, ``sliding_window_inference`` with a sigmoid predictor, and the result copied back
-(float32). Both run in one child, alternating, after one warm-up forward; the fastest of the
-rounds counts. ``monai_ratio`` = ctseg's voxels/s / MONAI's.
+precision. Both are timed from the same Zarr store to a float16 probability store, what ``ctseg
+infer`` gives: ctseg's `infer_volume` (the volume one tile) and, for MONAI, the store read and
+normalised by the same function, copied to the device, ``sliding_window_inference`` with a
+sigmoid predictor, the result copied back and written as float16 with the same chunks. Both
+run in one child, alternating, after one warm-up forward; the fastest of the rounds counts.
+``monai_ratio`` = ctseg's voxels/s / MONAI's.
 
 The two must agree: mean |dp| at most MEAN_ABS_TOLERANCE and masks (p > 0.5) differing on at
 most MASK_TOLERANCE of the voxels, else the bench fails. For that check to mean anything MONAI
@@ -168,7 +168,7 @@ def decisive_weights(path: Path, config: dict, window, store: Path) -> Path:
     logit of the volume's first window, so that about half the voxels are foreground."""
     import torch
 
-    from ctseg.inference.volume import normalise
+    from ctseg.inference.blend import normalise
     from ctseg.network.model import build_model
     from ctseg.store import open_volume
     from ctseg.training.checkpoint import save_checkpoint
@@ -236,11 +236,11 @@ def child_stream(
     device_budget: str = "",
 ) -> float:
     """`infer_volume` into a float16 store, with the product's settings but for those given:
-    `device_budget` "0" streams the volume in z-slabs under `budget`; empty keeps
-    `InferenceSettings`' own device budget (resident where the volume fits it, as `ctseg infer`
+    `device_budget` "0" cuts the volume in tiles under `budget`; empty keeps
+    `InferenceSettings`' own device budget (one tile where the volume fits it, as `ctseg infer`
     runs)."""
+    from ctseg.inference.run import infer_volume
     from ctseg.inference.settings import InferenceSettings
-    from ctseg.inference.volume import infer_volume
     from ctseg.training.distributed import pick_device
 
     device = pick_device()
@@ -271,15 +271,16 @@ def _synchronize(device) -> None:
 def child_compare(
     weights: str, store: str, outdir: str, window: str, batch: str, rounds: str
 ) -> float:
-    """ctseg's `predict_volume` and MONAI's `sliding_window_inference`, alternating; both from
-    the Zarr store to a host array. Writes timings and both arrays to `outdir`."""
+    """ctseg's `infer_volume` and MONAI's `sliding_window_inference`, alternating; both from
+    the Zarr store to a float16 store. Writes timings and both arrays to `outdir`."""
     import torch
     from monai.inferers import sliding_window_inference
 
+    from ctseg.inference.blend import normalise
+    from ctseg.inference.run import infer_volume
     from ctseg.inference.settings import InferenceSettings
-    from ctseg.inference.volume import normalise, predict_volume
     from ctseg.inference.windows import device_importance_map
-    from ctseg.store import open_volume
+    from ctseg.store import create_volume, open_volume
     from ctseg.training.distributed import pick_device
 
     device = pick_device()
@@ -293,12 +294,13 @@ def child_compare(
             return torch.sigmoid(model(x).float())
 
     def run_ctseg() -> tuple[np.ndarray, float]:
-        probs = predict_volume(
-            model, Path(store), InferenceSettings(
+        dest = Path(outdir) / "ctseg.zarr"
+        infer_volume(
+            model, Path(store), dest, InferenceSettings(
                 window=win, overlap=OVERLAP, batch_size=int(batch), device=str(device), amp=amp
             ),
         )  # fmt: skip
-        return probs, float("nan")
+        return open_volume(dest), float("nan")
 
     def run_monai() -> tuple[np.ndarray, float]:
         image = open_volume(store)
@@ -322,7 +324,9 @@ def child_compare(
                 roi_weight_map=weight,
             )  # fmt: skip
         probs = out[0, 0, : shape[0], : shape[1], : shape[2]].cpu().numpy()
-        return probs, time.perf_counter() - on_device
+        store_out = create_volume(Path(outdir) / "monai.zarr", shape, np.float16, image.chunks)
+        store_out[...] = probs.astype(np.float16)
+        return store_out, time.perf_counter() - on_device
 
     runs: dict[str, list[float]] = {"ctseg": [], "monai": [], "monai_from_device": []}
     methods = {"ctseg": run_ctseg, "monai": run_monai}
@@ -337,7 +341,7 @@ def child_compare(
             if name == "monai":
                 runs["monai_from_device"].append(inner)
     for name, arr in arrays.items():
-        np.save(Path(outdir) / f"{name}.npy", arr)
+        np.save(Path(outdir) / f"{name}.npy", np.asarray(arr[...]))
     (Path(outdir) / "runs.json").write_text(json.dumps(runs))
     return min(runs["ctseg"])
 
@@ -351,8 +355,8 @@ def child_loop(weights: str, store: str, dest: str, window: str, tuned: str = "0
     import torch
 
     from ctseg.data.heap import tune_malloc
+    from ctseg.inference.blend import normalise
     from ctseg.inference.settings import InferenceSettings
-    from ctseg.inference.volume import normalise
     from ctseg.inference.windows import gaussian_importance_map, window_starts
     from ctseg.store import create_volume, open_volume
     from ctseg.training.distributed import pick_device
@@ -442,10 +446,6 @@ def speed(
         repeat=repeat,
     )  # fmt: skip
     loop = measure("loop", str(weights), str(store), str(workdir / "l.zarr"), win, repeat=repeat)
-    # Informational (not in the RESULT), so timed once.
-    streamed = measure(
-        "stream", str(weights), str(store), str(workdir / "st.zarr"), win, "512", str(batch), "0"
-    )
     tuned = measure("loop", str(weights), str(store), str(workdir / "t.zarr"), win, "1")
     n = math.prod(len(window_starts(s, w, OVERLAP)) for s, w in zip(shape, window, strict=True))
     voxels = math.prod(shape)
@@ -455,17 +455,14 @@ def speed(
     )
     print(f"  {'method':<30}{'seconds':>9}{'voxels/s':>12}{'peak RSS MB':>14}")
     rows = [
-        (f"resident, batch {batch}", ours),
-        (f"streamed, batch {batch} (1 run)", streamed),
+        (f"one tile, batch {batch}", ours),
         ("loop, batch 1", loop),
         ("loop + tuned malloc (1 run)", tuned),
     ]
     for name, m in rows:
         print(f"  {name:<30}{m['seconds']:9.3g}{voxels / m['seconds']:12.0f}{m['rss_mb']:14.0f}")
     diff = max_difference(workdir / "s.zarr", workdir / "l.zarr")
-    print(f"  max |resident - loop| probability: {diff:.4f} (float16 storage)")
-    diff = max_difference(workdir / "s.zarr", workdir / "st.zarr")
-    print(f"  max |resident - streamed| probability: {diff:.4f}")
+    print(f"  max |one tile - loop| probability: {diff:.4f} (float16 storage)")
     return loop["seconds"] / ours["seconds"]
 
 
@@ -476,7 +473,7 @@ def rss(workdir: Path, window: tuple[int, int, int], plane: int, depths: tuple[i
         f"\npeak RSS (MB), 1x1x1-conv model, window {window[0]}^3, budget {RSS_BUDGET_MB} MB, "
         f"planes {plane}x{plane}"
     )
-    print(f"  {'z':>5}{'float32 volume':>16}{'streaming':>11}{'loop':>8}")
+    print(f"  {'z':>5}{'float32 volume':>16}{'in tiles':>11}{'loop':>8}")
     peaks = {}
     for depth in depths:
         store = make_store(workdir / f"rss{depth}.zarr", (depth, plane, plane), seed=depth)
@@ -488,7 +485,7 @@ def rss(workdir: Path, window: tuple[int, int, int], plane: int, depths: tuple[i
             win,
             str(RSS_BUDGET_MB),
             str(BATCH),
-            "0",  # streamed: the bounded memory is what this measures
+            "0",  # in tiles: the bounded memory is what this measures
         )
         loop = measure("loop", str(weights), str(store), str(workdir / f"rl{depth}.zarr"), win)
         peaks[depth] = ours["rss_mb"]
@@ -596,12 +593,12 @@ def monai(
     print(
         f"\nMONAI: {model}, window {'x'.join(map(str, window))}, overlap {OVERLAP}, "
         f"Gaussian, batch {batch}, volume {'x'.join(map(str, shape))} uint8, {n} windows; "
-        f"fastest of {rounds} alternating rounds, Zarr store to host array; child peak RSS "
+        f"fastest of {rounds} alternating rounds, Zarr store to float16 store; child peak RSS "
         f"{child['rss_mb']:.0f} MB"
     )
     print(f"  {'method':<44}{'seconds':>9}{'voxels/s':>12}  runs")
     rows = [
-        ("ctseg predict_volume (resident)", runs["ctseg"]),
+        ("ctseg infer_volume (one tile)", runs["ctseg"]),
         ("MONAI sliding_window_inference", runs["monai"]),
         ("  of which MONAI from a device tensor", runs["monai_from_device"]),
     ]

@@ -12,8 +12,8 @@ Three sections, each a table and a ``RESULT`` line:
 
 1. **A volume that fits in memory** (``--fits-shape``), the same model, window, overlap (0.5),
    batch and device for each of (a) MONAI's ``sliding_window_inference`` (``mode="gaussian"``,
-   ``sigma_scale=0.125``: ctseg's sigma, with MONAI's own map), (b) ctseg's in-memory
-   `ctseg.inference.volume.infer_volume` (resident), (c) ctseg's tiled path as ``ctseg predict``
+   ``sigma_scale=0.125``: ctseg's sigma, with MONAI's own map), (b) ctseg's
+   `ctseg.inference.run.infer_volume` (the volume one tile), (c) the engine as ``ctseg predict``
    runs it (`open_source`, `open_work`, `run_part` (0 of 1), `finish`) under a generous budget
    (one tile). Each is timed from the Zarr store to a float16 Zarr store of probabilities (the
    tiled path's mask post-processing and OME-Zarr pyramid are not included: the in-memory path
@@ -24,7 +24,7 @@ Three sections, each a table and a ``RESULT`` line:
    uint8 volume itself is then half the budget. The tiled path under that budget, split and
    with the allocator set as ``ctseg predict --memory-budget-mb`` does (`budget_split`: a
    quarter to the chunk cache, half to the tiles; `_heap_policy`) against the in-memory path
-   on the same volume (resident: its working set fits the default device budget); ratio
+   on the same volume (one tile: its working set fits the default device budget); ratio
    tiled / in-memory (target >= 0.9), and the tiled path's peak RSS increase against the
    budget.
 3. **Parts** (``--parts``, default 1 and 3): the volume of section 2 split over N parts, each
@@ -288,9 +288,8 @@ def one(which: str, spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     # Imported before the clock starts, as `ctseg predict` has them imported when it starts.
-    import ctseg.inference.scroll
-    import ctseg.inference.tiled
-    import ctseg.inference.volume  # noqa: F401
+    import ctseg.inference.run
+    import ctseg.inference.scroll  # noqa: F401
 
     if which == "monai":
         import monai.inferers  # noqa: F401
@@ -352,7 +351,7 @@ def run_monai(model: Any, spec: dict, settings: Any, device: Any) -> dict:
     import torch
     from monai.inferers import sliding_window_inference
 
-    from ctseg.inference.volume import normalise
+    from ctseg.inference.blend import normalise
     from ctseg.store import create_volume, open_volume
 
     amp = settings.use_amp(device)
@@ -376,10 +375,10 @@ def run_monai(model: Any, spec: dict, settings: Any, device: Any) -> dict:
 
 
 def run_memory(model: Any, spec: dict, settings: Any, device: Any) -> dict:
-    from ctseg.inference.volume import infer_volume
+    from ctseg.inference.run import infer_volume
 
     done = infer_volume(model, Path(spec["store"]), Path(spec["out"]), settings)
-    return {"mode": done["mode"], "windows": done["windows"], "resident_mb": done["resident_mb"]}
+    return {"tiles": done["tiles"], "windows": done["windows"]}
 
 
 def run_tiled(model: Any, spec: dict, settings: Any, device: Any) -> dict:
@@ -567,7 +566,7 @@ class Bench:
         print(HEADER)
         names = {
             "monai": "(a) MONAI sliding_window_inference",
-            "memory": f"(b) ctseg infer_volume ({memory['mode']})",
+            "memory": f"(b) ctseg infer_volume ({memory['tiles']} tile(s))",
             "tiled": f"(c) ctseg tiled, budget {GENEROUS_MB} MB",
         }
         for key, m in runs.items():
@@ -636,8 +635,7 @@ class Bench:
             f"{volume_mb / budget_mb:.2f}x; {memory['windows']} windows; fastest of {args.repeat}"
         )
         print(HEADER)
-        resident = f"{memory['mode']}, needs {memory['resident_mb']:.1f} MB"
-        print(row(f"in-memory infer_volume ({resident})", memory, voxels))
+        print(row(f"in-memory infer_volume ({memory['tiles']} tile(s))", memory, voxels))
         print(row(f"tiled, budget {budget_mb:.2f} MB", tiled, voxels))
         print(row("forwards alone (4 batches; no voxels)", forward, 0))
         print(

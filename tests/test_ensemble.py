@@ -25,7 +25,7 @@ from ctseg.io import CtsegError
 from ctseg.store import create_volume, open_volume
 
 REPO = Path(__file__).resolve().parents[1]
-# What ctseg.inference.volume.infer_volume records (tests/test_infer.py checks infer writes these).
+# What ctseg.inference.run.infer_volume records (tests/test_infer.py checks infer writes these).
 INFER_ATTRS = {
     "source": "results/preprocessed/demo/zarr/images/a.zarr",
     "window": [8, 16, 16],
@@ -316,8 +316,8 @@ def test_stores_written_by_infer_are_ensembled_and_checked(tmp_path):
     ensembled give them back, and a different overlap is refused."""
     import torch
 
+    from ctseg.inference.run import infer_volume
     from ctseg.inference.settings import InferenceSettings
-    from ctseg.inference.volume import infer_volume
     from ctseg.network.model import build_model
 
     image = tmp_path / "img.zarr"

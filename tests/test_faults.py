@@ -374,7 +374,7 @@ def test_restaging_repairs_what_the_scratch_check_found(staged, tmp_path, capsys
 
 # --------------------------------------------------------------------------- infer and ensemble
 
-# What ctseg.inference.volume.infer_volume records, as ensemble checks it.
+# What ctseg.inference.run.infer_volume records, as ensemble checks it.
 INFER_ATTRS = {"window": [8, 16, 16], "overlap": 0.5, "tta_flips": False, "blending": "gaussian"}
 
 

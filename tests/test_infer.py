@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -13,16 +13,11 @@ import torch
 import zarr
 from torch import nn
 
-from ctseg.inference.run import infer_records, load_model
+from ctseg.inference.run import infer_records, infer_volume, load_model
 from ctseg.inference.settings import InferenceSettings
-from ctseg.inference.volume import infer_volume
-from ctseg.inference.windows import (
-    gaussian_1d,
-    gaussian_importance_map,
-    plan_slabs,
-    slab_costs,
-    window_starts,
-)
+from ctseg.inference.tiled import working_bytes_per_voxel
+from ctseg.inference.tiles import extent_voxels
+from ctseg.inference.windows import gaussian_1d, gaussian_importance_map, window_starts
 from ctseg.io import CtsegError
 from ctseg.network.model import build_model
 from ctseg.postprocess.masks import PostprocessSettings
@@ -134,27 +129,16 @@ def test_window_grid_covers_a_non_divisible_volume():
     assert starts[1] == [0]  # 9 < 16: padded
 
 
-def test_slab_plan_respects_budget_and_flushes_on_chunk_boundaries():
-    starts = window_starts(200, 16, 0.5)
-    slabs = plan_slabs(200, 16, starts, 8, 100, 50, budget_bytes=100 * 40 + 50 * 24)
-    assert [r for s in slabs for r in s.rows] == starts
-    assert len(slabs) > 3
-    assert max(slab_costs(slabs, 100, 50)) <= 100 * 40 + 50 * 24
-    assert all(s.flush_to % 8 == 0 for s in slabs[:-1]) and slabs[-1].flush_to == 200
-    one = plan_slabs(200, 16, starts, 8, 100, 50, budget_bytes=1e12)
-    assert len(one) == 1 and one[0].z0 == 0 and one[0].z1 == 200
-
-
-# ----------------------------------------------------------------------------- streaming
+# ----------------------------------------------------------------------------- tiles
 @pytest.mark.parametrize(
     "shape,chunks,window,budget_mb",
     [
-        ((36, 28, 32), (8, 16, 16), (16, 16, 16), 0.02),  # many slabs, chunk-aligned flushes
-        ((40, 12, 20), (32, 8, 8), (16, 16, 16), 0.005),  # y smaller than the window; z chunk
-        ((10, 24, 24), (16, 16, 16), (16, 16, 16), 0.001),  # z smaller than the window
+        ((36, 28, 32), (16, 16, 16), (16, 16, 16), 0.62),  # tiles along z
+        ((40, 12, 20), (16, 12, 20), (16, 16, 16), 0.22),  # y smaller than the window
+        ((10, 40, 40), (16, 16, 16), (16, 16, 16), 0.4),  # z smaller than the window
     ],
 )
-def test_streaming_equals_whole_volume_reference(tmp_path, shape, chunks, window, budget_mb):
+def test_tiles_equal_the_whole_volume_reference(tmp_path, shape, chunks, window, budget_mb):
     volume = random_volume(shape)
     store = image_store(tmp_path / "img.zarr", volume, chunks)
     model = tiny_unet()
@@ -162,7 +146,7 @@ def test_streaming_equals_whole_volume_reference(tmp_path, shape, chunks, window
         model,
         store,
         tmp_path / "prob.zarr",
-        # device_budget_mb=0: streamed, whatever the volume's size
+        # device_budget_mb=0: tiles under the memory budget, whatever the volume's size
         InferenceSettings(
             window=window, overlap=0.5, batch_size=3, memory_budget_mb=budget_mb, device_budget_mb=0
         ),
@@ -172,37 +156,28 @@ def test_streaming_equals_whole_volume_reference(tmp_path, shape, chunks, window
     assert prob.chunks == tuple(min(c, s) for c, s in zip(chunks, shape, strict=True))
     expected = reference_blend(model, volume, window, 0.5)
     np.testing.assert_allclose(prob[...].astype(np.float64), expected, atol=1e-3, rtol=0)
-    if shape[0] > 2 * window[0]:
-        assert info["slabs"] > 1
+    assert info["tiles"] > 1
 
 
-def test_memory_is_bounded_by_the_slab_not_the_volume(tmp_path):
-    shape = (1280, 32, 32)
+def test_a_tile_fits_the_budget_whatever_the_volume(tmp_path):
+    shape = (640, 32, 32)
     volume = random_volume(shape, seed=1)
-    store = image_store(tmp_path / "img.zarr", volume, (8, 16, 16))
+    store = image_store(tmp_path / "img.zarr", volume, (16, 16, 16))
     model = nn.Conv3d(1, 1, 1)
-    full_f32 = 4 * math.prod(shape)
-
-    def peak(budget_mb: float) -> tuple[int, dict]:
-        tracemalloc.start()
-        try:
-            info = infer_volume(
-                model, store, tmp_path / f"p{budget_mb}.zarr",
-                InferenceSettings(window=(16, 16, 16), batch_size=8, memory_budget_mb=budget_mb,
-                                  device_budget_mb=0),
-            )  # fmt: skip
-            return tracemalloc.get_traced_memory()[1], info
-        finally:
-            tracemalloc.stop()
-
-    streamed, info = peak(0.8)  # the volume: 1.3 MB raw, 5.2 MB as float32
-    assert info["slabs"] > 10 and not info["budget_exceeded"]
-    assert streamed < full_f32 / 4, (streamed, full_f32)
-    # Control: with a budget above the volume the same code holds it all, and the measure sees it.
-    whole, info = peak(1000)
-    assert info["slabs"] == 1 and whole > full_f32
+    settings = InferenceSettings(window=(16, 16, 16), batch_size=8, memory_budget_mb=0.8,
+                                 device_budget_mb=0)  # fmt: skip
+    info = infer_volume(model, store, tmp_path / "p.zarr", settings)
+    working = extent_voxels(tuple(info["tile"]), (16, 16, 16), shape) * working_bytes_per_voxel(
+        1, 1
+    )
+    whole = extent_voxels(shape, (16, 16, 16), shape) * working_bytes_per_voxel(1, 1)
+    assert info["tiles"] >= 20 and working <= 0.8 * 2**20 < whole / 16
+    # The same bits as the whole volume held at once.
+    infer_volume(
+        model, store, tmp_path / "w.zarr", dataclasses.replace(settings, device_budget_mb=64)
+    )
     np.testing.assert_array_equal(
-        open_volume(tmp_path / "p0.8.zarr")[...], open_volume(tmp_path / "p1000.zarr")[...]
+        open_volume(tmp_path / "p.zarr")[...], open_volume(tmp_path / "w.zarr")[...]
     )
 
 

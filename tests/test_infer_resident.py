@@ -1,4 +1,5 @@
-"""Resident inference (whole volume on the device) against streaming, and the budget's choice."""
+"""`infer_volume`: the whole volume as one tile on the device against several tiles, the
+device budget's choice between them, full batches, and the device's normalisation."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import torch
 from torch import nn
 
 from ctseg.cli import main as cli_main
+from ctseg.inference.blend import device_input, normalise
+from ctseg.inference.run import infer_volume
 from ctseg.inference.settings import InferenceSettings
-from ctseg.inference.volume import infer_volume, predict_volume
-from ctseg.inference.windows import device_importance_map, gaussian_importance_map, resident_bytes
+from ctseg.inference.tiled import working_bytes_per_voxel
+from ctseg.inference.tiles import extent_voxels
+from ctseg.inference.windows import device_importance_map, gaussian_importance_map
 from ctseg.io import CtsegError
 from ctseg.network.model import build_model
 from ctseg.postprocess.masks import PostprocessSettings
@@ -24,9 +28,11 @@ from ctseg.store import create_volume, open_volume
 from ctseg.training.checkpoint import save_checkpoint
 
 LOW, HIGH = 20.0, 220.0
+# Tiles of one 16^3 chunk with a 16^3 window: at most 32^3 voxels of 21 bytes, 0.66 MB.
+TILES_MB = 0.7
 
 
-def image_store(path: Path, shape, chunks=(8, 16, 16), seed=0) -> Path:
+def image_store(path: Path, shape, chunks=(16, 16, 16), seed=0) -> Path:
     rng = np.random.default_rng(seed)
     zz = np.arange(shape[0])[:, None, None]
     volume = np.clip(rng.integers(0, 256, size=shape) * 0.5 + 100 * np.sin(zz / 5.0) + 60, 0, 255)
@@ -74,39 +80,36 @@ def run(tmp_path, store, name, model, **kw):
 
 
 @pytest.mark.parametrize(
-    "shape,tta",
+    "shape,tta,budget",
     [
-        ((44, 30, 34), False),  # several slabs when streamed
-        ((40, 12, 20), False),  # y smaller than the window: padded on both paths
-        ((20, 18, 16), True),  # flip TTA, with flips batched across windows
+        ((44, 30, 34), False, TILES_MB),  # tiles along every axis
+        ((40, 12, 20), False, 0.25),  # y smaller than the window: padded in every tile
+        ((36, 18, 16), True, 0.2),  # flip TTA, with flips batched across windows
     ],
 )
-def test_resident_equals_streamed(tmp_path, shape, tta):
+def test_one_tile_equals_several_bit_for_bit(tmp_path, shape, tta, budget):
     store = image_store(tmp_path / "img.zarr", shape)
     model = decisive_unet()
-    streamed, p_s, m_s = run(
-        tmp_path, store, "s", model, memory_budget_mb=0.02, device_budget_mb=0, tta_flips=tta
+    tiled, p_t, m_t = run(
+        tmp_path, store, "t", model, memory_budget_mb=budget, device_budget_mb=0, tta_flips=tta
     )
-    resident, p_r, m_r = run(
-        tmp_path, store, "r", model, memory_budget_mb=0.02, device_budget_mb=64, tta_flips=tta
+    whole, p_w, m_w = run(
+        tmp_path, store, "w", model, memory_budget_mb=budget, device_budget_mb=64, tta_flips=tta
     )
-    assert streamed["mode"] == "streamed" and resident["mode"] == "resident"
-    assert resident["slabs"] == 1
-    if shape[0] > 32:
-        assert streamed["slabs"] > 1
-    # float16 storage: one unit in the last place at 0.5..1 is 2^-11.
-    np.testing.assert_allclose(p_r, p_s, atol=2**-11, rtol=0)
-    assert 0.05 < m_r.mean() < 0.95  # the mask comparison is not trivial
-    np.testing.assert_array_equal(m_r, m_s)
+    assert whole["tiles"] == 1 and tiled["tiles"] > 1
+    assert whole["tile_budget_mb"] == 64 and tiled["tile_budget_mb"] == budget
+    # The exact sums: any tiling gives the same bits.
+    np.testing.assert_array_equal(p_w, p_t)
+    assert 0.05 < m_w.mean() < 0.95  # the mask comparison is not trivial
+    np.testing.assert_array_equal(m_w, m_t)
 
 
-def test_the_device_budget_decides_resident_or_streamed(tmp_path):
+def test_the_device_budget_decides_one_tile_or_several(tmp_path):
     shape, window, batch = (40, 24, 24), (16, 16, 16), 3
     store = image_store(tmp_path / "img.zarr", shape)
-    needed = resident_bytes(shape, window, 1, batch)
-    assert needed >= 8 * math.prod(shape)  # at least the float32 input and accumulator
+    needed = extent_voxels(shape, window, shape) * working_bytes_per_voxel(1, 1)
     model = nn.Conv3d(1, 1, 1)
-    kw = {"window": window, "batch_size": batch, "memory_budget_mb": 0.05}
+    kw = {"window": window, "batch_size": batch, "memory_budget_mb": 0.45}  # 2 tiles
     fits = infer_volume(
         model, store, tmp_path / "a.zarr", InferenceSettings(device_budget_mb=needed / 2**20, **kw)
     )
@@ -118,13 +121,11 @@ def test_the_device_budget_decides_resident_or_streamed(tmp_path):
         model, store, tmp_path / "c.zarr", InferenceSettings(device_budget_mb=0, **kw)
     )
     # No device budget given: the shipped one (config.yaml's infer.device_budget_mb, the same
-    # default), whatever the host budget for streaming.
+    # default), whatever the host budget.
     default = infer_volume(model, store, tmp_path / "d.zarr", InferenceSettings(**kw))
     assert InferenceSettings().device_budget_mb * 2**20 > needed
-    assert fits["mode"] == "resident" and fits["resident_mb"] == pytest.approx(needed / 2**20)
-    assert over["mode"] == never["mode"] == "streamed"
-    assert over["slabs"] > 1
-    assert default["mode"] == "resident"
+    assert fits["tiles"] == default["tiles"] == 1
+    assert over["tiles"] == never["tiles"] > 1
     reference = open_volume(tmp_path / "a.zarr")[...]
     for name in "bcd":
         np.testing.assert_array_equal(open_volume(tmp_path / f"{name}.zarr")[...], reference)
@@ -139,35 +140,30 @@ def test_flips_and_windows_share_full_batches(tmp_path):
         tta_flips=True, device_budget_mb=64,
     )  # fmt: skip
     items = info["windows"] * 8
-    assert info["mode"] == "resident" and info["forward_windows"] == items
+    assert info["tiles"] == 1 and info["forward_windows"] == items
     # Every forward is a full batch (the last one padded: one batch shape, the same bits for a
     # window whatever shares its batch), ceil(items / batch) of them, not 8 * ceil(windows / batch).
     assert items % batch and recorder.batches == [batch] * math.ceil(items / batch)
 
 
-def test_predict_volume_returns_what_infer_volume_writes(tmp_path):
+def test_the_model_is_given_back_as_it_came(tmp_path):
     store = image_store(tmp_path / "img.zarr", (30, 20, 26))
-    model = decisive_unet(seed=2)
+    model = decisive_unet(seed=2).to(memory_format=torch.channels_last_3d)
     model.train()
-    probs = predict_volume(model, store, InferenceSettings(window=(16, 16, 16), batch_size=2))
+    settings = InferenceSettings(window=(16, 16, 16), batch_size=2, channels_last=False)
+    infer_volume(model, store, tmp_path / "p.zarr", settings)
     assert model.training  # the training flag is restored
-    assert probs.dtype == np.float16 and probs.shape == (30, 20, 26)
-    info = infer_volume(
-        model, store, tmp_path / "p.zarr",
-        InferenceSettings(window=(16, 16, 16), batch_size=2, device_budget_mb=64),
-    )  # fmt: skip
-    assert info["mode"] == "resident"
-    np.testing.assert_array_equal(open_volume(tmp_path / "p.zarr")[...], probs)
+    assert model.heads[0].weight.is_contiguous(memory_format=torch.channels_last_3d)
 
 
-def test_resident_path_errors_leave_no_output(tmp_path):
+def test_errors_leave_no_output(tmp_path):
     store = image_store(tmp_path / "img.zarr", (16, 16, 16))
     with pytest.raises(CtsegError, match="expected one channel"):
         infer_volume(
             nn.Conv3d(1, 2, 1), store, tmp_path / "p.zarr",
             InferenceSettings(window=(8, 8, 8), device_budget_mb=64),
         )  # fmt: skip
-    assert not (tmp_path / "p.zarr").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img.zarr"]  # no store, no scratch
     with pytest.raises(CtsegError, match="device_budget_mb"):
         infer_volume(
             nn.Conv3d(1, 1, 1), store, tmp_path / "p.zarr",
@@ -176,7 +172,7 @@ def test_resident_path_errors_leave_no_output(tmp_path):
 
 
 def test_cli_passes_the_device_budget(tmp_path, capsys):
-    store = image_store(tmp_path / "img.zarr", (24, 20, 20))
+    store = image_store(tmp_path / "img.zarr", (40, 20, 20))
     model = decisive_unet()
     weights = tmp_path / "last.pt"
     save_checkpoint(
@@ -184,15 +180,15 @@ def test_cli_passes_the_device_budget(tmp_path, capsys):
         {"model": model.state_dict(), "model_config": {"filters": [4, 8]},
          "patch_size": [16, 16, 16]},
     )  # fmt: skip
-    modes = []
+    tiles = []
     for budget in ("0", "64"):
         assert cli_main([
             "infer", str(weights), str(store), "--mask", str(tmp_path / f"m{budget}.tif"),
-            "--probabilities", str(tmp_path / f"p{budget}.zarr"), "--memory-budget-mb", "0.02",
+            "--probabilities", str(tmp_path / f"p{budget}.zarr"), "--memory-budget-mb", "0.3",
             "--device-budget-mb", budget, "--device", "cpu",
         ]) == 0  # fmt: skip
-        modes.append(json.loads(capsys.readouterr().out)["inference"]["mode"])
-    assert modes == ["streamed", "resident"]
+        tiles.append(json.loads(capsys.readouterr().out)["inference"]["tiles"])
+    assert tiles[0] > 1 and tiles[1] == 1
 
 
 def test_device_importance_map_is_built_once_and_equals_the_host_map():
@@ -206,10 +202,9 @@ def test_device_importance_map_is_built_once_and_equals_the_host_map():
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int16, np.float32, np.float64])
 @pytest.mark.parametrize("low,high", [(LOW, HIGH), (-3.25, 1000.5), (7.0, 7.0)])
 def test_device_normalisation_equals_the_host_normalisation(tmp_path, dtype, low, high):
-    """The resident path copies the raw volume and normalises on the device; the streamed path
-    normalises on the host. Both must give the same input, bit for bit (a degenerate span too)."""
-    from ctseg.inference.volume import device_input, padded_input
-
+    """A tile's raw voxels are copied to the device and normalised there; training and the
+    benchmarks' baselines normalise on the host. Both must give the same input, bit for bit (a
+    degenerate span too), and the padding is zeros."""
     rng = np.random.default_rng(3)
     shape, padded = (10, 9, 7), (12, 16, 7)
     values = rng.uniform(-50, 1200, size=shape)
@@ -219,7 +214,8 @@ def test_device_normalisation_equals_the_host_normalisation(tmp_path, dtype, low
         values = np.abs(values)
     arr = create_volume(tmp_path / "v.zarr", shape, dtype, (4, 9, 7), attributes={})
     arr[...] = values.astype(dtype)
-    host = padded_input(np.asarray(arr[...]), low, high, padded)
+    host = np.zeros(padded, np.float32)
+    host[:10, :9, :7] = normalise(np.asarray(arr[...]), low, high)
     device = device_input(np.asarray(arr[...]), low, high, padded, torch.device("cpu")).numpy()
     assert device.dtype == np.float32 and device.shape == padded
     assert 0 < np.count_nonzero(host) < host.size

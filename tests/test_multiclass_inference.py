@@ -17,10 +17,10 @@ from torch import nn
 
 from ctseg.cli import main as cli_main
 from ctseg.inference.ensemble import ensemble_volume, tune_weights
-from ctseg.inference.run import load_checkpoint, load_model
+from ctseg.inference.run import infer_volume, load_checkpoint, load_model
 from ctseg.inference.settings import InferenceSettings
-from ctseg.inference.volume import infer_volume, predict_volume
-from ctseg.inference.windows import resident_bytes
+from ctseg.inference.tiled import working_bytes_per_voxel
+from ctseg.inference.tiles import extent_voxels
 from ctseg.io import CtsegError
 from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.network.model import build_model
@@ -35,8 +35,7 @@ SPEC = LabelSpec(labels={"background": 0, "sheet": 10, "fibre": 20, "pore": 30},
 CLASSES = ["background", "sheet", "fibre", "pore"]
 MODEL = {"filters": [4, 8], "out_channels": 4}
 PATCH = [16, 16, 16]
-# float16 rounding: half a unit in the last place at 0.5..1 is 2^-12; per channel both paths
-# round once after agreeing to float32 rounding, so the paths differ by at most one unit.
+# float16 rounding: one unit in the last place at 0.5..1.
 ULP = 2**-11
 
 
@@ -45,7 +44,7 @@ def _quiet_tifffile():
     logging.getLogger("tifffile").setLevel(logging.ERROR)
 
 
-def image_store(path: Path, shape, chunks=(8, 16, 16), seed=0) -> Path:
+def image_store(path: Path, shape, chunks=(16, 16, 16), seed=0) -> Path:
     rng = np.random.default_rng(seed)
     zz = np.arange(shape[0])[:, None, None]
     volume = np.clip(rng.integers(0, 256, size=shape) * 0.5 + 100 * np.sin(zz / 5.0) + 60, 0, 255)
@@ -77,88 +76,62 @@ def infer(tmp_path, store, name, model, labels=SPEC, **kw):
 
 
 @pytest.mark.parametrize(
-    "shape,tta",
+    "shape,tta,budget",
     [
-        ((36, 20, 22), False),  # several slabs when streamed
-        ((20, 12, 18), True),  # y smaller than the window; flip TTA batched across windows
+        ((36, 20, 22), False, 1.0),  # tiles along z
+        ((36, 12, 18), True, 0.65),  # y smaller than the window; flip TTA batched across windows
     ],
 )
-def test_resident_equals_streamed_and_the_store_is_per_class(tmp_path, shape, tta):
+def test_one_tile_equals_several_and_the_store_is_per_class(tmp_path, shape, tta, budget):
     store = image_store(tmp_path / "img.zarr", shape)
     model = multiclass_unet()
-    common = {"memory_budget_mb": 0.05, "tta_flips": tta}
-    streamed, p_s = infer(tmp_path, store, "s", model, device_budget_mb=0, **common)
-    resident, p_r = infer(tmp_path, store, "r", model, device_budget_mb=64, **common)
-    assert streamed["mode"] == "streamed" and resident["mode"] == "resident"
-    if shape[0] > 32:
-        assert streamed["slabs"] > 1
-    assert streamed["classes"] == resident["classes"] == CLASSES
-    assert streamed["shape"] == list(shape)  # the volume's shape; the store has the channels
+    common = {"memory_budget_mb": budget, "tta_flips": tta}
+    tiled, p_t = infer(tmp_path, store, "s", model, device_budget_mb=0, **common)
+    whole, p_w = infer(tmp_path, store, "r", model, device_budget_mb=64, **common)
+    assert tiled["tiles"] > 1 and whole["tiles"] == 1
+    assert tiled["classes"] == whole["classes"] == CLASSES
+    assert tiled["shape"] == list(shape)  # the volume's shape; the store has the channels
 
-    for arr in (p_s, p_r):
+    for arr in (p_t, p_w):
         assert arr.dtype == np.float16
         assert arr.shape == (4, *shape)
-        assert arr.chunks == (1, 8, min(16, shape[1]), 16)
+        assert arr.chunks == (1, 16, min(16, shape[1]), 16)
         assert arr.attrs["classes"] == CLASSES
         assert arr.attrs["value"] == "class probabilities (softmax)"
         assert arr.attrs["labels"] == SPEC.to_dict()
         assert arr.attrs["tta_flips"] is tta and arr.attrs["window"] == [16, 16, 16]
-    probs_s, probs_r = p_s[...].astype(np.float32), p_r[...].astype(np.float32)
-    np.testing.assert_allclose(probs_r, probs_s, atol=ULP, rtol=0)
+    probs = p_w[...].astype(np.float32)
+    np.testing.assert_array_equal(p_t[...], p_w[...])  # the exact sums: any tiling, same bits
     # Softmax per window, blended with the same weights per channel: the channels sum to 1,
     # up to the float16 rounding of each of the 4 channels.
-    np.testing.assert_allclose(probs_r.sum(axis=0), 1.0, atol=4 * ULP, rtol=0)
-    assert probs_r.min() >= 0 and probs_r.max() <= 1
+    np.testing.assert_allclose(probs.sum(axis=0), 1.0, atol=4 * ULP, rtol=0)
+    assert probs.min() >= 0 and probs.max() <= 1
 
-    # The mask: the argmax in the dataset's own values, the same from both stores.
-    masks = []
-    for name in "sr":
-        info = write_mask(
-            tmp_path / f"{name}.zarr", tmp_path / f"{name}.tif", PostprocessSettings()
-        )
-        masks.append(tifffile.imread(tmp_path / f"{name}.tif"))
-        assert info["classes"] == CLASSES and info["values"] == [0, 10, 20, 30]
-        assert sum(info["class_voxels"].values()) == math.prod(shape)
-        assert info["foreground_voxels"] == int(np.count_nonzero(masks[-1]))
-    mask = masks[1]
+    # The mask: the argmax in the dataset's own values.
+    info = write_mask(tmp_path / "r.zarr", tmp_path / "r.tif", PostprocessSettings())
+    mask = tifffile.imread(tmp_path / "r.tif")
+    assert info["classes"] == CLASSES and info["values"] == [0, 10, 20, 30]
+    assert sum(info["class_voxels"].values()) == math.prod(shape)
+    assert info["foreground_voxels"] == int(np.count_nonzero(mask))
     assert mask.dtype == np.uint8 and mask.shape == shape
     assert set(np.unique(mask).tolist()) == {0, 10, 20, 30}  # every class wins somewhere
-    expected = np.array([0, 10, 20, 30], np.uint8)[np.argmax(p_r[...], axis=0)]
+    expected = np.array([0, 10, 20, 30], np.uint8)[np.argmax(p_w[...], axis=0)]
     np.testing.assert_array_equal(mask, expected)
-    # The two stores may differ by one unit where two classes are nearly tied.
-    assert np.mean(masks[0] != masks[1]) < 0.01
-
-
-def test_predict_volume_returns_the_channels_infer_volume_writes(tmp_path):
-    store = image_store(tmp_path / "img.zarr", (18, 20, 16))
-    model = multiclass_unet(seed=1)
-    settings = InferenceSettings(window=(16, 16, 16), batch_size=2, device_budget_mb=64)
-    probs = predict_volume(model, store, settings, labels=SPEC)
-    infer_volume(model, store, tmp_path / "p.zarr", settings, labels=SPEC)
-    assert probs.shape == (4, 18, 20, 16) and probs.dtype == np.float16
-    np.testing.assert_array_equal(open_volume(tmp_path / "p.zarr")[...], probs)
 
 
 def test_the_budgets_count_every_channel(tmp_path):
-    shape, window, batch = (40, 24, 24), (16, 16, 16), 3
-    one = resident_bytes(shape, window, 1, batch)
-    four = resident_bytes(shape, window, 1, batch, channels=4)
-    # int64 exact sums, float16 results and the batch's outputs, per channel.
-    assert four - one == 3 * (8 * math.prod(shape) + 4 * math.prod(shape) + 8 * batch * 16**3)
+    shape, window = (40, 24, 24), (16, 16, 16)
+    one = extent_voxels(shape, window, shape) * working_bytes_per_voxel(1, 1)
+    four = extent_voxels(shape, window, shape) * working_bytes_per_voxel(1, 4)
+    # The int64 sums on the device and the seams' on the host, per channel.
+    assert four - one == 3 * 16 * math.prod(shape)
     store = image_store(tmp_path / "img.zarr", shape)
     model = multiclass_unet()
-    # Room for one channel, not for four: the multi-class model streams.
-    info, _ = infer(
-        tmp_path, store, "p", model, window=window, batch_size=batch,
-        device_budget_mb=one / 2**20, memory_budget_mb=1,
-    )  # fmt: skip
-    assert info["mode"] == "streamed" and info["resident_mb"] == pytest.approx(four / 2**20)
-    # Streamed under a host budget of the 4-channel accumulator: more slabs than 1 channel's.
-    small = {"device_budget_mb": 0, "memory_budget_mb": 0.5, "window": window}
+    # Room for one channel's whole volume, not for four's: the multi-class model is tiled.
+    small = {"device_budget_mb": one / 2**20, "memory_budget_mb": 1.4, "window": window}
     binary, _ = infer(tmp_path, store, "b", nn.Conv3d(1, 1, 1), labels=None, **small)
     multi, _ = infer(tmp_path, store, "m", model, **small)
-    assert multi["slabs"] > binary["slabs"]
-    assert multi["accumulator_peak_mb"] <= small["memory_budget_mb"]
+    assert binary["tiles"] == 1 and multi["tiles"] > 1
 
 
 def test_a_binary_model_writes_the_one_channel_store(tmp_path):

@@ -22,7 +22,7 @@ rule infer:
     threads: 2
     resources:
         gpu=1,
-        # Streamed: twice the slab budget; resident on a CPU: the device budget is host memory.
+        # In tiles: twice the memory budget; one tile on a CPU: the device budget is host memory.
         mem_mb=lambda wildcards: 2000
         + max(
             2 * config["infer"]["memory_budget_mb"],

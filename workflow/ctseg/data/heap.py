@@ -3,7 +3,8 @@
 Every sample allocates ~10 MB of short-lived arrays at 72x136x136; with glibc's defaults the
 freed top of the heap is trimmed and the next sample page-faults all of it in again, which
 measured as half of a worker's time per sample. The loader workers, the main process copying
-batches out of their slots, and inference (`ctseg.inference.volume`) all call `tune_malloc`.
+batches out of their slots, and inference (`ctseg.inference.blend.model_session`) all call
+`tune_malloc`.
 """
 
 from __future__ import annotations

@@ -253,8 +253,8 @@ def _inference_options(p: argparse.ArgumentParser) -> None:
         "--memory-budget-mb",
         type=float,
         default=default.memory_budget_mb,
-        help="host memory for the z-slabs of a streamed volume, or the tiles and chunk cache of "
-        "a volume read in place, MB (default: %(default)s)",
+        help="host memory for the tiles and chunk cache of a volume too large for the device "
+        "budget, or of a volume read in place, MB (default: %(default)s)",
     )
     p.add_argument(
         "--device-budget-mb",
@@ -402,7 +402,7 @@ def _ensemble_parser(add_parser: AddParser) -> None:
         "--names", nargs="+", default=None, help="member names, checked against --weights-file"
     )
     p.add_argument("--out", required=True, help="<id>.zarr to write")
-    p.add_argument("--memory-budget-mb", type=float, default=512, help="per z-slab")
+    p.add_argument("--memory-budget-mb", type=float, default=512, help="per z-slab of the mean")
     p.set_defaults(func=cmd_ensemble)
 
 

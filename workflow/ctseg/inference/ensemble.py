@@ -12,7 +12,7 @@ experiment name to its ``split.folds``, a set of names, or a callable). Every pr
 one-line `CtsegError` naming the file.
 
 `ensemble_volume` writes ``results/<name>/probabilities/<id>.zarr``: sum_i w_i p_i / sum_i w_i
-of the members' float16 stores, in the format `ctseg.inference.volume.infer_volume` writes (float16,
+of the members' float16 stores, in the format `ctseg.inference.run.infer_volume` writes (float16,
 the first member's chunks, the same attributes plus ``ensemble``), so post-processing, tuning and
 evaluation read it unchanged. It streams z-slabs: at most ``memory_budget_mb`` holds the slab's
 float32 sum, one member's float16 slab, its float32 product and the float16 result (12 bytes a
@@ -25,7 +25,7 @@ both files.
 Multi-class members (stores of shape (C, Z, Y, X), one softmax channel per class) are averaged
 channel by channel, the same weighted mean of every channel, so the mean's channels still sum to
 1; the members must agree on their classes and label spec (the ``classes`` and ``labels``
-attributes `ctseg.inference.volume.infer_volume` writes), which the result keeps. A member of
+attributes `ctseg.inference.run.infer_volume` writes), which the result keeps. A member of
 other classes, or a binary member among multi-class ones, is an error naming both files.
 `tune_weights` scores binary masks only: it refuses multi-class members.
 
@@ -63,7 +63,7 @@ from ctseg.io import CtsegError, atomic_path, check_id, strict_json
 from ctseg.postprocess.write import CLASSES_ATTRIBUTE, LABELS_ATTRIBUTE
 from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume, open_volume
 
-# What ctseg.inference.volume.infer_volume records about its blending; members must agree on all of
+# What ctseg.inference.run.infer_volume records about its blending; members must agree on all of
 # them.
 WINDOW_ATTRIBUTES = ("window", "overlap", "tta_flips", "blending")
 # float32 sum + float32 weighted member + float16 member slab + float16 result, per voxel (and

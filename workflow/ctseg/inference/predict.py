@@ -23,7 +23,7 @@ convert` takes. Every volume's header is checked first (`ctseg.preprocess.conver
 so a bad input stops the command before any inference, with convert's one-line error. Then, one
 volume at a time, the same steps as the workflow: `ctseg.preprocess.convert.convert_volume` to a
 temporary Zarr store (streamed in slabs under the convert budget),
-`ctseg.inference.volume.infer_volume` per model, the members'
+`ctseg.inference.run.infer_volume` per model, the members'
 `ctseg.inference.ensemble.ensemble_volume` for a combined run, and
 `ctseg.postprocess.write.write_mask` to ``<out>/<id>.tif`` (uint8 0/1, the submission layout).
 Memory stays bounded by the settings' budgets, as in each step; the temporary stores are removed
@@ -78,9 +78,8 @@ from ctseg.inference.outputs import (
     provenance,
     tiff_description,
 )
-from ctseg.inference.run import LoadedModel, load_checkpoint
+from ctseg.inference.run import LoadedModel, infer_volume, load_checkpoint
 from ctseg.inference.settings import InferenceSettings
-from ctseg.inference.volume import infer_volume
 from ctseg.io import (
     DISK_FULL_ERRNOS,
     CtsegError,

@@ -1,9 +1,15 @@
 """A trained run's model applied to image stores: the weights `ctseg.training.train` wrote
 (last.pt) loaded into the model (`load_model`; `load_checkpoint` also gives the label spec the
-model was trained on), then, per volume, the probabilities
-(`ctseg.inference.volume.infer_volume`) and the post-processed mask
-(`ctseg.postprocess.write.write_mask`): `predict_record` for one volume (`ctseg infer`),
-`infer_records` for several, each named by its id.
+model was trained on), then, per volume, the probabilities (`infer_volume`) and the
+post-processed mask (`ctseg.postprocess.write.write_mask`): `predict_record` for one volume
+(`ctseg infer`), `infer_records` for several, each named by its id.
+
+`infer_volume` is the one engine of `ctseg.inference.tiled` over a converted image store: its
+work folder is a scratch folder beside the store it writes, and the whole volume is one tile
+when the tile's working set (`ctseg.inference.tiled.working_bytes_per_voxel`: a 320^3 uint8
+volume needs about 0.7 GB) fits ``device_budget_mb``: read once, blended on the device, each
+chunk divided there and written once. A larger volume is cut into tiles under
+``memory_budget_mb``; the exact sums make both the same bits.
 
 A weights file records its dataset's label spec (``state["labels"]``, `LabelSpec.to_dict`; a file
 without it is of the Kaggle spec, `ctseg.labels.KAGGLE`). The model's output head gives its
@@ -14,21 +20,35 @@ have a channel per class and its mask is a label map in the dataset's values.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from ctseg.inference.blend import output_channels
 from ctseg.inference.settings import InferenceSettings, Shape3, check_window
-from ctseg.inference.volume import infer_volume
-from ctseg.io import CtsegError, check_id
+from ctseg.inference.source import VolumeSource
+from ctseg.inference.tiled import (
+    finish,
+    open_work,
+    output_chunks,
+    run_part,
+    working_bytes_per_voxel,
+)
+from ctseg.inference.tiles import extent_voxels
+from ctseg.io import CtsegError, check_id, fresh_output, work_folder
 from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.network.model import build_model
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.write import (
+    CLASSES_ATTRIBUTE,
     channel_names,
     check_label_map_settings,
+    open_checked,
     write_mask,
 )
 from ctseg.training.checkpoint import stored_digest, verify_checksum
@@ -197,4 +217,86 @@ def predict_record(
         "probabilities": str(probabilities),
         "inference": info,
         "mask": post or {},
+    }
+
+
+# ----------------------------------------------------------------------------- one store
+def open_image(image_store: Path) -> tuple[VolumeSource, float, float]:
+    """A converted image store (`ctseg convert`) as a source read in place, its chunks checked
+    against the record its writer left (`ctseg.postprocess.write.open_checked`), and its
+    normalisation range (p0_5, p99_5)."""
+    image = open_checked(Path(image_store), "image store")
+    attrs = dict(image.attrs)
+    if "p0_5" not in attrs or "p99_5" not in attrs:
+        raise CtsegError(f"{image_store}: image attributes lack the intensity range p0_5/p99_5")
+    if not np.issubdtype(image.dtype, np.number) or np.issubdtype(image.dtype, np.complexfloating):
+        raise CtsegError(f"{image_store}: unsupported image dtype {image.dtype}")
+    source = VolumeSource(
+        url=str(image_store),
+        level=None,
+        array=image,
+        shape=tuple(int(n) for n in image.shape),  # type: ignore[arg-type]
+        chunks=tuple(int(n) for n in (image.shards or image.chunks)),  # type: ignore[arg-type]
+        dtype=np.dtype(image.dtype),
+        spacing=None,
+        attributes=attrs,
+    )
+    return source, float(attrs["p0_5"]), float(attrs["p99_5"])
+
+
+def infer_volume(
+    model: torch.nn.Module,
+    image_store: Path,
+    prob_store: Path,
+    settings: InferenceSettings,
+    weights_sha256: str | None = None,
+    labels: LabelSpec | None = None,
+) -> dict[str, Any]:
+    """Blended sliding-window probabilities of `image_store`, written to a float16 Zarr store
+    (module docstring). `weights_sha256`: the digest of the weights file the model was loaded
+    from, kept in the store's attributes (`ctseg.store.WEIGHTS_ATTRIBUTE`). `labels`: the label
+    spec the model was trained on (`load_checkpoint`); a multi-class one gives a store of one
+    channel per class, (C, Z, Y, X) with the attributes ``classes`` and ``labels``; None or a
+    binary spec, the one-channel store. The model is run in eval mode on the device (its
+    training flag and layout are restored after). The store is written atomically; returns
+    counts and timings."""
+    image_store, prob_store = Path(image_store), Path(prob_store)
+    win = settings.checked_window()
+    source, low, high = open_image(image_store)
+    device = settings.torch_device()
+    channels = output_channels(labels)
+    per_voxel = working_bytes_per_voxel(source.dtype.itemsize, channels)
+    whole = extent_voxels(source.shape, win, source.shape) * per_voxel
+    if whole <= settings.device_budget_bytes():
+        tile_budget, budget_from = settings.device_budget_mb, "device_budget_mb"
+    else:
+        tile_budget, budget_from = settings.memory_budget_mb, "memory_budget_mb"
+    tile_settings = dataclasses.replace(settings, memory_budget_mb=tile_budget)
+    scratch = prob_store.with_name(f".{prob_store.name}.infer")
+    with (
+        work_folder(scratch) as folder,
+        fresh_output(prob_store, what=f"write the probabilities of {image_store.name}") as tmp,
+    ):
+        work = open_work(folder, source, tile_settings, device, low, high, weights_sha256,
+                         labels, f"{budget_from} {tile_budget:g}", store=tmp)  # fmt: skip
+        done = run_part(model, work, source, tile_settings, device,
+                        cache_bytes=int(settings.memory_budget_mb * 2**20) // 4,
+                        desc=f"infer {image_store.name}")  # fmt: skip
+        finish(work)
+    classes = {CLASSES_ATTRIBUTE: channel_names(labels)} if channels > 1 else {}  # type: ignore[arg-type]
+    n_flips = 8 if settings.tta_flips else 1
+    return {
+        **classes,
+        "shape": list(source.shape),
+        "window": list(win),
+        "chunks": list(output_chunks(source)),
+        "windows": done["windows"] + done["skipped_windows"],
+        "forward_windows": done["windows"] * n_flips,
+        "skipped_windows": done["skipped_windows"],
+        "tile": done["tile"],
+        "tiles": done["tiles"],
+        "tile_budget_mb": tile_budget,
+        "amp": settings.use_amp(device),
+        "seconds": done["seconds"],
+        "voxels_per_s": math.prod(source.shape) / done["seconds"] if done["seconds"] else 0.0,
     }

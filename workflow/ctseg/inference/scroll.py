@@ -61,6 +61,7 @@ import zarr
 
 from ctseg.config import check_weights
 from ctseg.data.heap import release_heap, tune_malloc
+from ctseg.inference.blend import warm_up
 from ctseg.inference.ensemble import weighted_mean
 from ctseg.inference.outputs import (
     LABEL_MAP,
@@ -75,7 +76,6 @@ from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import VolumeSource, intensity_range, open_source
 from ctseg.inference.tiled import Work, finish, open_work, output_chunks, run_part
-from ctseg.inference.volume import weights_layout
 from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
@@ -228,7 +228,7 @@ def predict_scroll(
     # are refused now, not after hours of tiles.
     block = post_block(output_chunks(source), source.shape, postprocess, budget)
     for loaded in models:
-        _warm_up(loaded.model, settings, device)
+        warm_up(loaded.model, settings, device)
     rss_before = _rss_mb()  # the models and their activations, the store's libraries imported
     low, high, how = intensity_range(source, given_range, budget)
     print(f"predict: {source.describe()}\npredict: intensity range {low:g}..{high:g}, {how}",
@@ -354,21 +354,6 @@ def _mean_of_members(
         mean[where] = weighted_mean(lambda i, where=where: np.asarray(members[i][where]),
                                     weights, shape)  # fmt: skip
     return mean
-
-
-def _warm_up(model: torch.nn.Module, settings: InferenceSettings, device: torch.device) -> None:
-    """One forward of a batch of windows, so that the memory the model's activations take is
-    counted with the model (what the budget leaves out) before the tiles' is measured."""
-    was_training, layout = model.training, weights_layout(model)
-    model.to(device, memory_format=settings.memory_format(device)).eval()
-    try:
-        with torch.inference_mode():
-            crops = torch.zeros((settings.batch_size, 1, *settings.checked_window()), device=device)
-            amp = settings.use_amp(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                model(crops)
-    finally:
-        model.to(memory_format=layout).train(was_training)
 
 
 def _with_budget(

@@ -40,7 +40,7 @@ class InferenceSettings:
     window: Shape3 | None = None
     # Fraction of the window shared by neighbouring windows, 0 <= overlap < 1.
     overlap: float = 0.5
-    # Windows (with TTA on a resident volume: window and flip pairs) per forward pass.
+    # (window, flip) pairs per forward pass: with TTA, flips share batches with other windows.
     batch_size: int = 4
     # Average the probabilities over the 8 flipped copies (8x the cost).
     tta_flips: bool = False
@@ -48,10 +48,10 @@ class InferenceSettings:
     amp: bool | None = None
     # The weights in channels_last_3d during inference; None: on CUDA only (`memory_format`).
     channels_last: bool | None = None
-    # Host memory for the z-slabs of a streamed volume.
+    # Host memory for the tiles (and chunk cache) of a volume larger than the device budget.
     memory_budget_mb: float = 512
-    # Hold a volume whose working set fits whole on the device (0: never): about 0.4 GB for a
-    # 320^3 uint8 volume (config/README.md), so the competition's volumes are held whole.
+    # Hold a volume as one tile when its working set fits on the device (0: never): about 0.7
+    # GB for a 320^3 uint8 volume (config/README.md), so the competition's volumes are whole.
     device_budget_mb: float = 2048
     # "cpu", "cuda", "cuda:1"; None: a GPU where there is one (`torch_device`).
     device: str | None = None

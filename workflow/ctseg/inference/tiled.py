@@ -1,6 +1,9 @@
-"""A model's probabilities of a volume of any size, tile by tile, in parts, resumable: the
-driver of `ctseg.inference.tiles`' grid over a `ctseg.inference.source.VolumeSource` read in
-place.
+"""The one inference engine: a model's probabilities of a volume of any size, tile by tile, in
+parts, resumable, over `ctseg.inference.tiles`' grid of a `ctseg.inference.source.VolumeSource`
+read in place. Every predict runs it: a converted store held whole is one tile
+(`ctseg.inference.run.infer_volume`), a scroll is many (`ctseg.inference.scroll`). Each tile's
+windows go through the one kernel (`ctseg.inference.blend.blend_windows`) into exact sums on the
+device; a chunk only that tile reaches is divided there and written final.
 
 Work folder
 -----------
@@ -54,17 +57,12 @@ import torch
 import zarr
 
 from ctseg.data.heap import release_heap
+from ctseg.inference.blend import blend_windows, device_input, model_session, output_channels
 from ctseg.inference.settings import InferenceSettings, Shape3
 from ctseg.inference.source import ChunkCache, VolumeSource
 from ctseg.inference.tiles import Box, Index, TileGrid, part_tiles, plan_tile
-from ctseg.inference.volume import (
-    accumulate_windows,
-    device_input,
-    output_channels,
-    store_attributes,
-    weights_layout,
-)
 from ctseg.inference.windows import (
+    SIGMA_SCALE,
     check_coverage,
     empty_windows,
     from_fixed,
@@ -73,8 +71,14 @@ from ctseg.inference.windows import (
 )
 from ctseg.io import CtsegError, OutputBusy, free_bytes, output_lock, remove_path, strict_json
 from ctseg.labels import LabelSpec
+from ctseg.postprocess.write import (
+    CLASSES_ATTRIBUTE,
+    LABELS_ATTRIBUTE,
+    MULTICLASS_VALUE,
+    channel_names,
+)
 from ctseg.progress import Progress
-from ctseg.store import create_volume
+from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume
 
 MANIFEST = "manifest.json"
 PROBABILITIES = "probabilities.zarr"
@@ -120,26 +124,59 @@ def _remove_temporaries(folder: Path, writer: str) -> None:
 
 def output_chunks(source: VolumeSource) -> Shape3:
     """The probabilities' and masks' chunks: the input's read unit where it is a sensible size
-    (16 to 256 per axis), else `DEFAULT_CHUNK`, never larger than the volume."""
-    chunks = source.chunks if all(16 <= c <= 256 for c in source.chunks) else (DEFAULT_CHUNK,) * 3
+    (16 to 256 per axis, or the whole of a shorter axis), else `DEFAULT_CHUNK`, never larger
+    than the volume."""
+    sensible = all(
+        16 <= c <= 256 or c >= s for c, s in zip(source.chunks, source.shape, strict=True)
+    )
+    chunks = source.chunks if sensible else (DEFAULT_CHUNK,) * 3
     return tuple(min(c, s) for c, s in zip(chunks, source.shape, strict=True))  # type: ignore[return-value]
 
 
 def working_bytes_per_voxel(itemsize: int, channels: int) -> int:
     """Bytes a tile holds per voxel of its extent: the raw input, its float32 copy on the
-    device and the int64 sums of every channel on the device and on the host."""
+    device, and for every channel the int64 sums on the device and the int64 of its seams'
+    chunks copied to the host (at most all of it). Its final chunks are divided on the device
+    one at a time, so their float copies count one chunk, not the tile."""
     return itemsize + 4 + 16 * channels
+
+
+def store_attributes(
+    source_url: str,
+    settings: InferenceSettings,
+    weights_sha256: str | None,
+    labels: LabelSpec | None,
+) -> dict[str, Any]:
+    """What a probability store records: its source, the sliding-window settings, what its
+    values are, the weights' digest, and a multi-class store's classes and label spec."""
+    attributes: dict[str, Any] = {
+        "source": source_url,
+        "window": list(settings.checked_window()),
+        "overlap": settings.overlap,
+        "tta_flips": bool(settings.tta_flips),
+        "blending": f"gaussian sigma=window*{SIGMA_SCALE}",
+        "value": "foreground probability (sigmoid)",
+    }
+    if weights_sha256 is not None:
+        attributes[WEIGHTS_ATTRIBUTE] = [weights_sha256]
+    if labels is not None and not labels.is_binary:
+        attributes["value"] = MULTICLASS_VALUE
+        attributes[CLASSES_ATTRIBUTE] = channel_names(labels)
+        attributes[LABELS_ATTRIBUTE] = labels.to_dict()
+    return attributes
 
 
 # ----------------------------------------------------------------------------- the work folder
 @dataclass(frozen=True)
 class Work:
-    """An open work folder: its place, its manifest and the grid its tiles follow."""
+    """An open work folder: its place, its manifest, the grid its tiles follow and the
+    probability store its chunks are written to."""
 
     folder: Path
     manifest: dict[str, Any]
     grid: TileGrid
     channels: int
+    store: Path
 
     def tile_done(self, tile: Index) -> Path:
         return self.folder / "tiles" / f"{_name(tile)}.done"
@@ -151,7 +188,7 @@ class Work:
         return self.folder / "spill" / _name(chunk) / f"{_name(tile)}.npy"
 
     def probabilities(self) -> zarr.Array:
-        return zarr.open_array(str(self.folder / PROBABILITIES), mode="r+")
+        return zarr.open_array(str(self.store), mode="r+")
 
 
 def _identity(
@@ -193,12 +230,15 @@ def open_work(
     weights_sha256: str | None = None,
     labels: LabelSpec | None = None,
     budget_from: str | None = None,
+    store: Path | None = None,
 ) -> Work:
     """The work folder of this predict: made (manifest, empty probability store) by the first
     run, checked against the manifest by every later one. The first run's tile fits
     ``settings.memory_budget_mb`` (on a GPU also ``device_budget_mb``); `budget_from` says
-    where that budget comes from, for the refusal of one too small."""
+    where that budget comes from, for the refusal of one too small. The probabilities go to
+    `store` (default ``probabilities.zarr`` in the folder)."""
     folder = Path(folder)
+    store = folder / PROBABILITIES if store is None else Path(store)
     identity = _identity(source, settings, device, low, high, weights_sha256, labels)
     win = settings.checked_window()
     starts = tuple(
@@ -233,12 +273,12 @@ def open_work(
             f"with its settings to finish it, or remove {folder} to start again"
         )
     grid = TileGrid(source.shape, win, starts, chunks, tuple(manifest["tile"]))  # type: ignore[arg-type]
-    _create_probabilities(folder, source, settings, weights_sha256, labels, chunks, channels)
-    return Work(folder, manifest, grid, channels)
+    _create_probabilities(store, source, settings, weights_sha256, labels, chunks, channels)
+    return Work(folder, manifest, grid, channels, store)
 
 
 def _create_probabilities(
-    folder: Path,
+    final: Path,
     source: VolumeSource,
     settings: InferenceSettings,
     weights_sha256: str | None,
@@ -246,15 +286,14 @@ def _create_probabilities(
     chunks: Shape3,
     channels: int,
 ) -> None:
-    final = folder / PROBABILITIES
     if final.exists():
         return
     shape: tuple[int, ...] = source.shape
     store_chunks: tuple[int, ...] = chunks
     if channels > 1:
         shape, store_chunks = (channels, *shape), (1, *chunks)
-    attributes = store_attributes(Path(source.url), settings, weights_sha256, labels)
-    tmp = folder / f"{PROBABILITIES}.tmp-{os.getpid()}"
+    attributes = store_attributes(source.url, settings, weights_sha256, labels)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     create_volume(
         tmp, shape, np.float16, store_chunks, attributes=attributes, write_empty_chunks=False
     )
@@ -292,9 +331,10 @@ def _intersect(a: Box, b: Box) -> Box:
     return tuple((max(p[0], q[0]), min(p[1], q[1])) for p, q in zip(a, b, strict=True))  # type: ignore[return-value]
 
 
-def _write_chunk(out: zarr.Array, box: Box, total: np.ndarray, norms: _Norms) -> None:
-    values = from_fixed(total, *norms.of(box))
-    out[(..., *_slices(box))] = values
+def _write_chunk(out: zarr.Array, box: Box, total: torch.Tensor, norms: _Norms) -> None:
+    """The chunk at `box` made final from its exact sums, divided where they lie (the device,
+    or the host for a seam's spills)."""
+    out[(..., *_slices(box))] = from_fixed(total, *norms.of(box)).cpu().numpy()
 
 
 def _finalise_shared(work: Work, chunk: Index, out: zarr.Array, norms: _Norms, writer: str) -> None:
@@ -315,7 +355,7 @@ def _finalise_shared(work: Work, chunk: Index, out: zarr.Array, norms: _Norms, w
             )
         piece = _intersect(box, grid.extent(tile))
         total[(..., *_slices(piece, [lo for lo, _ in box]))] += np.load(spill)
-    _write_chunk(out, box, total, norms)
+    _write_chunk(out, box, torch.from_numpy(total), norms)
     _write_atomic(work.chunk_done(chunk), b"", writer)
     spill_dir = work.folder / "spill" / _name(chunk)
     for f in spill_dir.glob("*"):
@@ -372,14 +412,13 @@ def _run_tile(
     bar.update(len(every) - len(corners))
     size = [hi - lo for lo, hi in extent]
     lead = () if work.channels == 1 else (work.channels,)
-    total_dev = torch.zeros((*lead, *size), dtype=torch.int64, device=device)
+    total = torch.zeros((*lead, *size), dtype=torch.int64, device=device)
     if corners:
         x = device_input(raw, low, high, size, device)
-        accumulate_windows(model, x, total_dev, corners, settings, bar, work.channels)  # type: ignore[arg-type]
+        blend_windows(model, x, total, corners, settings, bar, work.channels)  # type: ignore[arg-type]
         del x
     counts.windows += len(corners)
-    total = total_dev.cpu().numpy()
-    del total_dev, raw
+    del raw
     shared = []
     for chunk in grid.chunks_in(extent):
         box = grid.chunk_box(chunk)
@@ -387,7 +426,7 @@ def _run_tile(
             _write_chunk(out, box, total[(..., *_slices(box, origin))], norms)
             counts.final_chunks += 1
             continue
-        piece = total[(..., *_slices(_intersect(box, extent), origin))]
+        piece = total[(..., *_slices(_intersect(box, extent), origin))].cpu().numpy()
         spill = work.spill(chunk, tile)
         spill.parent.mkdir(exist_ok=True)
         if piece.any():
@@ -421,9 +460,11 @@ def run_part(
     part: int = 0,
     parts: int = 1,
     cache_bytes: int = 64 * 2**20,
+    desc: str | None = None,
 ) -> dict[str, Any]:
     """Compute part `part` of `parts` of the volume into `work` (module docstring), skipping the
-    tiles already done; returns counts, the read amplification and timings."""
+    tiles already done; returns counts, the read amplification and timings. `desc` names the
+    progress bar (default: the part)."""
     grid = work.grid
     low, high = work.manifest["intensity_range"]
     writer = f"part-{part}-of-{parts}"
@@ -436,11 +477,10 @@ def run_part(
     out = work.probabilities()
     n_windows = sum(len(grid.corners(t)) for t in todo)
     t0 = time.perf_counter()
-    was_training, layout = model.training, weights_layout(model)
-    model.to(device, memory_format=settings.memory_format(device)).eval()
-    bar = Progress(total=n_windows, unit="window", desc=f"part {part + 1}/{parts}", file=sys.stderr)
+    bar = Progress(total=n_windows, unit="window", desc=desc or f"part {part + 1}/{parts}",
+                   file=sys.stderr)  # fmt: skip
     try:
-        with _holding(work, writer), torch.inference_mode():
+        with _holding(work, writer), model_session(model, settings, device):
             _remove_temporaries(work.folder, writer)
             for tile in todo:
                 shared = _run_tile(
@@ -458,7 +498,6 @@ def run_part(
                         counts.final_chunks += 1
     finally:
         bar.close()
-        model.to(memory_format=layout).train(was_training)
     seconds = time.perf_counter() - t0
     region = _region_bytes(grid, todo, source.dtype.itemsize)
     return {

@@ -1,6 +1,6 @@
-"""The window maths of sliding-window inference: where the windows go, how they are weighted, and
-how the rows of windows are grouped into z-slabs. Pure numpy (and one cached torch copy of the
-weight map); `ctseg.inference.volume` drives them over a volume.
+"""The window maths of sliding-window inference: where the windows go, how they are weighted and
+how their sums stay exact. Pure arithmetic (the weight map's device copy and the exact sums are
+torch, on the device or the host); `ctseg.inference.blend` and `ctseg.inference.tiled` use it.
 
 Windows
 -------
@@ -31,19 +31,14 @@ The sum is exact
 Each (window, flip) adds its weighted probabilities ``p * w / flips`` (float32) as an integer
 of `FIXED_POINT_BITS` fractional bits (`to_fixed`: a float32 of at least 2^-27 has no bits
 below 2^-50, so it converts exactly; smaller ones lose what lies below). Integer sums do
-not depend on their order, so every path (the whole volume on the device, z-slabs, 3D tiles,
-tiles split over processes and jobs, a run resumed half way) gives the same sum bit for bit, and
+not depend on their order, so every tiling (the whole volume as one tile, 3D tiles, tiles split
+over processes and jobs, a run resumed half way) gives the same sum bit for bit, and
 `from_fixed` turns it into the same float16 probabilities: the sum to float64, scaled to
-float32, divided by the plane's norm and then by z's, each an IEEE-rounded operation that numpy
-and torch do alike. int64 holds 2^(63 - 50) = 8192 units, so up to `MAX_COVERING` windows may
-cover a voxel (an overlap of 0.9 gives 10^3); `check_coverage` refuses more.
-
-Slabs
------
-Windows are processed row by row in z (a row = every window with the same z start). After a
-group of rows (a *slab*, `plan_slabs`) the output below the next row's z start is final, since
-no later window reaches back there. The number of rows per slab comes from the memory budget:
-memory is O(slab depth x Y x X), never the whole volume. At least one row is always taken.
+float32, divided by the plane's norm and then by z's, each an IEEE-rounded operation, so a GPU
+and a CPU give the same bits. Both are torch functions, one implementation for the device and
+the host (a numpy array passes through `torch.from_numpy`). int64 holds 2^(63 - 50) = 8192
+units, so up to `MAX_COVERING` windows may cover a voxel (an overlap of 0.9 gives 10^3);
+`check_coverage` refuses more.
 """
 
 from __future__ import annotations
@@ -52,7 +47,6 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -122,8 +116,8 @@ def weight_norms(
 ) -> tuple[np.ndarray, np.ndarray]:
     """sum(w) as float32 factors: (Z,) along z and (Y, X) in the plane.
 
-    float32, so the division happens in place and allocates nothing volume-sized; both paths
-    of `ctseg.inference.volume` divide by these same arrays, first by the plane, then by z.
+    float32, so the division happens in place and allocates nothing volume-sized; `from_fixed`
+    divides by these arrays (or a block's slices of them), first by the plane, then by z.
     """
     norm_z = weight_sum_1d(shape[0], window[0], starts[0]).astype(np.float32)
     norm_yx = np.outer(
@@ -139,20 +133,20 @@ FIXED_ONE = float(2**FIXED_POINT_BITS)
 MAX_COVERING = 2 ** (62 - FIXED_POINT_BITS)  # windows over one voxel, each summing to <= 1
 
 
-def to_fixed(weighted: np.ndarray) -> np.ndarray:
+def to_fixed(weighted: torch.Tensor) -> torch.Tensor:
     """Weighted probabilities (float32, in [0, 1]) as int64 of `FIXED_POINT_BITS` fractional
     bits: scaled by a power of two (exact in float32) and truncated."""
-    scaled = np.asarray(weighted, np.float32) * np.float32(FIXED_ONE)
-    return scaled.astype(np.int64)
+    return (weighted * FIXED_ONE).to(torch.int64)
 
 
-def from_fixed(total: np.ndarray, norm_z: np.ndarray, norm_yx: np.ndarray) -> np.ndarray:
-    """float16 probabilities of the exact sums `total` (..., Z, Y, X) of a block, divided by the
-    block's weight norms: `norm_z` (Z,) and `norm_yx` (Y, X), float32 (`weight_norms`)."""
-    value = (total.astype(np.float64) * (1.0 / FIXED_ONE)).astype(np.float32)
-    value /= norm_yx
-    value /= norm_z[:, None, None]
-    return value.astype(np.float16)
+def from_fixed(total: torch.Tensor, norm_z: np.ndarray, norm_yx: np.ndarray) -> torch.Tensor:
+    """float16 probabilities of the exact sums `total` (..., Z, Y, X) of a block, on its
+    device, divided by the block's weight norms: `norm_z` (Z,) and `norm_yx` (Y, X), float32
+    (`weight_norms`)."""
+    value = (total.to(torch.float64) * (1.0 / FIXED_ONE)).to(torch.float32)
+    value /= torch.from_numpy(norm_yx).to(value.device)
+    value /= torch.from_numpy(norm_z).to(value.device)[:, None, None]
+    return value.half()
 
 
 def max_covering(starts: Sequence[int], window: int) -> int:
@@ -190,80 +184,3 @@ def empty_windows(
     return [
         not bool((raw[z : z + wz, y : y + wy, x : x + wx] > level).any()) for z, y, x in corners
     ]
-
-
-# ----------------------------------------------------------------------------- slabs
-@dataclass(frozen=True)
-class Slab:
-    rows: tuple[int, ...]  # z starts of the window rows processed together
-    z0: int  # input read [z0, z1)
-    z1: int
-    flush_to: int  # output below this z is final once the slab is done
-
-
-def plan_slabs(
-    depth: int,
-    window_z: int,
-    z_starts: Sequence[int],
-    chunk_z: int,
-    plane_bytes_acc: int,
-    plane_bytes_in: int,
-    budget_bytes: float,
-) -> list[Slab]:
-    """Group window rows into slabs that fit the budget (at least one row each).
-
-    The accumulator of a slab spans [last flush, slab end); its input spans [first row, slab
-    end). Flushes stop at a chunk boundary of the output (when chunks are no deeper than the
-    window), so every output chunk is encoded once.
-    """
-    align = chunk_z if chunk_z <= window_z else 1
-    slabs: list[Slab] = []
-    acc_z0, i, n = 0, 0, len(z_starts)
-    while i < n:
-        j = i
-        while j + 1 < n:
-            end = min(z_starts[j + 1] + window_z, depth)
-            cost = (end - acc_z0) * plane_bytes_acc + (end - z_starts[i]) * plane_bytes_in
-            if cost > budget_bytes:
-                break
-            j += 1
-        flush_to = depth if j == n - 1 else (z_starts[j + 1] // align) * align
-        slabs.append(
-            Slab(
-                tuple(z_starts[i : j + 1]),
-                z_starts[i],
-                min(z_starts[j] + window_z, depth),
-                flush_to,
-            )
-        )
-        acc_z0 = max(acc_z0, flush_to)
-        i = j + 1
-    return slabs
-
-
-def slab_costs(slabs: Sequence[Slab], plane_acc: int, plane_in: int) -> list[int]:
-    """The bytes each slab of a plan holds (the quantity `plan_slabs` keeps under budget)."""
-    costs, acc_z0 = [], 0
-    for s in slabs:
-        costs.append((s.z1 - acc_z0) * plane_acc + (s.z1 - s.z0) * plane_in)
-        acc_z0 = max(acc_z0, s.flush_to)
-    return costs
-
-
-def resident_bytes(
-    shape: Sequence[int],
-    window: Sequence[int],
-    itemsize: int,
-    batch_size: int,
-    channels: int = 1,
-) -> int:
-    """Working set of the resident path (`ctseg.inference.volume`), model activations excluded
-    as in the streaming budget: the float32 input and the int64 exact sums of each of the
-    `channels` output channels over the padded volume, the raw volume, the float16 result of
-    each channel on the device and on the host, and a batch of crops, and of outputs and
-    flipped outputs of each channel, in float32."""
-    return (
-        (4 + 8 * channels) * math.prod(padded_shape(shape, window))
-        + (itemsize + 4 * channels) * math.prod(shape)
-        + 4 * (1 + 2 * channels) * batch_size * math.prod(window)
-    )

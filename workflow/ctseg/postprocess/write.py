@@ -11,7 +11,7 @@ voxel, plus scipy's temporaries of the mask's size for hole filling).
 
 Multi-class stores
 ------------------
-A multi-class model's store (`ctseg.inference.volume.infer_volume`) holds one softmax channel
+A multi-class model's store (`ctseg.inference.run.infer_volume`) holds one softmax channel
 per class, background first: shape (C, Z, Y, X), attributes ``classes`` (the channels' names)
 and ``labels`` (the dataset's `ctseg.labels.LabelSpec`, as `LabelSpec.to_dict`). Its mask is a
 label map: the argmax over the channels (a tie goes to the earlier channel), i.e. the stored
