@@ -266,9 +266,10 @@ def test_folder_and_run_errors_name_the_path(project, tmp_path, capsys):
     assert "two volumes with the id 'a'" in cli_error([*run, "-i", str(volumes)], capsys)
     (volumes / "a.tiff").unlink()
     assert "no such folder of volumes" in cli_error([*run, "-i", str(tmp_path / "x")], capsys)
+    # One TIFF is a volume read in place: its mask is one image, not a folder of masks.
     one_file = cli_error([*run, "-i", str(volumes / "a.tif")], capsys)
-    assert f"{volumes / 'a.tif'}: a file, where a folder of volumes is expected" in one_file
-    assert f"({volumes}), with --only a " in one_file
+    assert f"{volumes / 'a.tif'} is one volume, read in place, and its mask one image" in one_file
+    assert f"({volumes}) with --only a" in one_file
     missing = [
         "predict",
         "--run",
@@ -329,22 +330,22 @@ def test_a_killed_predicts_work_folder_is_removed_by_the_next_one(project, tmp_p
     other.mkdir(parents=True)
     args = ["predict", "--run", str(project / "results" / "tiny"), "-i", str(volumes), "-o",
             str(out), "--scratch", str(scratch), "--device", "cpu"]  # fmt: skip
-    # Killed once the volume is converted into the work folder, before its mask is written.
+    # Killed once the volume's probabilities are in the work folder, before its mask is written.
     killer = (
         "import os, signal, sys\n"
         "from ctseg.inference import predict\n"
-        "convert = predict.convert_volume\n"
-        "def convert_then_die(*a, **k):\n"
-        "    convert(*a, **k)\n"
+        "infer = predict.infer_source\n"
+        "def infer_then_die(*a, **k):\n"
+        "    infer(*a, **k)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "predict.convert_volume = convert_then_die\n"
+        "predict.infer_source = infer_then_die\n"
         "from ctseg.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     killed = subprocess.run([sys.executable, "-c", killer, *args], capture_output=True)
     assert killed.returncode == -signal.SIGKILL
     left = [p for p in scratch.iterdir() if p.name.startswith("ctseg-predict-") and p != other]
-    assert len(left) == 1 and (left[0] / "images" / "a.zarr").is_dir()
+    assert len(left) == 1 and (left[0] / "a.zarr").is_dir()
     assert [p.name for p in out.iterdir()] == [".a.tif.predict.lock"]  # the killed one's claim
     predict(project, "tiny", volumes, out, "--scratch", scratch)
     assert sorted(p.name for p in scratch.iterdir()) == [other.name]

@@ -357,6 +357,43 @@ def test_a_float_volume_without_attributes_needs_a_given_range(tmp_path):
 # --------------------------------------------------------------------------- remote
 
 
+# ----------------------------------------------------------------------------- TIFF volumes
+def test_tiff_volumes_are_read_in_place_as_convert_reads_them(tmp_path):
+    """A multi-page TIFF (one shaped series, or pages written one at a time) and a folder of
+    numbered slices open through tifffile's Zarr interface, the voxels `ctseg convert` stores,
+    and their computed range is the converter's."""
+    data = random_volume((12, 20, 24), np.uint16, high=4000)
+    shaped = tmp_path / "shaped.tif"
+    tifffile.imwrite(shaped, data, photometric="minisblack")
+    paged = tmp_path / "paged.tiff"
+    for plane in data:
+        tifffile.imwrite(paged, plane, append=True)
+    (tmp_path / "slices").mkdir()
+    for z, plane in enumerate(data):
+        tifffile.imwrite(tmp_path / "slices" / f"s_{z:03d}.tif", plane)
+    for path in (shaped, paged, tmp_path / "slices"):
+        source = open_source(str(path))
+        assert source.shape == data.shape and source.dtype == np.uint16, path
+        cache = ChunkCache(source, 1 << 20)
+        box = (slice(3, 9), slice(5, 17), slice(0, 24))
+        np.testing.assert_array_equal(cache.read(box), data[box])
+        converted = convert_volume(path, tmp_path / f"{path.name}.zarr", kind="image")
+        low, high, how = intensity_range(source, None, 1 << 20)
+        assert (low, high) == (converted["p0_5"], converted["p99_5"]) and "computed" in how
+
+
+def test_a_tiff_convert_refuses_is_refused_in_place_with_its_line(tmp_path):
+    (tmp_path / "slices").mkdir()
+    for z in (0, 1, 3):  # slice 2 missing
+        tifffile.imwrite(tmp_path / "slices" / f"s_{z}.tif", np.zeros((4, 4), np.uint8))
+    missing = "1 slice\\(s\\) missing between s_0.tif and s_3.tif: number\\(s\\) 2;"
+    with pytest.raises(CtsegError, match=missing):
+        open_source(str(tmp_path / "slices"))
+    (tmp_path / "flat.tif").write_bytes(b"II*\x00garbage")
+    with pytest.raises(CtsegError, match="flat.tif"):
+        open_source(str(tmp_path / "flat.tif"))
+
+
 def test_s3_reads_equal_the_local_array(tmp_path, s3_endpoint):
     data = random_volume(seed=3)
     local = tmp_path / "bucket"

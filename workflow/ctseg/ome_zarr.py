@@ -565,6 +565,21 @@ def _mode(
 # --------------------------------------------------------------------------- checking
 
 
+def multiscales_of(attributes: Mapping[str, Any]) -> Any:
+    """A group's multiscales list where NGFF keeps it: under ``ome`` (0.5), or at the top level
+    (0.4); None where there is none. Not checked: the callers check what they need."""
+    ome = attributes.get("ome")
+    return ome.get("multiscales") if isinstance(ome, dict) else attributes.get("multiscales")
+
+
+def scale_of(transforms: Any) -> list[float] | None:
+    """The scale of a coordinateTransformations list (its first ``scale`` transform), or None."""
+    for transform in transforms if isinstance(transforms, list) else []:
+        if isinstance(transform, Mapping) and transform.get("type") == "scale":
+            return [float(s) for s in transform.get("scale", [])]
+    return None
+
+
 @dataclass(frozen=True)
 class _Image:
     """What `_describe` reads of an image: its level arrays, each level's (z, y, x) factor
@@ -624,7 +639,7 @@ def _describe(group: zarr.Group, label: str) -> _Image:
         raise _refusal(label, "no 'ome' attributes")
     if ome.get("version") != NGFF_VERSION:
         raise _refusal(label, f"ome version {ome.get('version')!r}, not {NGFF_VERSION!r}")
-    multiscales = ome.get("multiscales")
+    multiscales = multiscales_of(group.attrs)
     if not isinstance(multiscales, list) or not multiscales or not isinstance(multiscales[0], dict):
         raise _refusal(label, "no ome 'multiscales' list")
     multiscale = multiscales[0]

@@ -117,6 +117,13 @@ def _in_place(args: argparse.Namespace) -> bool:
     from ctseg.inference.scroll import is_volume_store
 
     if is_volume_store(args.input):
+        tiff, output = Path(args.input), Path(args.output)
+        if tiff.is_file() and output.suffix.lower() not in (".zarr", ".tif", ".tiff"):
+            raise CtsegError(
+                f"{output}: {tiff} is one volume, read in place, and its mask one image "
+                f"<name>.zarr or <name>.tif; for a folder of masks give its folder "
+                f"({tiff.parent}) with --only {tiff.name.split('.')[0]}"
+            )
         return True
     only_in_place = [
         name

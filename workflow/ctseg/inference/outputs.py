@@ -34,11 +34,11 @@ import zarr
 from ctseg import __version__
 from ctseg.inference.ensemble import WINDOW_ATTRIBUTES
 from ctseg.io import CtsegError
+from ctseg.preprocess.convert import TIFF_SUFFIXES
 
 PROVENANCE_KEY = "ctseg"
 # The kinds of output a predict in place writes, as their records name them.
 MASK, LABEL_MAP, PROBABILITIES = "mask", "label map", "probabilities"
-TIFF_SUFFIXES = (".tif", ".tiff")
 # What a work folder (`ctseg.inference.tiled`) holds before its manifest is written, or after a
 # killed run: its subfolders, the stores of the finish, temporaries and lock files (and a
 # combined run's member-<i>/ work folders).

@@ -21,16 +21,16 @@ The input is a folder of volumes (`ctseg.inference.inputs.input_volumes`): multi
 ``<id>.tif``/``<id>.tiff``, or folders ``<id>/`` of 2D slice TIFFs, which are what `ctseg
 convert` takes. Every volume's header is checked first (`ctseg.preprocess.convert.read_header`),
 so a bad input stops the command before any inference, with convert's one-line error. Then, one
-volume at a time, the same steps as the workflow: `ctseg.preprocess.convert.convert_volume` to a
-temporary Zarr store (streamed in slabs under the convert budget),
-`ctseg.inference.run.infer_volume` per model, the members'
-`ctseg.inference.ensemble.ensemble_volume` for a combined run, and
-`ctseg.postprocess.write.write_mask` to ``<out>/<id>.tif`` (uint8 0/1, the submission layout).
-Memory stays bounded by the settings' budgets, as in each step; the temporary stores are removed
-as each volume is done, from a work folder under ``scratch`` (the system's temporary folder by
-default) that a killed predict leaves behind and the next predict of the same volumes into the
-same ``out`` removes. With ``probabilities``, ``<probabilities>/<id>.zarr`` is kept as well. No
-output folder may be the input folder or lie inside it.
+volume at a time, the workflow's steps with no converted copy: the TIFF read in place
+(`ctseg.inference.source.open_source`, tifffile's Zarr interface) and normalised with the
+intensity range `ctseg convert` would record (`intensity_range`), the one engine per model
+(`ctseg.inference.run.infer_source`), the members' `ctseg.inference.ensemble.ensemble_volume`
+for a combined run, and `ctseg.postprocess.write.write_mask` to ``<out>/<id>.tif`` (uint8 0/1,
+the submission layout). Memory stays bounded by the settings' budgets; the temporary stores are
+removed as each volume is done, from a work folder under ``scratch`` (the system's temporary
+folder by default) that a killed predict leaves behind and the next predict of the same volumes
+into the same ``out`` removes. With ``probabilities``, ``<probabilities>/<id>.zarr`` is kept as
+well. No output folder may be the input folder or lie inside it.
 
 The run's weights files are loaded (`load_models`, each checked against its checksum) before
 anything else reads them, so a damaged one is named as such, not taken for retrained weights by
@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zarr
 
 from ctseg.config import check_weights, load_ensemble, load_experiment
 from ctseg.inference.ensemble import ensemble_volume, load_weights
@@ -78,8 +77,9 @@ from ctseg.inference.outputs import (
     provenance,
     tiff_description,
 )
-from ctseg.inference.run import LoadedModel, infer_volume, load_checkpoint
+from ctseg.inference.run import LoadedModel, infer_source, load_checkpoint
 from ctseg.inference.settings import InferenceSettings
+from ctseg.inference.source import intensity_range, open_source
 from ctseg.io import (
     DISK_FULL_ERRNOS,
     CtsegError,
@@ -96,7 +96,7 @@ from ctseg.plan import read_dataset_plan
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
 from ctseg.postprocess.write import channel_names, check_label_map_settings, write_mask
-from ctseg.preprocess.convert import convert_volume, read_header
+from ctseg.preprocess.convert import read_header
 from ctseg.progress import Progress
 from ctseg.runs import cv_base
 from ctseg.store import WEIGHTS_ATTRIBUTE
@@ -420,24 +420,20 @@ def _predict_volume(
     inference: InferenceSettings,
     postprocess: PostprocessSettings,
 ) -> dict[str, Any]:
-    image = work / "images" / f"{rid}.zarr"
-    convert_volume(source, image, kind="image")
+    volume = open_source(str(source))  # read in place: a multi-page TIFF or a slice folder
+    budget = int(inference.memory_budget_mb * 2**20)
+    low, high, _ = intensity_range(volume, None, budget)  # as `ctseg convert` records it
     prob = Path(probabilities_dir) / f"{rid}.zarr" if probabilities_dir else work / f"{rid}.zarr"
-    if run.kind == "trained":
-        model, patch, labels = models[0]
-        info = infer_volume(model, image, prob, inference.with_window(patch), digests[0], labels)
-    else:
-        member_probs = [work / "members" / m / f"{rid}.zarr" for m in run.members]
-        for loaded, member_prob, digest in zip(models, member_probs, digests, strict=True):
-            window = inference.with_window(loaded.patch)
-            infer_volume(loaded.model, image, member_prob, window, digest, loaded.labels)
-        info = ensemble_volume(
-            member_probs,
-            run.weights,
-            prob,
-            memory_budget_mb=inference.memory_budget_mb,
-            where=run.weights_from,
-        )
+    members = [work / "members" / m / f"{rid}.zarr" for m in run.members]
+    member_probs = [prob] if len(models) == 1 else members
+    for loaded, member_prob, digest in zip(models, member_probs, digests, strict=True):
+        window = inference.with_window(loaded.patch)
+        info = infer_source(loaded.model, volume, low, high, member_prob, window, digest,
+                            loaded.labels)  # fmt: skip
+    if len(models) > 1:
+        budget_mb = inference.memory_budget_mb
+        ensemble_volume(member_probs, run.weights, prob, memory_budget_mb=budget_mb,
+                        where=run.weights_from)  # fmt: skip
         for member_prob in member_probs:
             remove_path(member_prob)
     labels = models[0].labels
@@ -449,12 +445,11 @@ def _predict_volume(
         inference=inference.with_window(models[0].patch).as_dict(),
         postprocess=postprocess.as_dict() if labels.is_binary else None,
         labels=labels.to_dict(),
-        source={"url": str(source), "level": None, "intensity_range": _range_of(image)},
+        source={"url": str(source), "level": None, "intensity_range": [low, high]},
     )
     mask = _write_mask(
         prob, out_dir / f"{rid}.tif", postprocess, info["shape"][-3:], tiff_description(record)
     )
-    remove_path(image)
     if not probabilities_dir:
         remove_path(prob)
     return {
@@ -465,12 +460,6 @@ def _predict_volume(
         "shape": info["shape"][-3:],
         **{k: v for k, v in mask.items() if k in ("classes", "values") or k.endswith("_voxels")},
     }
-
-
-def _range_of(image: Path) -> list[float]:
-    """The intensity range `ctseg convert` recorded in the image store."""
-    attrs = zarr.open_array(str(image), mode="r").attrs
-    return [float(attrs["p0_5"]), float(attrs["p99_5"])]
 
 
 def _write_mask(

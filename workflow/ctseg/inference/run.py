@@ -252,17 +252,32 @@ def infer_volume(
     weights_sha256: str | None = None,
     labels: LabelSpec | None = None,
 ) -> dict[str, Any]:
-    """Blended sliding-window probabilities of `image_store`, written to a float16 Zarr store
-    (module docstring). `weights_sha256`: the digest of the weights file the model was loaded
-    from, kept in the store's attributes (`ctseg.store.WEIGHTS_ATTRIBUTE`). `labels`: the label
-    spec the model was trained on (`load_checkpoint`); a multi-class one gives a store of one
-    channel per class, (C, Z, Y, X) with the attributes ``classes`` and ``labels``; None or a
-    binary spec, the one-channel store. The model is run in eval mode on the device (its
-    training flag and layout are restored after). The store is written atomically; returns
-    counts and timings."""
-    image_store, prob_store = Path(image_store), Path(prob_store)
+    """Blended sliding-window probabilities of the converted `image_store` (`open_image`),
+    written to a float16 Zarr store: `infer_source` with the range the store records."""
+    source, low, high = open_image(Path(image_store))
+    return infer_source(model, source, low, high, prob_store, settings, weights_sha256, labels)
+
+
+def infer_source(
+    model: torch.nn.Module,
+    source: VolumeSource,
+    low: float,
+    high: float,
+    prob_store: Path,
+    settings: InferenceSettings,
+    weights_sha256: str | None = None,
+    labels: LabelSpec | None = None,
+) -> dict[str, Any]:
+    """Blended sliding-window probabilities of `source` normalised with the intensity range
+    `low`..`high`, written to a float16 Zarr store (module docstring). `weights_sha256`: the
+    digest of the weights file the model was loaded from, kept in the store's attributes
+    (`ctseg.store.WEIGHTS_ATTRIBUTE`). `labels`: the label spec the model was trained on
+    (`load_checkpoint`); a multi-class one gives a store of one channel per class, (C, Z, Y, X)
+    with the attributes ``classes`` and ``labels``; None or a binary spec, the one-channel
+    store. The model is run in eval mode on the device (its training flag and layout are
+    restored after). The store is written atomically; returns counts and timings."""
+    prob_store = Path(prob_store)
     win = settings.checked_window()
-    source, low, high = open_image(image_store)
     device = settings.torch_device()
     channels = output_channels(labels)
     per_voxel = working_bytes_per_voxel(source.dtype.itemsize, channels)
@@ -272,16 +287,17 @@ def infer_volume(
     else:
         tile_budget, budget_from = settings.memory_budget_mb, "memory_budget_mb"
     tile_settings = dataclasses.replace(settings, memory_budget_mb=tile_budget)
+    name = Path(source.url).name
     scratch = prob_store.with_name(f".{prob_store.name}.infer")
     with (
         work_folder(scratch) as folder,
-        fresh_output(prob_store, what=f"write the probabilities of {image_store.name}") as tmp,
+        fresh_output(prob_store, what=f"write the probabilities of {name}") as tmp,
     ):
         work = open_work(folder, source, tile_settings, device, low, high, weights_sha256,
                          labels, f"{budget_from} {tile_budget:g}", store=tmp)  # fmt: skip
         done = run_part(model, work, source, tile_settings, device,
                         cache_bytes=int(settings.memory_budget_mb * 2**20) // 4,
-                        desc=f"infer {image_store.name}")  # fmt: skip
+                        desc=f"infer {name}")  # fmt: skip
         finish(work)
     classes = {CLASSES_ATTRIBUTE: channel_names(labels)} if channels > 1 else {}  # type: ignore[arg-type]
     n_flips = 8 if settings.tta_flips else 1

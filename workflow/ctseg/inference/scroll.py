@@ -74,7 +74,7 @@ from ctseg.inference.outputs import (
 )
 from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
-from ctseg.inference.source import VolumeSource, intensity_range, open_source
+from ctseg.inference.source import ZARR_MARKERS, VolumeSource, intensity_range, open_source
 from ctseg.inference.tiled import Work, finish, open_work, output_chunks, run_part
 from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, remove_path
 from ctseg.labels import LabelSpec
@@ -82,27 +82,28 @@ from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
 from ctseg.postprocess.blockwise import blockwise_mask, post_block
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.write import channel_names, check_label_map_settings, label_map
+from ctseg.preprocess.convert import TIFF_SUFFIXES
 from ctseg.store import create_volume
 
 OME_SUFFIXES = (".zarr",)
-TIFF_SUFFIXES = (".tif", ".tiff")
 # Of the memory budget: the chunk cache's (unless --cache-mb is given) and the tile's working
 # set's shares; the rest is for what passes through (decoded and encoded chunks, the sums'
 # float copies as chunks are made final, spills).
 CACHE_SHARE = 0.25
 TILE_SHARE = 0.5
-ZARR_MARKERS = ("zarr.json", ".zarray", ".zattrs", ".zgroup")
 RESUME_AFTER_FULL = (
     "the tiles it finished are kept: free some space there and rerun the same command to go on"
 )
 
 
 def is_volume_store(text: str) -> bool:
-    """Whether `--input` names a Zarr array or OME-Zarr group (a URL, or a folder with zarr
-    metadata) rather than a folder of TIFFs."""
+    """Whether `--input` names one volume read in place (a URL, a folder with zarr metadata, or
+    a multi-page TIFF file) rather than a folder of volumes."""
     if "://" in text:
         return True
     path = Path(text)
+    if path.suffix.lower() in TIFF_SUFFIXES and path.is_file():
+        return True
     return path.suffix == ".zarr" or any((path / m).is_file() for m in ZARR_MARKERS)
 
 

@@ -1,13 +1,16 @@
 """A volume to predict on, read in place: a Zarr array or an OME-Zarr pyramid, on a local disk,
-on S3 or over HTTP(S).
+on S3 or over HTTP(S), or a local TIFF volume (a multi-page file or a folder of numbered slices).
 
 A whole CT scroll (14000 x 8000 x 8000 uint8 is 0.9 TB) is not copied before `ctseg predict`
 reads it. `open_source` opens it read-only where it is (fsspec for ``s3://``, ``http://`` and
 ``https://``), picks one level of an OME-Zarr multiscale group (NGFF 0.4, zarr v2; NGFF 0.5,
-zarr v3) and refuses anything that is not a 3D volume. `ChunkCache` reads the boxes the sliding
-windows need from whole chunks (the store's read unit: its shards where it is sharded), each
-fetched with one zarr read and kept decoded in an LRU cache of bounded size, and counts what it
-fetched, so the caller can report the read amplification (bytes fetched / bytes of the region).
+zarr v3) and refuses anything that is not a 3D volume. A TIFF volume is checked as `ctseg
+convert` checks it (`ctseg.preprocess.convert.read_header`) and read through tifffile's Zarr
+interface, a page (one z slice) per chunk: the same voxels its converted copy would hold.
+`ChunkCache` reads the boxes the sliding windows need from whole chunks (the store's read unit:
+its shards where it is sharded), each fetched with one zarr read and kept decoded in an LRU
+cache of bounded size, and counts what it fetched, so the caller can report the read
+amplification (bytes fetched / bytes of the region).
 Tiles taken in z-major order, each grown by its halo, through a cache that holds about one slab
 of chunk rows, fetch each chunk about once.
 
@@ -28,19 +31,30 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tifffile
 import zarr
 from zarr.abc.store import Store
 from zarr.errors import NodeNotFoundError
 from zarr.storage import FsspecStore, LocalStore
 
 from ctseg.io import CtsegError
-from ctseg.preprocess.convert import HISTOGRAM_SHARE, SLAB_SHARE, Histogram
+from ctseg.ome_zarr import multiscales_of, scale_of
+from ctseg.preprocess.convert import (
+    HISTOGRAM_SHARE,
+    SLAB_SHARE,
+    TIFF_SUFFIXES,
+    Histogram,
+    read_header,
+    slice_files,
+)
 from ctseg.progress import Progress
 
 Box = tuple[slice, slice, slice]
+ZARR_MARKERS = ("zarr.json", ".zarray", ".zattrs", ".zgroup")
 
 
 def _remote_errors() -> tuple[type[BaseException], ...]:
@@ -133,9 +147,7 @@ def _open_node(url: str, storage_options: Mapping | None) -> zarr.Array | zarr.G
 
 def _multiscales(url: str, group: zarr.Group) -> dict[str, Any]:
     """The group's first multiscale, NGFF 0.5 (under "ome") or 0.4 (top level)."""
-    attrs = dict(group.attrs)
-    ome = attrs.get("ome")
-    found = ome.get("multiscales") if isinstance(ome, dict) else attrs.get("multiscales")
+    found = multiscales_of(dict(group.attrs))
     if not found:
         raise CtsegError(
             f"{url}: a group without multiscales metadata: give the array inside it, "
@@ -178,19 +190,12 @@ def _pick_level(url: str, datasets: Sequence[Mapping], level: str | int | None) 
     )
 
 
-def _scale(transforms: Any) -> list[float] | None:
-    for transform in transforms or []:
-        if isinstance(transform, Mapping) and transform.get("type") == "scale":
-            return [float(s) for s in transform.get("scale", [])]
-    return None
-
-
 def _spacing(multiscale: Mapping, dataset: Mapping) -> tuple[float, ...] | None:
     """The dataset's scale, times the multiscale's own where it has one (NGFF applies both)."""
-    scale = _scale(dataset.get("coordinateTransformations"))
+    scale = scale_of(dataset.get("coordinateTransformations"))
     if scale is None:
         return None
-    overall = _scale(multiscale.get("coordinateTransformations"))
+    overall = scale_of(multiscale.get("coordinateTransformations"))
     if overall is not None and len(overall) == len(scale):
         scale = [a * b for a, b in zip(scale, overall, strict=True)]
     return tuple(scale)
@@ -210,13 +215,38 @@ def _check_axes(url: str, multiscale: Mapping) -> None:
         )
 
 
+def _tiff_array(url: str) -> zarr.Array | None:
+    """A local multi-page TIFF, or a folder of numbered 2D slice TIFFs (no zarr metadata in it),
+    as a read-only Zarr array through tifffile's Zarr interface, after `ctseg convert`'s header
+    checks; None for anything else."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    path = Path(url.removeprefix("file://"))
+    if path.is_file() and path.suffix.lower() in TIFF_SUFFIXES:
+        read_header(path)
+        tif = tifffile.TiffFile(path)
+        if len(tif.series) > 1:  # pages written one at a time: each its own shaped series
+            tif.close()
+            tif = tifffile.TiffFile(path, is_shaped=False)
+        store = tif.series[0].aszarr()
+    elif path.is_dir() and not any((path / m).exists() for m in ZARR_MARKERS):
+        if not slice_files(path):
+            return None
+        read_header(path)
+        store = tifffile.TiffSequence(slice_files(path)).aszarr()
+    else:
+        return None
+    return zarr.open_array(store, mode="r")
+
+
 def open_source(
     url: str, level: str | int | None = None, storage_options: Mapping | None = None
 ) -> VolumeSource:
     """Open the 3D volume at `url` read-only, where it lies: a Zarr array (v2 or v3), or one
     level of an OME-Zarr multiscale group (`level`: an index, a digit string or a dataset's
     path; default 0, the full resolution). Nothing is read but the metadata."""
-    node = _open_node(str(url), storage_options)
+    tiff = _tiff_array(str(url))
+    node = tiff if tiff is not None else _open_node(str(url), storage_options)
     chosen: str | None = None
     spacing = None
     if isinstance(node, zarr.Array):
@@ -340,7 +370,23 @@ class ChunkCache:
         if out.size == 0:
             return out
         unit = self.source.chunks
-        for index in self._indices(box):
+        indices = self._indices(box)
+        if self._uses is not None and not any(
+            i in self._chunks or self._next_use(i) < math.inf for i in indices
+        ):
+            # None of its chunks is held or needed again (a tile that is the whole volume): one
+            # store read of their hull, which zarr decodes in parallel.
+            hull = tuple(
+                slice(i0 * u, min((i1 + 1) * u, n))
+                for i0, i1, u, n in zip(indices[0], indices[-1], unit, self.source.shape,
+                                        strict=True)
+            )  # fmt: skip
+            block = self._fetch(hull)
+            self.chunks_fetched += len(indices)
+            self.bytes_fetched += block.nbytes
+            return block[tuple(slice(a - h.start, b - h.start)
+                               for a, b, h in zip(starts, stops, hull, strict=True))]  # fmt: skip
+        for index in indices:
             chunk = self._chunk(index)
             origin = [i * u for i, u in zip(index, unit, strict=True)]
             lo = [max(a, o) for a, o in zip(starts, origin, strict=True)]
@@ -379,19 +425,23 @@ class ChunkCache:
             slice(i * u, min((i + 1) * u, n))
             for i, u, n in zip(index, self.source.chunks, self.source.shape, strict=True)
         )
+        chunk = self._fetch(region)  # type: ignore[arg-type]
+        chunk.flags.writeable = False  # shared by every box that reads it
+        self.chunks_fetched += 1
+        self.bytes_fetched += chunk.nbytes
+        self._keep(index, chunk)
+        return chunk
+
+    def _fetch(self, region: Box) -> np.ndarray:
+        """One store read of `region`; a failed one is a line naming the volume and the box."""
         try:
-            chunk = np.asarray(self.source.array[region])
+            return np.asarray(self.source.array[region])
         except READ_ERRORS as exc:
             where = ", ".join(f"{r.start}:{r.stop}" for r in region)
             raise CtsegError(
                 f"{self.source.url}: reading [{where}] failed ({_line(exc)}); check the "
                 "connection and rerun"
             ) from exc
-        chunk.flags.writeable = False  # shared by every box that reads it
-        self.chunks_fetched += 1
-        self.bytes_fetched += chunk.nbytes
-        self._keep(index, chunk)
-        return chunk
 
     def _keep(self, index: tuple[int, int, int], chunk: np.ndarray) -> None:
         if chunk.nbytes > self.budget_bytes:

@@ -420,7 +420,16 @@ def _run_tile(
     counts.windows += len(corners)
     del raw
     shared = []
-    for chunk in grid.chunks_in(extent):
+    chunks = grid.chunks_in(extent)
+    if all(grid.contributors(chunk) == [tile] for chunk in chunks):
+        # No seams (the whole volume one tile): one division and one write of every chunk, which
+        # zarr encodes in parallel.
+        boxes = [grid.chunk_box(chunk) for chunk in chunks]
+        box = tuple((min(b[a][0] for b in boxes), max(b[a][1] for b in boxes)) for a in range(3))
+        _write_chunk(out, box, total[(..., *_slices(box, origin))], norms)  # type: ignore[arg-type]
+        counts.final_chunks += len(chunks)
+        chunks = []
+    for chunk in chunks:
         box = grid.chunk_box(chunk)
         if grid.contributors(chunk) == [tile]:
             _write_chunk(out, box, total[(..., *_slices(box, origin))], norms)

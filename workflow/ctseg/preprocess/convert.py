@@ -101,7 +101,7 @@ def read_header(source: Path) -> tuple[Shape3, np.dtype]:
 SLICE_NAME = re.compile(r"^(.*?)(\d+)(\D*)$")
 
 
-def _slice_files(directory: Path) -> list[Path]:
+def slice_files(directory: Path) -> list[Path]:
     """The slice files in z order, after checking that they form one gapless numbered series.
 
     A directory of slices has no header that says how many there are, so a stray file
@@ -411,7 +411,7 @@ def _inspect_slice(path: Path) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def _inspect_directory(directory: Path) -> _Source:
-    files = _slice_files(directory)
+    files = slice_files(directory)
     if not files:
         raise CtsegError(f"{directory}: no .tif/.tiff slice files in this directory")
     plane, dtype = _inspect_slice(files[0])
