@@ -497,7 +497,8 @@ def run_part(
                     counts, writer,
                 )  # fmt: skip
                 counts.tiles += 1
-                release_heap()  # the tile's buffers, before the next tile's
+                if tile != todo[-1]:
+                    release_heap()  # the tile's buffers, before the next tile's
                 for chunk in shared:
                     ready = grid.contributors(chunk)
                     if work.chunk_done(chunk).exists() or not set(ready) <= own:
