@@ -284,7 +284,8 @@ def test_predict_in_place_matches_the_tiff_path_in_parts_and_as_ome_zarr(tmp_pat
     # Three parts, one of them killed with SIGKILL half way and run again: the same mask.
     out, work = tmp_path / "parts.tif", tmp_path / ".parts.tif.predict"
     parts = [*options, *budget, "--parts", "3"]
-    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "0")
+    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "0",
+          "--summary", tmp_path / "p0.json")  # fmt: skip
     slow = slow_tiles_env(tmp_path)
     kill_after_a_tile([str(BIN / "ctseg"), "predict", "--run", str(run), "-i", str(store), "-o",
                        str(out), *map(str, parts), "--part", "1"], slow, work, 1, 3)  # fmt: skip
@@ -292,8 +293,36 @@ def test_predict_in_place_matches_the_tiff_path_in_parts_and_as_ome_zarr(tmp_pat
           "--summary", tmp_path / "p1.json")  # fmt: skip
     assert json.loads((tmp_path / "p1.json").read_text())["part"]["tiles_resumed"] >= 1
     ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "2")
-    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--finish")
+    ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--finish",
+          "--summary", tmp_path / "f.json")  # fmt: skip
     np.testing.assert_array_equal(tifffile.imread(out), reference)
+    # The volume was read for its statistics once over all the processes: by the first part.
+    read = [json.loads((tmp_path / f"{name}.json").read_text())["statistics_bytes_read"]
+            for name in ("p0", "p1", "f")]  # fmt: skip
+    assert read == [data.nbytes, 0, 0]
+
+
+def test_parts_run_at_once_read_the_volume_for_its_statistics_once(tmp_path):
+    """Two parts started together: one computes the intensity range under the lock on the work
+    folder's intensity.json, the other waits and reads it; the finish reads it too."""
+    run = save_run(tmp_path / "results" / "tiny")
+    data = volume((40, 48, 40), seed=3)
+    store = zarr_volume(tmp_path / "v.zarr", data, stats=False)
+    args = [str(BIN / "ctseg"), "predict", "--run", str(run), "-i", str(store), "-o",
+            str(tmp_path / "m.tif"), "--parts", "2", "--memory-budget-mb", "4"]  # fmt: skip
+    parts = [
+        subprocess.Popen([*args, "--part", str(k), "--summary", str(tmp_path / f"p{k}.json")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for k in (0, 1)
+    ]  # fmt: skip
+    for part in parts:
+        _, err = part.communicate(timeout=600)
+        assert part.returncode == 0, err[-2000:]
+    ctseg(*args[1:], "--finish", "--summary", tmp_path / "f.json")
+    summaries = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("p0", "p1", "f")]
+    assert sorted(s["statistics_bytes_read"] for s in summaries) == [0, 0, data.nbytes]
+    assert len({tuple(s["intensity_range"]) for s in summaries}) == 1
+    assert tifffile.imread(tmp_path / "m.tif").shape == data.shape
 
 
 def slow_tiles_env(tmp: Path) -> dict[str, str]:
@@ -427,6 +456,7 @@ def test_a_multiclass_run_writes_its_label_map_as_the_folder_predict_does(tmp_pa
     [
         (["--part", "1"], "--part and --finish go with --parts N"),
         (["--parts", "3"], "--parts 3: give --part K (0..2) or --finish"),
+        (["--parts", "3", "--part", "3"], "--part 3: expected 0 <= part < --parts 3"),
         (
             ["--memory-budget-mb", "1", "--window", "32,32,32"],
             "MB the tiles get (half of --memory-budget-mb 1)",
@@ -435,8 +465,9 @@ def test_a_multiclass_run_writes_its_label_map_as_the_folder_predict_does(tmp_pa
     ],
 )
 def test_requests_the_in_place_predict_cannot_do_are_one_line(tmp_path, extra, message):
+    """Each is refused before the volume is read (its statistics too) and leaves no folder."""
     run = save_run(tmp_path / "results" / "tiny")
-    store = zarr_volume(tmp_path / "v.zarr", volume((20, 24, 20)))
+    store = zarr_volume(tmp_path / "v.zarr", volume((20, 24, 20)), stats=False)
     done = ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *extra,
                  check=False)  # fmt: skip
     assert done.returncode != 0 and message in done.stderr
@@ -445,6 +476,7 @@ def test_requests_the_in_place_predict_cannot_do_are_one_line(tmp_path, extra, m
         done.stderr.strip().splitlines()[-1]
     ]
     assert not (tmp_path / "m.zarr").exists() and not (tmp_path / ".m.zarr.predict").exists()
+    assert "statistics" not in done.stderr and "intensity range" not in done.stderr
     bad = ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.nii", check=False)
     assert "the output of a volume read in place is an OME-Zarr image" in bad.stderr
 

@@ -51,6 +51,7 @@ WORK_ENTRIES = (
     "closing.zarr",
     "mask.zarr",
     "post",
+    "intensity.json",
 )
 
 

@@ -16,9 +16,14 @@ folder `work_folder_of(output)` (beside the output, kept until the predict is fi
   folder holds another's tiles.
 
 Each model of a combined run has its own work folder (`member_folders`), so each resumes on its
-own tiles; a part computes its tiles of every model. Before anything is read, the outputs are
-checked (`ctseg.inference.outputs.check_output_paths`): nothing of the input, and nothing ctseg
-did not write, is ever replaced; ctseg's own outputs only with ``overwrite``.
+own tiles; a part computes its tiles of every model. Before anything is read, and before any
+folder is made, the request is checked: the outputs (`ctseg.inference.outputs.
+check_output_paths`: nothing of the input, and nothing ctseg did not write, is ever replaced;
+ctseg's own outputs only with ``overwrite``), ``--part``'s range, and whether the
+post-processing's blocks and the tile fit the budget. The intensity range, where neither given
+nor recorded in the array, is computed once for the whole predict
+(`ctseg.inference.tiled.shared_intensity_range`): the first process reads the volume for it,
+every other part and the finish read the work folder's ``intensity.json``.
 
 Finishing makes the seams final, averages the models' probabilities with the run's weights block
 by block (`ctseg.inference.ensemble.weighted_mean`, the folder predict's arithmetic), then makes
@@ -61,7 +66,7 @@ import zarr
 
 from ctseg.config import check_weights
 from ctseg.data.heap import release_heap, tune_malloc
-from ctseg.inference.blend import warm_up
+from ctseg.inference.blend import output_channels, warm_up
 from ctseg.inference.ensemble import weighted_mean
 from ctseg.inference.outputs import (
     LABEL_MAP,
@@ -74,8 +79,16 @@ from ctseg.inference.outputs import (
 )
 from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
-from ctseg.inference.source import ZARR_MARKERS, VolumeSource, intensity_range, open_source
-from ctseg.inference.tiled import Work, finish, open_work, output_chunks, run_part
+from ctseg.inference.source import ZARR_MARKERS, VolumeSource, open_source
+from ctseg.inference.tiled import (
+    Work,
+    finish,
+    open_work,
+    output_chunks,
+    planned_tile,
+    run_part,
+    shared_intensity_range,
+)
 from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
@@ -165,6 +178,8 @@ def _check_request(
             raise CtsegError(f"--parts {parts}: expected a positive number")
         if (part is None) == (not finish_only):
             raise CtsegError(f"--parts {parts}: give --part K (0..{parts - 1}) or --finish")
+        if part is not None and not 0 <= part < parts:
+            raise CtsegError(f"--part {part}: expected 0 <= part < --parts {parts}")
 
 
 def _kinds(
@@ -228,21 +243,25 @@ def predict_scroll(
     # The post-processing's blocks, before any tile: settings whose halos do not fit the budget
     # are refused now, not after hours of tiles.
     block = post_block(output_chunks(source), source.shape, postprocess, budget)
+    share = f"half of --memory-budget-mb {settings.memory_budget_mb:g}"
+    folders = member_folders(root, len(models))
+    for folder in folders:  # so is a tile budget too small: before any read, no folder made
+        planned_tile(folder, source, tile_settings, device, output_channels(labels), share)
     for loaded in models:
         warm_up(loaded.model, settings, device)
     rss_before = _rss_mb()  # the models and their activations, the store's libraries imported
-    low, high, how = intensity_range(source, given_range, budget)
+    low, high, how, stats_read = shared_intensity_range(root, source, given_range, budget)
     print(f"predict: {source.describe()}\npredict: intensity range {low:g}..{high:g}, {how}",
           file=sys.stderr)  # fmt: skip
-    share = f"half of --memory-budget-mb {settings.memory_budget_mb:g}"
     works = [
         open_work(folder, source, tile_settings, device, low, high, sha, labels, share)
-        for folder, sha in zip(member_folders(root, len(models)), weights_sha256, strict=True)
+        for folder, sha in zip(folders, weights_sha256, strict=True)
     ]
     summary: dict[str, Any] = {
         "run": run_name,
         "input": source.describe(),
         "intensity_range": [low, high],
+        "statistics_bytes_read": stats_read,
         "tile": list(works[0].grid.tile),
         "tiles": len(works[0].grid.tiles()),
         "models": len(models),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import sys
 import time
@@ -59,7 +60,7 @@ import zarr
 from ctseg.data.heap import release_heap
 from ctseg.inference.blend import blend_windows, device_input, model_session, output_channels
 from ctseg.inference.settings import InferenceSettings, Shape3
-from ctseg.inference.source import ChunkCache, VolumeSource
+from ctseg.inference.source import ChunkCache, VolumeSource, intensity_range
 from ctseg.inference.tiles import Box, Index, TileGrid, part_tiles, plan_tile
 from ctseg.inference.windows import (
     SIGMA_SCALE,
@@ -82,6 +83,8 @@ from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume
 
 MANIFEST = "manifest.json"
 PROBABILITIES = "probabilities.zarr"
+STATISTICS = "intensity.json"  # the volume's intensity range, computed once per predict
+STATISTICS_WAIT_S = 0.5  # how often a process waiting for another's statistics looks again
 FORMAT = 1
 DEFAULT_CHUNK = 128  # output chunks along each axis when the input's are outside 16..256
 
@@ -220,6 +223,75 @@ def _identity(
     }
 
 
+def shared_intensity_range(
+    root: Path,
+    source: VolumeSource,
+    given: tuple[float, float] | None,
+    budget_bytes: int,
+) -> tuple[float, float, str, int]:
+    """The normalisation range of `source` (`ctseg.inference.source.intensity_range`), the
+    volume read for it at most once over all the processes of one predict: given, or recorded
+    in the array's attributes, it reads nothing; else the first process to need it computes it,
+    under a lock on ``<root>/intensity.json``, and writes it there, and every other part, the
+    finish and a rerun read that file, waiting while another process computes it. Returns the
+    range, where it came from, and the bytes of the volume this process read for it."""
+    if given is not None or {"p0_5", "p99_5"} <= source.attributes.keys():
+        return (*intensity_range(source, given, budget_bytes), 0)
+    path = Path(root) / STATISTICS
+    identity = {"source": source.url, "level": source.level, "shape": list(source.shape),
+                "dtype": str(source.dtype)}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            with output_lock(path):
+                if path.exists():
+                    return (*_read_statistics(path, identity), 0)
+                low, high, how = intensity_range(source, None, budget_bytes)
+                record = {**identity, "intensity_range": [low, high], "how": how}
+                _write_atomic(path, strict_json(record, indent=1).encode(), "statistics")
+                return low, high, how, math.prod(source.shape) * source.dtype.itemsize
+        except OutputBusy:  # another process of this predict is computing them
+            time.sleep(STATISTICS_WAIT_S)
+
+
+def _read_statistics(path: Path, identity: dict[str, Any]) -> tuple[float, float, str]:
+    record = json.loads(path.read_text())
+    changed = sorted(k for k in identity if record.get(k) != identity[k])
+    if changed:
+        was = ", ".join(f"{k} {record.get(k)!r} now {identity[k]!r}" for k in changed)
+        raise CtsegError(
+            f"{path}: the statistics of another input are kept here ({was}); finish that "
+            f"predict, or remove {path.parent} to start again"
+        )
+    low, high = record["intensity_range"]
+    return float(low), float(high), f"{record['how']}, by an earlier process of this predict"
+
+
+def planned_tile(
+    folder: Path,
+    source: VolumeSource,
+    settings: InferenceSettings,
+    device: torch.device,
+    channels: int,
+    budget_from: str | None = None,
+) -> Shape3 | None:
+    """The tile a first run of this predict cuts the volume into: the largest that fits
+    ``settings.memory_budget_mb`` (on a GPU also ``device_budget_mb``), a budget too small a
+    one-line refusal saying where it comes from (`budget_from`); None where `folder` holds a
+    manifest already (a later run keeps its tile). Reads nothing but the folder, so a caller
+    checks it before any long step."""
+    if (Path(folder) / MANIFEST).exists():
+        return None
+    budget = settings.memory_budget_mb * 2**20
+    what = budget_from or f"memory_budget_mb {settings.memory_budget_mb:g}"
+    if device.type == "cuda" and settings.device_budget_bytes() < budget:
+        budget = settings.device_budget_bytes()
+        what = f"--device-budget-mb {settings.device_budget_mb:g}"
+    per_voxel = working_bytes_per_voxel(source.dtype.itemsize, channels)
+    win = settings.checked_window()
+    return plan_tile(source.shape, win, output_chunks(source), per_voxel, budget, what)
+
+
 def open_work(
     folder: Path,
     source: VolumeSource,
@@ -248,14 +320,8 @@ def open_work(
     channels = output_channels(labels)
     chunks: Shape3 = tuple(identity["chunks"])  # type: ignore[assignment]
     manifest_file = folder / MANIFEST
-    if not manifest_file.exists():
-        budget = settings.memory_budget_mb * 2**20
-        what = budget_from or f"memory_budget_mb {settings.memory_budget_mb:g}"
-        if device.type == "cuda" and settings.device_budget_bytes() < budget:
-            budget = settings.device_budget_bytes()
-            what = f"--device-budget-mb {settings.device_budget_mb:g}"
-        per_voxel = working_bytes_per_voxel(source.dtype.itemsize, channels)
-        tile = plan_tile(source.shape, win, chunks, per_voxel, budget, what)
+    tile = planned_tile(folder, source, settings, device, channels, budget_from)
+    if tile is not None:
         for sub in ("tiles", "chunks", "spill"):  # after every refusal: nothing left by one
             (folder / sub).mkdir(parents=True, exist_ok=True)
         manifest = {**identity, "tile": list(tile)}
