@@ -240,13 +240,9 @@ def predict_scroll(
     cache = int(cache_mb * 2**20) if cache_mb is not None else int(budget * CACHE_SHARE)
     tile_settings = _with_budget(settings, (budget * TILE_SHARE) / 2**20, budget - cache)
     source = open_source(url, level, storage_options)
-    # The post-processing's blocks, before any tile: settings whose halos do not fit the budget
-    # are refused now, not after hours of tiles.
-    block = post_block(output_chunks(source), source.shape, postprocess, budget)
     share = f"half of --memory-budget-mb {settings.memory_budget_mb:g}"
     folders = member_folders(root, len(models))
-    for folder in folders:  # so is a tile budget too small: before any read, no folder made
-        planned_tile(folder, source, tile_settings, device, output_channels(labels), share)
+    block = _fits_budget(source, postprocess, budget, folders, tile_settings, device, labels, share)
     for loaded in models:
         warm_up(loaded.model, settings, device)
     rss_before = _rss_mb()  # the models and their activations, the store's libraries imported
@@ -301,6 +297,25 @@ def predict_scroll(
     summary["peak_rss_mb"] = _peak_rss_mb()
     remove_path(root)
     return summary
+
+
+def _fits_budget(
+    source: VolumeSource,
+    postprocess: PostprocessSettings,
+    budget: int,
+    folders: Sequence[Path],
+    tile_settings: InferenceSettings,
+    device: torch.device,
+    labels: LabelSpec,
+    share: str,
+) -> Shape3:
+    """The post-processing's blocks (`post_block`), after checking that they and each model's
+    first tile fit the budget: settings whose halos or tiles do not fit are refused before the
+    volume is read and before any folder is made, not after hours of tiles."""
+    block = post_block(output_chunks(source), source.shape, postprocess, budget)
+    for folder in folders:
+        planned_tile(folder, source, tile_settings, device, output_channels(labels), share)
+    return block
 
 
 def _spacing(
