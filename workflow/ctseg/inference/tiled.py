@@ -254,11 +254,17 @@ def shared_intensity_range(
             time.sleep(STATISTICS_WAIT_S)
 
 
+def _changes(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
+    """What differs between a work folder's record and this run ("key old now new", ...);
+    empty when nothing does."""
+    changed = sorted(k for k in identity if recorded.get(k) != identity[k])
+    return ", ".join(f"{k} {recorded.get(k)!r} now {identity[k]!r}" for k in changed)
+
+
 def _read_statistics(path: Path, identity: dict[str, Any]) -> tuple[float, float, str]:
     record = json.loads(path.read_text())
-    changed = sorted(k for k in identity if record.get(k) != identity[k])
-    if changed:
-        was = ", ".join(f"{k} {record.get(k)!r} now {identity[k]!r}" for k in changed)
+    was = _changes(record, identity)
+    if was:
         raise CtsegError(
             f"{path}: the statistics of another input are kept here ({was}); finish that "
             f"predict, or remove {path.parent} to start again"
@@ -331,9 +337,8 @@ def open_work(
             os.link(tmp, manifest_file)  # the first part to get here writes it
         tmp.unlink()
     manifest = json.loads(manifest_file.read_text())
-    changed = sorted(k for k in identity if manifest.get(k) != identity[k])
-    if changed:
-        was = ", ".join(f"{k} {manifest.get(k)!r} now {identity[k]!r}" for k in changed)
+    was = _changes(manifest, identity)
+    if was:
         raise CtsegError(
             f"{folder}: an unfinished predict of other settings is kept here ({was}); rerun it "
             f"with its settings to finish it, or remove {folder} to start again"
