@@ -34,6 +34,20 @@ def test_in_a_log_a_bar_is_a_line_at_its_start_and_one_at_its_end(tmp_path: Path
     assert lines[1].startswith("convert a.tif: 100%") and " 40/40 " in lines[1]
 
 
+def test_in_a_log_the_last_line_holds_a_postfix_set_after_the_total(tmp_path: Path) -> None:
+    # Staging counts bytes and records: a record's last byte ends the count before the record
+    # is marked done, so the end line said "records 1/3" while the step had done all three.
+    log = io.StringIO()
+    with Progress(total=3, file=log, desc="stage", mininterval=0) as bar:
+        bar.set_postfix_str("records 0/3")
+        bar.update(3)
+        for done in (1, 2, 3):
+            bar.set_postfix_str(f"records {done}/3")
+    lines = log.getvalue().splitlines()
+    assert lines[-1].startswith("stage: 100%") and lines[-1].endswith("records 3/3]"), lines
+    assert sum(line.startswith("stage: 100%") for line in lines) == 2, lines
+
+
 def test_in_a_log_a_bar_writes_a_line_each_interval_and_where_it_stopped() -> None:
     log = io.StringIO()
     with Progress(total=4, file=log, desc="train", every_s=0, mininterval=0) as bar:

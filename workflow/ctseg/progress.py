@@ -41,6 +41,7 @@ class Progress(tqdm):
         self.last_line_at: float | None = None
         self.last_line = ""
         self.end_written = False
+        self.end_postfix: str | None = None
         super().__init__(*args, **kwargs)
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
@@ -54,6 +55,7 @@ class Progress(tqdm):
         if due or (ended and not self.end_written):
             self._line(str(self) if msg is None else msg, now)
             self.end_written = ended
+            self.end_postfix = self.postfix if ended else None
         return True
 
     def _line(self, text: str, now: float) -> None:
@@ -74,9 +76,10 @@ class Progress(tqdm):
 
     def close(self) -> None:
         # The state it ends in, once, unless its last line already said it; tqdm's own close
-        # would then draw it again and end the line with a newline of its own.
+        # would then draw it again and end the line with a newline of its own. A postfix set
+        # after the count reached its total (the last record done after its last byte) is news.
         if self.plain and not self.disable and getattr(self, "sp", None) is not None:
-            if not self.end_written:
+            if not self.end_written or self.postfix != self.end_postfix:
                 self._line(str(self), time.monotonic())
                 self.end_written = True
             self.leave = False
