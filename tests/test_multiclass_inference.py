@@ -242,7 +242,9 @@ def test_write_mask_refuses_binary_settings_for_a_label_map(tmp_path):
     store = image_store(tmp_path / "img.zarr", (12, 12, 12))
     infer(tmp_path, store, "p", multiclass_unet(), window=(8, 8, 8))
     for settings in (PostprocessSettings(threshold=0.4), PostprocessSettings(fill_holes=True)):
-        with pytest.raises(CtsegError, match=r"p\.zarr: multi-class probabilities.*argmax"):
+        with pytest.raises(
+            CtsegError, match=r"p\.zarr: multi-class probabilities.*label map.*per-class"
+        ):
             write_mask(tmp_path / "p.zarr", tmp_path / "m.tif", settings)
     assert not (tmp_path / "m.tif").exists()
 

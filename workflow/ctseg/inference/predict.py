@@ -93,9 +93,10 @@ from ctseg.io import (
 )
 from ctseg.labels import LabelSpec
 from ctseg.plan import read_dataset_plan
+from ctseg.postprocess.classes import MaskSettings, check_mask_settings, label_map_settings
 from ctseg.postprocess.masks import PostprocessSettings
 from ctseg.postprocess.tuning import load_tuned
-from ctseg.postprocess.write import channel_names, check_label_map_settings, write_mask
+from ctseg.postprocess.write import channel_names, write_mask
 from ctseg.preprocess.convert import read_header
 from ctseg.progress import Progress
 from ctseg.runs import cv_base
@@ -204,7 +205,7 @@ def _folds_lookup(experiments_dir: Path) -> Callable[[str], int | None]:
 
 def run_postprocess(
     run: PredictRun, fixed: PostprocessSettings, fixed_given: bool
-) -> tuple[PostprocessSettings, str]:
+) -> tuple[MaskSettings, str]:
     """The run's post-processing and where it comes from: ``postprocess/tuned.json`` when it
     exists and no fixed setting was given, else `fixed`. A tuned.json made with other weights
     than the run's now (the run was retrained, and its search not rerun) is refused: its
@@ -283,13 +284,15 @@ def load_models(run: PredictRun, device: torch.device) -> list[LoadedModel]:
     return models
 
 
-def describe_masks(labels: LabelSpec, postprocess: PostprocessSettings) -> str:
+def describe_masks(labels: LabelSpec, postprocess: MaskSettings) -> str:
     """What the masks are, for the log and the summary line: the post-processing of a binary
-    run's masks, or a multi-class run's classes and their values."""
+    run's masks, or a multi-class run's classes, their values and their post-processing."""
     if labels.is_binary:
         return f"post-processing {postprocess.label()}"
     values = ", ".join(f"{name} {value}" for name, value in labels.labels.items())
-    return f"label maps (argmax of {labels.out_channels} class probabilities: {values})"
+    classes = label_map_settings(postprocess, labels, "the masks")
+    how = "argmax" if classes.is_argmax else f"argmax, then {classes.label()}"
+    return f"label maps ({how} of {labels.out_channels} class probabilities: {values})"
 
 
 @contextlib.contextmanager
@@ -327,7 +330,7 @@ def predict_folder(
     folder: Path,
     out_dir: Path,
     inference: InferenceSettings,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     *,
     probabilities_dir: Path | None = None,
     only: Sequence[str] | None = None,
@@ -347,8 +350,7 @@ def predict_folder(
     folder, out_dir = Path(folder), Path(out_dir)
     outputs = {"--output": out_dir, "--probabilities": probabilities_dir, "--scratch": scratch}
     labels = models[0].labels
-    if not labels.is_binary:
-        check_label_map_settings(postprocess, f"{run.directory} ({postprocess_from})")
+    check_mask_settings(postprocess, labels, f"{run.directory} ({postprocess_from})")
     _check_outside(folder, outputs)
     volumes = input_volumes(folder)
     ids = _selected(volumes, only, folder)
@@ -418,7 +420,7 @@ def _predict_volume(
     out_dir: Path,
     probabilities_dir: Path | None,
     inference: InferenceSettings,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
 ) -> dict[str, Any]:
     volume = open_source(str(source))  # read in place: a multi-page TIFF or a slice folder
     budget = int(inference.memory_budget_mb * 2**20)
@@ -465,7 +467,7 @@ def _predict_volume(
 def _write_mask(
     prob: Path,
     mask: Path,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     shape: Sequence[int],
     description: str,
 ) -> dict[str, Any]:

@@ -43,11 +43,10 @@ from ctseg.inference.tiles import extent_voxels
 from ctseg.io import CtsegError, check_id, fresh_output, work_folder
 from ctseg.labels import KAGGLE, LabelSpec
 from ctseg.network.model import build_model
-from ctseg.postprocess.masks import PostprocessSettings
+from ctseg.postprocess.classes import MaskSettings, check_mask_settings
 from ctseg.postprocess.write import (
     CLASSES_ATTRIBUTE,
     channel_names,
-    check_label_map_settings,
     open_checked,
     write_mask,
 )
@@ -160,7 +159,7 @@ def infer_records(
     out_dir: Path,
     prob_dir: Path,
     inference: InferenceSettings,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
 ) -> list[dict[str, Any]]:
     """`<out_dir>/<id>.tif` and `<prob_dir>/<id>.zarr` for every image store; one row each.
 
@@ -196,18 +195,18 @@ def predict_record(
     probabilities: Path,
     mask: Path | None,
     inference: InferenceSettings,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     weights_sha256: str | None = None,
     labels: LabelSpec | None = None,
 ) -> dict[str, Any]:
     """One volume: the probabilities (`infer_volume`), then the post-processed mask (none when
     `mask` is None: the workflow post-processes in a step of its own, with settings tuned on the
     val split's probabilities). Both settings are checked when made, before the long inference;
-    so is, for the multi-class spec `labels`, that the post-processing is the default (its mask
-    is the label map, `ctseg.postprocess.write.write_mask`).
+    so is, for the spec `labels`, that the post-processing fits the store
+    (`ctseg.postprocess.classes.check_mask_settings`).
     `weights_sha256`: the weights file's digest, kept with the probabilities."""
-    if mask is not None and labels is not None and not labels.is_binary:
-        check_label_map_settings(postprocess, probabilities)
+    if mask is not None and labels is not None:
+        check_mask_settings(postprocess, labels, probabilities)
     info = infer_volume(
         model, Path(image_store), Path(probabilities), inference, weights_sha256, labels
     )

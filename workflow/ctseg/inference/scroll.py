@@ -29,8 +29,9 @@ Finishing makes the seams final, averages the models' probabilities with the run
 by block (`ctseg.inference.ensemble.weighted_mean`, the folder predict's arithmetic), then makes
 the mask: a binary model's post-processing block by block under every setting
 (`ctseg.postprocess.blockwise.blockwise_mask`, the in-memory mask bit for bit; its blocks,
-halos included, are sized before any tile, `post_block`), a multi-class model's argmax label map
-block by block. An output ending in ``.zarr`` is an OME-Zarr label image (NGFF 0.5, class names
+halos included, are sized before any tile, `ctseg.postprocess.classes.mask_block`), a
+multi-class model's label map block by block, each class's settings applied as the binary ones
+are (`ctseg.postprocess.classes.blockwise_class_masks`: the in-memory label map bit for bit). An output ending in ``.zarr`` is an OME-Zarr label image (NGFF 0.5, class names
 and colours) with a pyramid toward isotropic voxels (`ctseg.ome_zarr`), chunks left empty
 unwritten; one ending in ``.tif``/``.tiff`` is a TIFF (for volumes of competition size).
 ``--probabilities P.zarr`` keeps the float16 probabilities as an OME-Zarr image too, with a
@@ -92,9 +93,16 @@ from ctseg.inference.tiled import (
 from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
-from ctseg.postprocess.blockwise import blockwise_mask, post_block
-from ctseg.postprocess.masks import PostprocessSettings
-from ctseg.postprocess.write import channel_names, check_label_map_settings, label_map
+from ctseg.postprocess.blockwise import blockwise_mask
+from ctseg.postprocess.classes import (
+    ClassSettings,
+    MaskSettings,
+    blockwise_class_masks,
+    check_mask_settings,
+    join_block,
+    mask_block,
+)
+from ctseg.postprocess.write import channel_names
 from ctseg.preprocess.convert import TIFF_SUFFIXES
 from ctseg.store import create_volume
 
@@ -150,7 +158,7 @@ def _check_request(
     inference: InferenceSettings,
     output: Path,
     probabilities: Path | None,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     parts: int | None,
     part: int | None,
     finish_only: bool,
@@ -167,8 +175,7 @@ def _check_request(
             "members of a combined run are blended with one window: give --window Z,Y,X"
         )
     labels = models[0].labels
-    if not labels.is_binary:
-        check_label_map_settings(postprocess, output)
+    check_mask_settings(postprocess, labels, output)  # before any read; applied as it returns
     if probabilities is not None and probabilities.suffix != ".zarr":
         raise CtsegError(f"{probabilities}: --probabilities here is an OME-Zarr <name>.zarr")
     if parts is None and (part is not None or finish_only):
@@ -205,7 +212,7 @@ def predict_scroll(
     url: str,
     output: Path,
     inference: InferenceSettings,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     *,
     weights: Sequence[float] = (1.0,),
     weights_from: str = "--weights",
@@ -229,6 +236,7 @@ def predict_scroll(
     _check_request(models, inference, output, probabilities, postprocess, parts, part, finish_only)
     norm = check_weights(weights, len(models), weights_from)
     labels = models[0].labels
+    postprocess = check_mask_settings(postprocess, labels, output)
     root = work_folder_of(output)
     check_output_paths(url, _kinds(output, probabilities, labels), root, overwrite, command)
     # Freed activations stay in the heap (no page faults each forward); each tile's memory is
@@ -279,7 +287,7 @@ def predict_scroll(
         weights_sha256=list(weights_sha256),
         weights=norm,
         inference=settings.as_dict(),
-        postprocess=postprocess.as_dict() if labels.is_binary else None,
+        postprocess=postprocess.as_dict(),
         labels=labels.to_dict(),
         source={
             "url": source.url,
@@ -301,7 +309,7 @@ def predict_scroll(
 
 def _fits_budget(
     source: VolumeSource,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     budget: int,
     folders: Sequence[Path],
     tile_settings: InferenceSettings,
@@ -309,10 +317,10 @@ def _fits_budget(
     labels: LabelSpec,
     share: str,
 ) -> Shape3:
-    """The post-processing's blocks (`post_block`), after checking that they and each model's
+    """The post-processing's blocks (`mask_block`), after checking that they and each model's
     first tile fit the budget: settings whose halos or tiles do not fit are refused before the
     volume is read and before any folder is made, not after hours of tiles."""
-    block = post_block(output_chunks(source), source.shape, postprocess, budget)
+    block = mask_block(output_chunks(source), source.shape, postprocess, budget)
     for folder in folders:
         planned_tile(folder, source, tile_settings, device, output_channels(labels), share)
     return block
@@ -427,7 +435,7 @@ def _blocks(shape: Shape3, block: Shape3) -> Iterator[tuple[slice, slice, slice]
 def _write_mask(
     probs: zarr.Array,
     out: Any,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     labels: LabelSpec,
     block: Shape3,
     scratch: Path,
@@ -435,15 +443,18 @@ def _write_mask(
     shape: Shape3 = tuple(int(s) for s in probs.shape[-3:])  # type: ignore[assignment]
     if labels.is_binary:
         return blockwise_mask(probs, out, postprocess, block, scratch)
+    assert isinstance(postprocess, ClassSettings)  # check_mask_settings made it one
     names = channel_names(labels)
-    values = np.array([labels.labels[name] for name in names])
     counts = np.zeros(len(names), dtype=np.int64)
+    masks, steps = blockwise_class_masks(probs, postprocess, block, scratch)
     for box in _blocks(shape, block):
-        block_map = label_map(np.asarray(probs[(slice(None), *box)]), labels)
-        out[box] = block_map
-        counts += (block_map[..., None] == values).sum(axis=tuple(range(block_map.ndim)))
+        stored = join_block(np.asarray(probs[(slice(None), *box)]), postprocess, masks, box)
+        out[box] = labels.from_stored(stored)
+        counts += np.bincount(stored.ravel(), minlength=len(names))
     return {
         "classes": labels.n_classes,
+        "class_settings": postprocess.as_dict()["classes"],
+        "class_steps": steps,
         "class_voxels": {name: int(n) for name, n in zip(names, counts, strict=True)},
         "foreground_voxels": int(counts[1:].sum()),
     }
@@ -457,7 +468,7 @@ def _write_outputs(
     source: VolumeSource,
     output: Path,
     probabilities: Path | None,
-    postprocess: PostprocessSettings,
+    postprocess: MaskSettings,
     labels: LabelSpec,
     budget: int,
     record: Callable[[str], dict[str, Any]],

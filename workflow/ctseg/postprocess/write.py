@@ -14,11 +14,14 @@ Multi-class stores
 A multi-class model's store (`ctseg.inference.run.infer_volume`) holds one softmax channel
 per class, background first: shape (C, Z, Y, X), attributes ``classes`` (the channels' names)
 and ``labels`` (the dataset's `ctseg.labels.LabelSpec`, as `LabelSpec.to_dict`). Its mask is a
-label map: the argmax over the channels (a tie goes to the earlier channel), i.e. the stored
-values 0..K, mapped to the dataset's own values with `LabelSpec.from_stored`, written as a uint8
-TIFF slab by slab like a thresholded mask. The threshold, hysteresis and the later steps are
-binary settings: a multi-class store refuses any but `PostprocessSettings`' defaults
-(`check_label_map_settings`), rather than ignore them.
+label map: the stored values 0..K, mapped to the dataset's own values with
+`LabelSpec.from_stored`. With no settings given it is the argmax over the channels (a tie goes to
+the earlier channel); per-class settings (`ctseg.postprocess.classes.ClassSettings`, a
+multi-class tuned.json's) post-process each class's voxels. A label map whose classes are each
+thresholded alone is written slab by slab like a thresholded mask; any other setting holds the
+whole store (`ctseg.postprocess.classes.class_label_map`). Binary settings other than the
+defaults are refused for a multi-class store, and per-class settings for a binary one
+(`ctseg.postprocess.classes.label_map_settings`, `binary_settings`), rather than ignored.
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ import zarr
 
 from ctseg.io import CtsegError, atomic_path
 from ctseg.labels import BACKGROUND, LabelSpec
-from ctseg.postprocess.masks import PostprocessSettings, binary_mask
+from ctseg.postprocess.classes import (
+    ClassSettings,
+    MaskSettings,
+    binary_settings,
+    class_label_map,
+    label_map_settings,
+    pointwise_label_map,
+)
+from ctseg.postprocess.masks import binary_mask
 from ctseg.store import open_volume
 
 # The attributes of a multi-class probability store: the channels' names (background first) and
@@ -93,24 +104,6 @@ def store_labels(probs: zarr.Array, path: Path) -> LabelSpec:
     return spec
 
 
-def check_label_map_settings(settings: PostprocessSettings, where: str | Path) -> None:
-    """Refuse post-processing settings other than the defaults for a multi-class store (or
-    run), `where`: its mask is the argmax over the classes, which they do not apply to."""
-    if settings != PostprocessSettings():
-        raise CtsegError(
-            f"{where}: multi-class probabilities, whose mask is the argmax over the classes; "
-            f"the post-processing {settings.label()} applies to a binary model only: drop the "
-            "threshold and mask options (and any tuned settings) for this run"
-        )
-
-
-def label_map(probs: np.ndarray, labels: LabelSpec) -> np.ndarray:
-    """The uint8 label map of class probabilities (C, ...) in the dataset's values: the argmax
-    over the channels (the stored values 0..K; a tie goes to the earlier channel), mapped with
-    `LabelSpec.from_stored`."""
-    return _from_stored(np.argmax(probs, axis=0).astype(np.uint8), labels)
-
-
 def _from_stored(stored: np.ndarray, labels: LabelSpec) -> np.ndarray:
     return np.asarray(labels.from_stored(stored), dtype=np.uint8)
 
@@ -118,12 +111,13 @@ def _from_stored(stored: np.ndarray, labels: LabelSpec) -> np.ndarray:
 def write_mask(
     prob_store: Path,
     out_tif: Path,
-    settings: PostprocessSettings,
+    settings: MaskSettings,
     description: str | None = None,
 ) -> dict[str, Any]:
     """The mask of `prob_store` under `settings`, written atomically to `out_tif` (with
     `description` as the TIFF's ImageDescription, when given: what made it); returns the
-    settings, whether the whole mask was held, and the voxel counts of each step."""
+    settings, whether the whole mask was held, and the voxel counts of each step (of each
+    class, for a label map)."""
     prob_store, out_tif = Path(prob_store), Path(out_tif)
     probs = open_checked(prob_store, "probability store", channels=True)
     if not np.issubdtype(probs.dtype, np.floating):
@@ -135,6 +129,7 @@ def write_mask(
     tags = {"description": description, "metadata": None} if description is not None else {}
     if probs.ndim == 4:
         return _write_label_map(prob_store, probs, out_tif, settings, tags)
+    settings = binary_settings(settings, prob_store)
     shape = tuple(int(s) for s in probs.shape)
     whole = settings.whole_volume
     info: dict[str, Any] = {**settings.as_dict(), "holds_whole_mask": whole}
@@ -169,33 +164,44 @@ def _write_label_map(
     prob_store: Path,
     probs: zarr.Array,
     out_tif: Path,
-    settings: PostprocessSettings,
+    settings: MaskSettings,
     tags: dict[str, Any],
 ) -> dict[str, Any]:
-    """The label map of a multi-class store (module docstring), a z-chunk of it at a time,
-    written atomically; returns the voxel count of each class and of all the foreground."""
+    """The label map of a multi-class store (module docstring), written atomically; returns
+    the per-class settings, the voxel count of each class and of all the foreground, and each
+    post-processed class's step counts."""
     labels = store_labels(probs, prob_store)
-    check_label_map_settings(settings, prob_store)
+    classes = label_map_settings(settings, labels, prob_store)
     shape = tuple(int(s) for s in probs.shape[1:])
     names = channel_names(labels)
     counts = np.zeros(len(names), np.int64)
     info: dict[str, Any] = {
         CLASSES_ATTRIBUTE: names,
         "values": [labels.background, *labels.foreground_values],
-        "holds_whole_mask": False,
+        "class_settings": classes.as_dict()["classes"],
+        "holds_whole_mask": classes.whole_volume,
     }
     with atomic_path(out_tif) as tmp:
-        pages = _label_pages(probs, labels, counts)
-        tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack", **tags)
+        if classes.whole_volume:
+            stored, info["class_steps"] = class_label_map(np.asarray(probs[...]), classes)
+            counts += np.bincount(stored.ravel(), minlength=len(counts))
+            tifffile.imwrite(tmp, _from_stored(stored, labels), photometric="minisblack", **tags)
+        else:
+            pages = _label_pages(probs, labels, classes, counts)
+            tifffile.imwrite(
+                tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack", **tags
+            )
     info["class_voxels"] = {name: int(n) for name, n in zip(names, counts, strict=True)}
     info["foreground_voxels"] = int(counts[1:].sum())
     return info
 
 
-def _label_pages(probs: zarr.Array, labels: LabelSpec, counts: np.ndarray) -> Iterator[np.ndarray]:
+def _label_pages(
+    probs: zarr.Array, labels: LabelSpec, classes: ClassSettings, counts: np.ndarray
+) -> Iterator[np.ndarray]:
     """The label map's pages, a z-chunk of the store at a time; counts each class's voxels."""
     step = int(probs.chunks[1])
     for z0 in range(0, probs.shape[1], step):
-        stored = np.argmax(np.asarray(probs[:, z0 : z0 + step]), axis=0).astype(np.uint8)
+        stored = pointwise_label_map(np.asarray(probs[:, z0 : z0 + step]), classes)
         counts += np.bincount(stored.ravel(), minlength=len(counts))
         yield from _from_stored(stored, labels)
