@@ -8,10 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
+import tifffile
+import zarr
 
 from ctseg.io import CtsegError
 from ctseg.labels import LabelSpec
+from ctseg.postprocess import tuning
 from ctseg.postprocess.classes import (
     ARGMAX,
     ClassSettings,
@@ -25,6 +29,8 @@ from ctseg.postprocess.classes import (
     pointwise_label_map,
 )
 from ctseg.postprocess.masks import PostprocessSettings, binary_mask
+from ctseg.postprocess.write import CLASSES_ATTRIBUTE, LABELS_ATTRIBUTE, channel_names, write_mask
+from ctseg.store import create_volume
 
 LABELS = LabelSpec(labels={"background": 0, "vessel": 4, "nerve": 8}, ignore=200)
 SHAPE = (14, 13, 11)
@@ -131,3 +137,59 @@ def test_settings_of_other_classes_or_binary_ones_are_refused() -> None:
     for bad in ({"vessel": {}}, {"classes": {}}, {"classes": {"vessel": {"threshold": 2}}}):
         with pytest.raises(CtsegError, match=r"t\.json"):
             ClassSettings.from_mapping(bad, "t.json")
+
+
+# --------------------------------------------------------------------------- tuned per class
+def class_case(directory: Path, name: str, seed: int) -> tuning.Volume:
+    """A multi-class store and its label store (stored values): a vessel block and a nerve
+    slab, each won by its class, plus vessel specks that no threshold of the argmax removes (they
+    are as sure as the block), and an ignored slab."""
+    rng = np.random.default_rng(seed)
+    label = np.zeros((28, 28, 28), np.uint8)
+    label[4:16, 4:16, 4:16] = 1
+    label[20:24, 2:26, 2:26] = 2
+    label[:, :, 26:] = 3  # ignored (stored K + 1)
+    logits = rng.normal(0, 0.3, (3, *label.shape)).astype(np.float32)
+    logits[0] += 2
+    logits[1][label == 1] += 4
+    logits[2][label == 2] += 4
+    for z, y, x in [(2, 22, 4), (10, 22, 20), (17, 6, 22)]:
+        logits[1, z, y, x : x + 2] += 8  # a two-voxel vessel speck
+    store = directory / f"{name}.zarr"
+    arr = zarr.create_array(store, shape=logits.shape, chunks=(3, 14, 14, 14), dtype=np.float16)
+    arr[...] = softmax(logits)
+    arr.attrs.update({LABELS_ATTRIBUTE: LABELS.to_dict(), CLASSES_ATTRIBUTE: channel_names(LABELS)})
+    label_store = directory / f"{name}_label.zarr"
+    create_volume(label_store, label.shape, np.uint8, (14, 14, 14))[...] = label
+    return tuning.Volume(name, store, label_store)
+
+
+def test_each_class_is_tuned_on_its_own_label_and_the_choice_applies(tmp_path: Path) -> None:
+    volume = class_case(tmp_path, "v1", 0)
+    space = tuning.SearchSpace(
+        thresholds=(0.5,), refine_step=0, hysteresis_offsets=(), min_component_voxels=(8,),
+        fill_holes=False, **tuning.WINNERS_STAGES_OFF,
+    )  # fmt: skip
+    summary = tuning.tune_postprocess([volume], tmp_path / "tuned", space)
+    vessel, nerve = summary["classes"]["vessel"], summary["classes"]["nerve"]
+    # Each from the argmax, scored against its own class's voxels of the label.
+    assert vessel["default"]["settings"] == ARGMAX.as_dict() == nerve["default"]["settings"]
+    assert vessel["foreground_voxels"] == {"v1": 12 * 12 * 12}
+    assert nerve["foreground_voxels"] == {"v1": 4 * 24 * 24}
+    assert vessel["tuned"] and vessel["settings"]["min_component_voxels"] == 8
+    assert vessel["gain_over_default"] > tuning.MIN_GAIN
+    assert summary["tuned"] and summary["label"].startswith("vessel: t>0 min 8")
+    table = pd.read_csv(tmp_path / "tuned" / "candidates.csv")
+    assert list(table.columns)[0] == "class" and set(table["class"]) == {"vessel", "nerve"}
+    assert table.groupby("class")["chosen"].sum().to_dict() == {"nerve": 1, "vessel": 1}
+
+    settings = tuning.load_tuned(tmp_path / "tuned" / "tuned.json")
+    assert isinstance(settings, ClassSettings) and settings.names == LABELS.classes
+    info = write_mask(volume.probabilities, tmp_path / "m.tif", settings)
+    written = LABELS.to_stored(tifffile.imread(tmp_path / "m.tif"))
+    probs = np.asarray(zarr.open_array(volume.probabilities)[...])
+    np.testing.assert_array_equal(written, class_label_map(probs, settings)[0])
+    argmax = np.argmax(probs, axis=0)
+    assert argmax[2, 22, 4] == 1 and written[2, 22, 4] == 0  # the speck is gone
+    assert info["class_steps"]["vessel"]["removed_voxels"] == 6
+    assert info["class_settings"] == settings.as_dict()["classes"]

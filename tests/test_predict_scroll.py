@@ -427,28 +427,46 @@ def test_an_https_like_http_input_predicts_as_the_local_one(tmp_path, http_root)
     np.testing.assert_array_equal(*opened)
 
 
-def test_a_multiclass_run_writes_its_label_map_as_the_folder_predict_does(tmp_path):
+def test_a_multiclass_run_writes_its_tuned_label_map_as_the_folder_predict_does(tmp_path):
+    """A multi-class run's tuned.json (each class's settings) applies to a volume read in place,
+    in parts, as to the folder predict, and the label map records it."""
     from test_multiclass_inference import SPEC
     from test_multiclass_inference import save_run as save_multiclass_run
 
-    save_multiclass_run(tmp_path / "results" / "mc", SPEC)
+    from ctseg.inference.outputs import PROVENANCE_KEY
+    from ctseg.postprocess.classes import ARGMAX, ClassSettings, class_label_map
+
+    run = tmp_path / "results" / "mc"
+    save_multiclass_run(run, SPEC)
+    sheet = PostprocessSettings(0.0, None, 8, fill_holes=True)
+    fibre = PostprocessSettings(0.0, 0.6, plug_holes_max_area=4, closing_radius=1)
+    settings = ClassSettings((("sheet", sheet), ("fibre", fibre), ("pore", ARGMAX)))
+    (run / "postprocess").mkdir()
+    (run / "postprocess" / "tuned.json").write_text(json.dumps({"settings": settings.as_dict()}))
     data = volume((32, 40, 36), seed=7)
     store = zarr_volume(tmp_path / "v.zarr", data, stats=False)
     (tmp_path / "tifs").mkdir()
     tifffile.imwrite(tmp_path / "tifs" / "v.tif", data, photometric="minisblack")
-    run = tmp_path / "results" / "mc"
     ctseg("predict", "--run", run, "-i", tmp_path / "tifs", "-o", tmp_path / "tif_masks")
-    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", "--parts", "2",
-          "--part", "0", "--memory-budget-mb", "6")  # fmt: skip
-    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", "--parts", "2",
-          "--part", "1", "--memory-budget-mb", "6")  # fmt: skip
-    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", "--parts", "2",
-          "--finish", "--memory-budget-mb", "6", "--summary", tmp_path / "s.json")  # fmt: skip
-    assert json.loads((tmp_path / "s.json").read_text())["tiles"] >= 2
+    common = ["--parts", "2", "--memory-budget-mb", "6", "--probabilities", tmp_path / "p.zarr"]
+    for part in ("0", "1"):
+        ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *common,
+              "--part", part)  # fmt: skip
+    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *common, "--finish",
+          "--summary", tmp_path / "s.json")  # fmt: skip
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["tiles"] >= 2
+    assert summary["outputs"]["class_settings"] == settings.as_dict()["classes"]
     reference = tifffile.imread(tmp_path / "tif_masks" / "v.tif")
-    level0 = zarr.open_group(tmp_path / "m.zarr", mode="r")["0"][...]
+    group = zarr.open_group(tmp_path / "m.zarr", mode="r")
     assert set(np.unique(reference)) <= {0, 10, 20, 30} and len(np.unique(reference)) > 2
-    np.testing.assert_array_equal(level0, reference)
+    np.testing.assert_array_equal(group["0"][...], reference)
+    assert group.attrs[PROVENANCE_KEY]["postprocess"] == settings.as_dict()
+    probs = np.asarray(zarr.open_group(tmp_path / "p.zarr", mode="r")["0"][...])
+    stored, steps = class_label_map(probs, settings)
+    np.testing.assert_array_equal(SPEC.to_stored(reference), stored)
+    assert stored.tolist() != np.argmax(probs, axis=0).tolist()  # the settings changed it
+    assert summary["outputs"]["class_steps"] == steps
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import pytest
 import tifffile
 import torch
 import yaml
+import zarr
 from conftest import BIN, TINY_EXPERIMENT, copy_workflow, run_snakemake
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,31 @@ def test_masks_are_label_maps_in_the_datasets_values(finished) -> None:
     for path in predictions:
         values = set(np.unique(tifffile.imread(path)).tolist())
         assert values <= set(VALUES.values()), (path, values)
+
+
+def test_each_class_is_tuned_on_its_own_and_the_masks_apply_the_choice(finished) -> None:
+    """infer.postprocess: tuned (the default) searches every class from its argmax, and the
+    masks are the label maps under the classes' choices."""
+    from ctseg.labels import LabelSpec
+    from ctseg.postprocess.classes import ClassSettings, class_label_map
+    from ctseg.postprocess.tuning import load_tuned
+
+    run = finished / "results" / DATASET / "mc_tiny"
+    tuned = json.loads((run / "postprocess" / "tuned.json").read_text())
+    assert list(tuned["classes"]) == ["sheet", "fibre", "pore"]
+    for summary in tuned["classes"].values():
+        assert summary["default"]["label"] == "t>0" and summary["candidates"] > 0
+    settings = load_tuned(run / "postprocess" / "tuned.json")
+    assert isinstance(settings, ClassSettings) and tuned["label"] == settings.label()
+    spec = LabelSpec(labels=VALUES, ignore=255)
+    predictions = sorted((run / "predictions").glob("*.tif"))
+    for path in predictions:
+        probs = np.asarray(zarr.open_array(run / "probabilities" / f"{path.stem}.zarr")[...])
+        expected = spec.from_stored(class_label_map(probs, settings)[0])
+        np.testing.assert_array_equal(tifffile.imread(path), expected)
+    page = (finished / "results" / DATASET / "report.html").read_text()
+    assert "Class fibre" in page and "Post-processing candidates of class pore" in page
+    assert "Not tuned in this run" not in page
 
 
 def test_it_is_scored_per_class_and_the_report_shows_the_table(finished) -> None:

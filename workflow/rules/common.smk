@@ -203,10 +203,10 @@ def predicting_weights(run):
 
 
 def postprocess_settings_file(run):
-    """tuned.json when infer.postprocess is tuned (a mask then waits for the search), else
-    nothing: the fixed values in config infer are passed as arguments. A multi-class dataset's
-    mask is the argmax label map: nothing to tune."""
-    if config["infer"]["postprocess"] != "tuned" or not dataset_plan().labels.is_binary:
+    """tuned.json when infer.postprocess is tuned (a mask then waits for the search; a
+    multi-class dataset's holds each class's settings), else nothing: the fixed values in
+    config infer are passed as arguments."""
+    if config["infer"]["postprocess"] != "tuned":
         return []
     planning(RUNS.check_tunable)(run)
     return f"{tuned_dir(run)}/tuned.json"

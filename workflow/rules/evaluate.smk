@@ -3,7 +3,7 @@ rule tune_postprocess:
         probabilities=lambda wildcards: [
             tune_probability(wildcards.exp, i) for i in tune_ids(wildcards.exp)
         ],
-        labels=lambda wildcards: [label_file(i) for i in tune_ids(wildcards.exp)],
+        labels=lambda wildcards: tune_labels(wildcards.exp),
     output:
         settings=report(
             f"{ROOT}/{{exp}}/postprocess/tuned.json",

@@ -61,6 +61,13 @@ def write_plans():
             write_plan(run_plan_file(run), plan)
 
 
+def tune_labels(run):
+    """The labels the post-processing is tuned on, as evaluate reads them (evaluation_labels)."""
+    if dataset_plan().labels.is_binary:
+        return [label_file(i) for i in tune_ids(run)]
+    return [LABEL_STORE.format(id=i) for i in tune_ids(run)]
+
+
 def evaluation_labels(run):
     """The held-out volumes' labels as evaluate reads them: a binary dataset's label TIFFs; a
     multi-class dataset's label stores (stored values, scored per class)."""

@@ -50,7 +50,7 @@ WORK_ENTRIES = (
     "probabilities.zarr",
     "closing.zarr",
     "mask.zarr",
-    "post",
+    "postprocess",  # the finish's post-processing scratch (scroll._write_outputs)
     "intensity.json",
 )
 

@@ -25,19 +25,19 @@ nor recorded in the array, is computed once for the whole predict
 (`ctseg.inference.tiled.shared_intensity_range`): the first process reads the volume for it,
 every other part and the finish read the work folder's ``intensity.json``.
 
-Finishing makes the seams final, averages the models' probabilities with the run's weights block
-by block (`ctseg.inference.ensemble.weighted_mean`, the folder predict's arithmetic), then makes
-the mask: a binary model's post-processing block by block under every setting
-(`ctseg.postprocess.blockwise.blockwise_mask`, the in-memory mask bit for bit; its blocks,
-halos included, are sized before any tile, `ctseg.postprocess.classes.mask_block`), a
-multi-class model's label map block by block, each class's settings applied as the binary ones
-are (`ctseg.postprocess.classes.blockwise_class_masks`: the in-memory label map bit for bit). An output ending in ``.zarr`` is an OME-Zarr label image (NGFF 0.5, class names
-and colours) with a pyramid toward isotropic voxels (`ctseg.ome_zarr`), chunks left empty
-unwritten; one ending in ``.tif``/``.tiff`` is a TIFF (for volumes of competition size).
-``--probabilities P.zarr`` keeps the float16 probabilities as an OME-Zarr image too, with a
-channel per class for a multi-class run. Each records its provenance
-(`ctseg.inference.outputs.provenance`) and is renamed into place whole; the work folder is then
-removed.
+Finishing makes the seams final, averages the models' probabilities with the run's weights block by
+block (`ctseg.inference.ensemble.weighted_mean`, the folder predict's arithmetic), then makes the
+mask: a binary model's post-processing block by block under every setting
+(`ctseg.postprocess.blockwise.blockwise_mask`, the in-memory mask bit for bit; its blocks, halos
+included, are sized before any tile, `ctseg.postprocess.classes.mask_block`), a multi-class model's
+label map block by block, each class's settings applied as the binary ones are
+(`ctseg.postprocess.classes.blockwise_class_masks`: the in-memory label map bit for bit). An output
+ending in ``.zarr`` is an OME-Zarr label image (NGFF 0.5, class names and colours) with a pyramid
+toward isotropic voxels (`ctseg.ome_zarr`), chunks left empty unwritten; one ending in
+``.tif``/``.tiff`` is a TIFF (for volumes of competition size). ``--probabilities P.zarr`` keeps
+the float16 probabilities as an OME-Zarr image too, with a channel per class for a multi-class run.
+Each records its provenance (`ctseg.inference.outputs.provenance`) and is renamed into place whole;
+the work folder is then removed.
 
 Memory: ``memory_budget_mb`` bounds the host memory this adds to the loaded model: a quarter to
 the chunk cache (unless ``cache_mb`` is given), half to the tile's working set

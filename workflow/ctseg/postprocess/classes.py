@@ -189,11 +189,13 @@ def class_label_map(
     probs: np.ndarray, settings: ClassSettings
 ) -> tuple[np.ndarray, dict[str, dict[str, int]]]:
     """The stored label map of whole class probabilities (C, Z, Y, X) under `settings`, and
-    each class's step counts (`binary_mask`'s)."""
+    the step counts (`binary_mask`'s) of each class whose settings go beyond a threshold."""
     masks, steps = [], {}
     for channel, (name, s) in enumerate(settings.classes, start=1):
-        mask, steps[name] = binary_mask(class_probability(probs, channel), s)
+        mask, counts = binary_mask(class_probability(probs, channel), s)
         masks.append(mask)
+        if s.whole_volume:
+            steps[name] = counts
     return join(probs, masks), steps
 
 

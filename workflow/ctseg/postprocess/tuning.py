@@ -85,6 +85,16 @@ such a split it once chose threshold 0.1 with hole filling: 99.5% foreground). t
 keeps the default settings and says why (``tuned: false``, ``reason``), and so do the log and
 the report.
 
+A multi-class model's stores (`ctseg.postprocess.classes`) are searched class by class: each
+class's probability where it wins the argmax, against its label stores' voxels of that class
+(the ignored voxels ignored), from its default ``ARGMAX`` (threshold 0: its argmax voxels, among
+the first stage's thresholds; hysteresis pairs may start there), scored by the same competition
+score. tuned.json's ``settings`` are then ``{"classes": {name: settings}}``, its ``classes``
+each class's summary (as a binary search's), its ``score`` and ``default`` the means over the
+classes; candidates.csv has a ``class`` column. The classes are chosen independently: a voxel
+that two classes' masks claim goes to the more probable (`ctseg.postprocess.classes.join`),
+which the per-class scores do not see; the evaluation of the masks does.
+
 The search's best is applied only when it beats the defaults by more than ``MIN_GAIN`` (0.001)
 in mean score; otherwise the defaults are kept, for the same outputs' ``tuned: false`` and
 ``reason``, with the best candidate in ``best_candidate`` and candidates.csv's ``chosen`` on
@@ -110,7 +120,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import zarr
 
+from ctseg.evaluation.classes import read_label_store
 from ctseg.evaluation.metrics import (
     TOPO_METHODS,
     UNION_BOUND,
@@ -124,6 +136,8 @@ from ctseg.evaluation.metrics import (
     with_topology,
 )
 from ctseg.io import CtsegError, atomic_path, check_id, strict_json
+from ctseg.labels import LabelSpec
+from ctseg.postprocess.classes import ARGMAX, ClassSettings, MaskSettings, class_probability
 from ctseg.postprocess.masks import (
     CLOSING_RADII,
     HYSTERESIS_MODES,
@@ -131,7 +145,7 @@ from ctseg.postprocess.masks import (
     PostprocessSettings,
     settings_from_mapping,
 )
-from ctseg.postprocess.write import CLASSES_ATTRIBUTE
+from ctseg.postprocess.write import store_labels
 from ctseg.progress import Progress
 from ctseg.store import WEIGHTS_ATTRIBUTE
 
@@ -301,9 +315,14 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class Volume:
+    """A val volume: its probability store and its label. `channel`: the class searched, for
+    a multi-class store (its `class_probability`, against its label store's voxels of that
+    class); None for a binary store and its label TIFF."""
+
     id: str
     probabilities: Path
     label: Path
+    channel: int | None = None
 
 
 @dataclass
@@ -353,24 +372,46 @@ def competition_score(
     return {term: result[term] for term in SCORE_TERMS}
 
 
-@functools.lru_cache(maxsize=1)
-def _volume_masks(path: str) -> MaskCache:
-    """A probability volume's masks, each step's result kept while its candidates are scored
-    (`ctseg.postprocess.masks.MaskCache`)."""
+def _open_probabilities(path: str | Path) -> zarr.Array:
     from ctseg.store import open_volume
 
     try:
-        arr = open_volume(path)
+        return open_volume(path)
     except Exception as exc:
         raise CtsegError(f"{path}: cannot open the probability store: {exc}") from exc
-    if arr.ndim == 4 and CLASSES_ATTRIBUTE in arr.attrs:
-        raise CtsegError(
-            f"{path}: the probabilities of classes {arr.attrs[CLASSES_ATTRIBUTE]}, whose mask "
-            "is their argmax: the post-processing search applies to a binary model's store only"
-        )
+
+
+def store_classes(path: str | Path) -> LabelSpec | None:
+    """The label spec of a multi-class probability store (`store_labels`' checks), or None for
+    a binary one."""
+    arr = _open_probabilities(path)
+    return store_labels(arr, Path(path)) if arr.ndim == 4 else None
+
+
+@functools.lru_cache(maxsize=1)
+def _volume_masks(path: str, channel: int | None) -> MaskCache:
+    """A probability volume's masks (of class `channel`'s `class_probability` for a
+    multi-class store), each step's result kept while its candidates are scored
+    (`ctseg.postprocess.masks.MaskCache`)."""
+    arr = _open_probabilities(path)
+    if channel is not None:
+        store_labels(arr, Path(path))
+        return MaskCache(class_probability(np.asarray(arr[...]), channel))
     if arr.ndim != 3:
         raise CtsegError(f"{path}: expected a 3D probability volume, got shape {arr.shape}")
     return MaskCache(np.asarray(arr[...]))
+
+
+def volume_label(v: Volume) -> np.ndarray:
+    """The volume's label as the competition codes it (0 background, 1 foreground, 2 ignored):
+    the label TIFF of a binary store (`read_label`'s checks); for a class of a multi-class
+    store, its label store's voxels of that class, the ignored ones ignored."""
+    if v.channel is None:
+        return read_label(v.label)
+    spec = store_classes(v.probabilities)
+    assert spec is not None
+    gt = read_label_store(v.label, spec)
+    return np.where(spec.stored().ignored(gt), 2, gt == v.channel).astype(np.uint8)
 
 
 @dataclass
@@ -404,26 +445,26 @@ class _LabelState:
 
 
 @functools.lru_cache(maxsize=1)
-def _label_state(path: str, threads: int) -> _LabelState:
+def _label_state(volume: Volume, threads: int) -> _LabelState:
     # The same reader (and checks) as evaluate's; kept while this volume's candidates are scored.
-    return _LabelState(LabelSide.of(read_label(Path(path)), threads))
+    return _LabelState(LabelSide.of(volume_label(volume), threads))
 
 
 def _score_volume_job(
-    job: tuple[str, str, list[dict[str, Any]], str, int, bool],
+    job: tuple[Volume, list[dict[str, Any]], str, int, bool],
 ) -> list[dict[str, float]]:
     """One volume's terms for a list of candidates: with `exact`, the exact score; else the
     score with TopoScore's upper bound (no Betti matching: `UNION_BOUND`, or under
     "betti_counts", the search's own method, that method's score). Module-level so a
     process pool can pickle it. Candidates whose masks (after the ignore step) are equal share
     their SurfaceDice and VOI, and tiles equal bit for bit share their counts."""
-    probs_path, label_path, settings_list, topo_method, threads, exact = job
-    masks = _volume_masks(probs_path)
-    state = _label_state(label_path, threads)
+    volume, settings_list, topo_method, threads, exact = job
+    masks = _volume_masks(str(volume.probabilities), volume.channel)
+    state = _label_state(volume, threads)
     if masks.probs.shape != state.side.gt.shape:
         raise CtsegError(
-            f"shape mismatch: probabilities {probs_path} have shape {masks.probs.shape}, "
-            f"label {label_path} has shape {state.side.gt.shape}"
+            f"shape mismatch: probabilities {volume.probabilities} have shape "
+            f"{masks.probs.shape}, label {volume.label} has shape {state.side.gt.shape}"
         )
     method = topo_method if exact or topo_method == "betti_counts" else UNION_BOUND
     results = []
@@ -455,10 +496,16 @@ class _Scorer:
     """Scores candidates on every volume, in-process or in a pool, with one progress bar."""
 
     def __init__(
-        self, volumes: Sequence[Volume], workers: int, topo_method: str, total: int
+        self,
+        volumes: Sequence[Volume],
+        workers: int,
+        topo_method: str,
+        total: int,
+        default: PostprocessSettings,
     ) -> None:
         self.volumes = list(volumes)
         self.topo_method = topo_method
+        self.default = default
         processes, self.threads = plan_workers(workers, len(self.volumes))
         self.pool = (
             ProcessPoolExecutor(
@@ -478,10 +525,7 @@ class _Scorer:
         if not candidates:
             return
         settings = [c.settings.as_dict() for c in candidates]
-        jobs = [
-            (str(v.probabilities), str(v.label), settings, self.topo_method, self.threads, exact)
-            for v in self.volumes
-        ]
+        jobs = [(v, settings, self.topo_method, self.threads, exact) for v in self.volumes]
         mapped = (
             self.pool.map(_score_volume_job, jobs) if self.pool else map(_score_volume_job, jobs)
         )
@@ -512,7 +556,7 @@ class _Scorer:
         # reads a volume's label side once per job, so one job per candidate would read it
         # again and again on a real val split).
         ranked = sorted(fresh, key=Candidate.bound, reverse=True)  # stable: ties in order
-        first = [c for c in fresh if c.settings == DEFAULT_SETTINGS or c is ranked[0]]
+        first = [c for c in fresh if c.settings == self.default or c is ranked[0]]
         self.score(first, exact=True)
         known = max([best, *(c.mean() for c in first)])
         rest = [c for c in ranked if c.pruned and c.bound() >= known - PRUNE_MARGIN]
@@ -527,15 +571,23 @@ class _Scorer:
 
 # ----------------------------------------------------------------------------- search
 def _stage_candidates(
-    stage: str, best: PostprocessSettings, space: SearchSpace
+    stage: str,
+    best: PostprocessSettings,
+    space: SearchSpace,
+    lowest: float = DEFAULT_SETTINGS.threshold,
 ) -> list[PostprocessSettings]:
     """A stage's candidates, each the best so far with that stage's setting changed (replace,
-    never a constructor call by position: a later stage must keep what an earlier one chose)."""
-    return list(dict.fromkeys(_stage_settings(stage, best, space)))
+    never a constructor call by position: a later stage must keep what an earlier one chose).
+    `lowest`: the default's threshold, the lowest a hysteresis pair may start at (a class's
+    default 0 is its argmax voxels; a binary model's thresholds are above 0)."""
+    return list(dict.fromkeys(_stage_settings(stage, best, space, lowest)))
 
 
 def _stage_settings(
-    stage: str, best: PostprocessSettings, space: SearchSpace
+    stage: str,
+    best: PostprocessSettings,
+    space: SearchSpace,
+    lowest: float = DEFAULT_SETTINGS.threshold,
 ) -> list[PostprocessSettings]:
     replace = dataclasses.replace
     t = best.threshold
@@ -555,7 +607,7 @@ def _stage_settings(
             replace(best, threshold=_round(low), hysteresis_high=_round(high), hysteresis_mode=m)
             for m in space.modes()
             for low, high in pairs
-            if 0 < low < high < 1
+            if (low > 0 or low == lowest) and low < high < 1
         ]
     if stage == "min_component":
         return [
@@ -589,8 +641,11 @@ def search(
     *,
     workers: int = 1,
     topo_method: TopoMethod = "betti_matching",
+    default: PostprocessSettings = DEFAULT_SETTINGS,
 ) -> tuple[Candidate, list[Candidate]]:
-    """The best candidate (highest mean score over the volumes) and every candidate scored."""
+    """The best candidate (highest mean score over the volumes) and every candidate scored.
+    `default`: the settings the gain is measured against, always scored, its threshold among
+    the first stage's (a class of a label map: `ctseg.postprocess.classes.ARGMAX`)."""
     if not volumes:
         raise CtsegError("nothing to tune on: no volume with probabilities and a label")
     if workers < 1:
@@ -598,10 +653,11 @@ def search(
     if topo_method not in TOPO_METHODS:
         raise CtsegError(f"unknown topo_method {topo_method!r}; use one of {TOPO_METHODS}")
     scored: dict[PostprocessSettings, Candidate] = {}
-    bound = space.max_candidates()
-    scorer = _Scorer(volumes, min(workers, bound * len(volumes)), topo_method, bound)
+    thresholds = sorted({*space.grid(), default.threshold})
+    bound = search_bound(space, default)
+    scorer = _Scorer(volumes, min(workers, bound * len(volumes)), topo_method, bound, default)
     try:
-        first = [Candidate("threshold", PostprocessSettings(threshold=t)) for t in space.grid()]
+        first = [Candidate("threshold", PostprocessSettings(threshold=t)) for t in thresholds]
         scorer.score_stage(first, -math.inf)
         scored.update((c.settings, c) for c in first)
         # The first of equals (the simplest); pruned candidates score below the best.
@@ -609,7 +665,7 @@ def search(
         for stage in STAGES[1:]:
             fresh = [
                 Candidate(stage, s)
-                for s in _stage_candidates(stage, best.settings, space)
+                for s in _stage_candidates(stage, best.settings, space, default.threshold)
                 if s not in scored
             ]
             scorer.score_stage(fresh, best.mean())
@@ -623,6 +679,12 @@ def search(
         _volume_masks.cache_clear()
         _label_state.cache_clear()
     return best, list(scored.values())
+
+
+def search_bound(space: SearchSpace, default: PostprocessSettings = DEFAULT_SETTINGS) -> int:
+    """Candidates `search` scores per volume at most: the space's, and the default's
+    threshold where the grid lacks it."""
+    return space.max_candidates() + (default.threshold not in space.grid())
 
 
 def candidates_table(
@@ -658,44 +720,129 @@ def tune_postprocess(
     topo_method: TopoMethod = "betti_matching",
 ) -> dict[str, Any]:
     """Search, then write ``<out_dir>/tuned.json`` and ``<out_dir>/candidates.csv``
-    (each to a temporary path, renamed when complete); returns what tuned.json holds."""
+    (each to a temporary path, renamed when complete); returns what tuned.json holds. The
+    stores of a multi-class model are searched class by class (`_tune_classes`)."""
     ids = [v.id for v in volumes]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise CtsegError(f"volumes with the same id {duplicates}: their scores would collide")
+    if not volumes:
+        raise CtsegError("nothing to tune on: no volume with probabilities and a label")
     t0 = time.perf_counter()
     made = made_with(volumes)
+    specs = {v.probabilities: store_classes(v.probabilities) for v in volumes}
+    classes = specs[volumes[0].probabilities]
+    for path, spec in specs.items():
+        if spec != classes:
+            raise CtsegError(
+                f"{path}: {spec.describe() if spec else 'binary'} probabilities, but "
+                f"{volumes[0].probabilities} holds {classes.describe() if classes else 'binary'} "
+                "ones: the val volumes' probabilities must come from one model's classes"
+            )
+    if classes is None:
+        summary, table = _tune(volumes, space, workers, topo_method, DEFAULT_SETTINGS, "")
+    else:
+        summary, table = _tune_classes(volumes, classes, space, workers, topo_method)
+    summary.update(volumes=ids, made_with=made, seconds=time.perf_counter() - t0)
+    _write_outputs(Path(out_dir), summary, table)
+    return summary
+
+
+def _tune_classes(
+    volumes: Sequence[Volume],
+    classes: LabelSpec,
+    space: SearchSpace,
+    workers: int,
+    topo_method: TopoMethod,
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """Each class of a label map searched on its own (`Volume.channel`), from its default
+    (`ARGMAX`): tuned.json's "settings" are the `ClassSettings` of the classes' choices, its
+    "classes" each class's summary; candidates.csv has a row per class and candidate."""
+    per_class, tables = {}, []
+    for channel, name in enumerate(classes.classes, start=1):
+        class_volumes = [dataclasses.replace(v, channel=channel) for v in volumes]
+        t0 = time.perf_counter()
+        summary, table = _tune(class_volumes, space, workers, topo_method, ARGMAX, f" {name}")
+        per_class[name] = {**summary, "seconds": time.perf_counter() - t0}
+        tables.append(table.assign(**{"class": name}))
+    chosen = ClassSettings(
+        tuple((name, settings_from_mapping(c["settings"], name)) for name, c in per_class.items())
+    )
+    scores = [c["score"] for c in per_class.values()]
+    defaults = [c["default"]["score"] for c in per_class.values()]
+    scored = None not in scores and None not in defaults
+    tuned = [name for name, c in per_class.items() if c["tuned"]]
+    table = pd.concat(tables, ignore_index=True)
+    summary = {
+        "tuned": bool(tuned),
+        "reason": None if tuned else "no class's search beat its default (the argmax)",
+        "settings": chosen.as_dict(),
+        "label": chosen.label(),
+        "score": float(np.mean(scores)) if scored else None,
+        "default": {
+            "settings": ClassSettings.argmax(classes).as_dict(),
+            "label": ClassSettings.argmax(classes).label(),
+            "score": float(np.mean(defaults)) if scored else None,
+        },
+        "gain_over_default": float(np.mean(scores) - np.mean(defaults)) if scored else None,
+        "classes": per_class,
+        "min_gain": MIN_GAIN,
+        "topo_method": topo_method,
+        "candidates": sum(c["candidates"] for c in per_class.values()),
+        "pruned": sum(c["pruned"] for c in per_class.values()),
+        "search": {"method": "per class: " + _method(space), **space.as_dict()},
+        "candidates_csv": CANDIDATES_CSV,
+    }
+    return summary, table[["class", *(c for c in table.columns if c != "class")]]
+
+
+def _tune(
+    volumes: Sequence[Volume],
+    space: SearchSpace,
+    workers: int,
+    topo_method: TopoMethod,
+    default_settings: PostprocessSettings,
+    what: str,
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """One search from `default_settings` (`what`: the class searched, for the log), or none
+    where the labels have too little foreground; its summary and candidates' table."""
+    log = f"tune-postprocess{what}"
     foreground = labelled_foreground(volumes)
     reason = untunable_reason(foreground)
+    default_dict = {
+        "settings": default_settings.as_dict(),
+        "label": default_settings.label(),
+        "score": None,
+    }
+    common = {
+        "min_gain": MIN_GAIN,
+        "topo_method": topo_method,
+        "foreground_voxels": foreground,
+        "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
+        "candidates_csv": CANDIDATES_CSV,
+    }
     if reason is not None:
-        print(f"tune-postprocess: not tuned, default settings kept: {reason}", file=sys.stderr)
+        print(f"{log}: not tuned, default settings kept: {reason}", file=sys.stderr)
         summary = {
             "tuned": False,
             "reason": reason,
-            "settings": DEFAULT_SETTINGS.as_dict(),
-            "label": DEFAULT_SETTINGS.label(),
+            "settings": default_settings.as_dict(),
+            "label": default_settings.label(),
             "score": None,
             "terms": {},
-            "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": None},
+            "default": default_dict,
             "gain_over_default": None,
             "best_candidate": None,
-            "min_gain": MIN_GAIN,
-            "topo_method": topo_method,
-            "volumes": ids,
-            "made_with": made,
-            "foreground_voxels": foreground,
-            "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
             "candidates": 0,
             "pruned": 0,
             "search": {"method": "not run: " + reason, **space.as_dict()},
-            "candidates_csv": CANDIDATES_CSV,
-            "seconds": time.perf_counter() - t0,
+            **common,
         }
-        _write_outputs(Path(out_dir), summary, pd.DataFrame(columns=_CANDIDATE_COLUMNS))
-        return summary
-    best, candidates = search(volumes, space, workers=workers, topo_method=topo_method)
-    seconds = time.perf_counter() - t0
-    default = next(c for c in candidates if c.settings == DEFAULT_SETTINGS)
+        return summary, pd.DataFrame(columns=_CANDIDATE_COLUMNS)
+    best, candidates = search(
+        volumes, space, workers=workers, topo_method=topo_method, default=default_settings
+    )
+    default = next(c for c in candidates if c.settings == default_settings)
     reason = keep_defaults_reason(best, default, candidates)
     applied = best if reason is None else default
     summary = {
@@ -705,7 +852,7 @@ def tune_postprocess(
         "label": applied.settings.label(),
         "score": applied.mean(),
         "terms": {term: applied.mean(term) for term in SCORE_TERMS[1:]},
-        "default": {"settings": DEFAULT_SETTINGS.as_dict(), "score": default.mean()},
+        "default": {**default_dict, "score": default.mean()},
         "gain_over_default": applied.mean() - default.mean(),
         "best_candidate": {
             "settings": best.settings.as_dict(),
@@ -713,20 +860,13 @@ def tune_postprocess(
             "score": best.mean(),
             "gain_over_default": best.mean() - default.mean(),
         },
-        "min_gain": MIN_GAIN,
-        "topo_method": topo_method,
-        "volumes": ids,
-        "made_with": made,
-        "foreground_voxels": foreground,
-        "min_foreground_voxels": MIN_FOREGROUND_VOXELS,
         "candidates": len(candidates),
         "pruned": sum(c.pruned for c in candidates),
         "search": {"method": _method(space), **space.as_dict()},
-        "candidates_csv": CANDIDATES_CSV,
-        "seconds": seconds,
+        **common,
     }
-    table = candidates_table(candidates, applied, space.max_candidates())
-    _write_outputs(Path(out_dir), summary, table)
+    bound = search_bound(space, default_settings)
+    table = candidates_table(candidates, applied, bound)
     outcome = (
         f"chosen {best.settings.label()} (mean score {best.mean():.4f}, default "
         f"{default.mean():.4f})"
@@ -735,13 +875,13 @@ def tune_postprocess(
         f"{default.mean():.4f}), not applied"
     )
     print(
-        f"tune-postprocess: {len(candidates)} candidates scored of {space.describe()} "
+        f"{log}: {len(candidates)} candidates scored of at most {bound} per volume "
         f"({summary['pruned']} pruned: their bound was below a score already found); {outcome}",
         file=sys.stderr,
     )
     if reason is not None:
-        print(f"tune-postprocess: not tuned, default settings kept: {reason}", file=sys.stderr)
-    return summary
+        print(f"{log}: not tuned, default settings kept: {reason}", file=sys.stderr)
+    return summary, table
 
 
 def keep_defaults_reason(
@@ -815,8 +955,9 @@ def made_with(volumes: Sequence[Volume]) -> dict[str, Any] | None:
 
 
 def labelled_foreground(volumes: Sequence[Volume]) -> dict[str, int]:
-    """Surface voxels (label 1) of each volume's label, read with evaluate's checks."""
-    return {v.id: int(np.count_nonzero(read_label(v.label) == 1)) for v in volumes}
+    """Foreground voxels (label 1: surface, or the class searched) of each volume's label,
+    read with evaluate's checks (`volume_label`)."""
+    return {v.id: int(np.count_nonzero(volume_label(v) == 1)) for v in volumes}
 
 
 def untunable_reason(foreground: dict[str, int]) -> str | None:
@@ -842,8 +983,9 @@ def volumes_from_paths(probabilities: Sequence[Path], labels: Sequence[Path]) ->
     ]
 
 
-def load_tuned(path: Path) -> PostprocessSettings:
-    """The settings tuned.json chose, checked; a bad file is a one-line error naming it."""
+def load_tuned(path: Path) -> MaskSettings:
+    """The settings tuned.json chose, checked (a multi-class run's: per class); a bad file is
+    a one-line error naming it."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -853,4 +995,6 @@ def load_tuned(path: Path) -> PostprocessSettings:
         raise CtsegError(f"{path}: cannot read the tuned settings: {exc}") from exc
     if not isinstance(data, dict) or "settings" not in data:
         raise CtsegError(f'{path}: no "settings" entry (not written by ctseg tune-postprocess?)')
+    if isinstance(data["settings"], dict) and "classes" in data["settings"]:
+        return ClassSettings.from_mapping(data["settings"], str(path))
     return settings_from_mapping(data["settings"], str(path))

@@ -1,6 +1,7 @@
 """The report's post-processing section: the settings `ctseg tune-postprocess` chose on the val
-split, against the default threshold 0.5, and every candidate it scored (tuned.json and
-candidates.csv, see ctseg.postprocess.tuning)."""
+split, against the default (threshold 0.5; a class of a label map: its argmax), and every
+candidate it scored (tuned.json and candidates.csv, see ctseg.postprocess.tuning); a multi-class
+run's, class by class."""
 
 from __future__ import annotations
 
@@ -50,18 +51,34 @@ def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
     candidates_csv = Path(tuned_dir) / "candidates.csv"
     names = []
     tuned: Mapping[str, Any] = {}
+    candidates = None
     if tuned_json.exists():
         tuned = read_json(tuned_json)
-        out.append(_choice_block(tuned))
         names.append(src.use(tuned_json))
     else:
         out.append(missing("Tuned settings", [src.rel(tuned_json)]))
     if candidates_csv.exists():
         candidates = read_table(candidates_csv)
         names.append(src.use(candidates_csv))
-        out.append(_candidates_block(candidates, kept_defaults=tuned.get("tuned") is False))
     else:
         out.append(missing("Candidates", [src.rel(candidates_csv)]))
+    classes: Mapping[str, Any] = tuned.get("classes") or {}
+    if classes:
+        out.append(
+            "<p>Each class of the label map is searched on its own, against its own voxels of "
+            "the labels, from its default: its argmax voxels (<b>t&gt;0</b> of the class's "
+            "probability where it wins). A voxel that two classes' masks claim goes to the "
+            f"more probable. Applied: <b>{esc(tuned.get('label', 'n/a'))}</b>.</p>"
+        )
+    for name, summary in (classes or {"": tuned}).items():
+        if name:
+            out.append(f"<h3>Class {esc(name)}</h3>")
+        shown = {"volumes": tuned.get("volumes"), **summary}
+        if summary:
+            out.append(_choice_block(shown))
+        if candidates is not None:
+            rows = candidates[candidates["class"] == name] if name else candidates
+            out.append(_candidates_block(rows, summary.get("tuned") is False, name))
     out.append(source_line(names))
     return "\n".join(out)
 
@@ -91,9 +108,10 @@ def _choice_block(tuned: Mapping[str, Any]) -> str:
         )
     search = tuned.get("search") or {}
     volumes = tuned.get("volumes") or []
+    default = tuned.get("default") or {}
     rows = [
         ["chosen", str(tuned.get("label", "n/a")), fmt(tuned.get("score"), 4)],
-        ["default (threshold 0.5)", "t>0.5", fmt((tuned.get("default") or {}).get("score"), 4)],
+        ["default", str(default.get("label", "t>0.5")), fmt(default.get("score"), 4)],
     ]
     setting_rows = [
         [key, "none" if value is None else fmt(value)] for key, value in settings.items()
@@ -111,7 +129,9 @@ def _choice_block(tuned: Mapping[str, Any]) -> str:
     )
 
 
-def _candidates_block(candidates: pd.DataFrame, kept_defaults: bool = False) -> str:
+def _candidates_block(
+    candidates: pd.DataFrame, kept_defaults: bool = False, class_name: str = ""
+) -> str:
     columns = [c for c in CANDIDATE_COLUMNS if c in candidates.columns]
     rows = [[fmt(row[c], 4) for c in columns] for row in records(candidates)]
     note = ""
@@ -128,8 +148,10 @@ def _candidates_block(candidates: pd.DataFrame, kept_defaults: bool = False) -> 
         why = "the defaults, kept: see above" if kept_defaults else "highest mean score"
         if len(chosen):
             note += f"<p class='note'>Chosen: <b>{esc(chosen.iloc[0])}</b> ({why}).</p>"
+    # Under its class's heading for a label map, under the section's for a binary model.
+    level, of_class = (4, f" of class {esc(class_name)}") if class_name else (3, "")
     return (
-        "<h3>Post-processing candidates, scored on the tuning volumes</h3>"
+        f"<h{level}>Post-processing candidates{of_class}, scored on the tuning volumes</h{level}>"
         + note
         + _threshold_plot(candidates)
         + table(columns, rows)
