@@ -147,7 +147,13 @@ def _tune_postprocess_parser(add_parser: AddParser) -> None:
         "-h", "--help", action=_SearchSpaceHelp, const=search, help="show this help and exit"
     )
     p.add_argument("--probabilities", nargs="+", required=True, help="<id>.zarr from infer")
-    p.add_argument("--labels", nargs="+", required=True, help="label TIFFs, in the same order")
+    p.add_argument(
+        "--labels",
+        nargs="+",
+        required=True,
+        help="in the same order: label TIFFs; for a multi-class model's stores (each class "
+        "searched on its own), the label stores of ctseg convert --kind label",
+    )
     p.add_argument("--out", required=True, help="directory for tuned.json and candidates.csv")
     search["thresholds"] = p.add_argument(
         "--thresholds", type=float, nargs="+", default=None, help="{}"
@@ -217,9 +223,11 @@ def _tune_postprocess_parser(add_parser: AddParser) -> None:
 
 
 def _postprocess_parser(add_parser: AddParser) -> None:
-    p = add_parser("postprocess", help="probabilities to the uint8 mask of the submission")
+    p = add_parser(
+        "postprocess", help="probabilities to the uint8 mask of the submission, or a label map"
+    )
     p.add_argument("probabilities", help="float16 probability .zarr written by ctseg infer")
-    p.add_argument("mask", help="uint8 mask TIFF to write")
+    p.add_argument("mask", help="uint8 mask TIFF to write (a label map for a multi-class store)")
     p.add_argument("--settings", default=None, help="tuned.json; overrides the options below")
     postprocess_options(p)
     p.set_defaults(func=cmd_postprocess)
