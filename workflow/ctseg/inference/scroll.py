@@ -162,7 +162,9 @@ def _check_request(
     parts: int | None,
     part: int | None,
     finish_only: bool,
-) -> None:
+) -> MaskSettings:
+    """The post-processing the mask applies (`check_mask_settings`), after checking the request
+    before any read: a request the predict cannot do is one line."""
     if output.suffix not in OME_SUFFIXES + TIFF_SUFFIXES:
         raise CtsegError(
             f"{output}: the output of a volume read in place is an OME-Zarr image <name>.zarr "
@@ -175,7 +177,7 @@ def _check_request(
             "members of a combined run are blended with one window: give --window Z,Y,X"
         )
     labels = models[0].labels
-    check_mask_settings(postprocess, labels, output)  # before any read; applied as it returns
+    applied = check_mask_settings(postprocess, labels, output)
     if probabilities is not None and probabilities.suffix != ".zarr":
         raise CtsegError(f"{probabilities}: --probabilities here is an OME-Zarr <name>.zarr")
     if parts is None and (part is not None or finish_only):
@@ -187,6 +189,7 @@ def _check_request(
             raise CtsegError(f"--parts {parts}: give --part K (0..{parts - 1}) or --finish")
         if part is not None and not 0 <= part < parts:
             raise CtsegError(f"--part {part}: expected 0 <= part < --parts {parts}")
+    return applied
 
 
 def _kinds(
@@ -228,15 +231,14 @@ def predict_scroll(
     overwrite: bool = False,
     command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The mask of the volume at `url` by the run's models (one, or several averaged with
-    `weights` as `ensemble_volume` averages them) into `output`, or, with `parts`, part `part`,
-    or the finish (module docstring); returns the figures. The outputs are checked first
-    (`check_output_paths`); their spacing is the input's NGFF scale, else `dataset_spacing`."""
+    """The mask of the volume at `url` by the run's models (averaged with `weights`) into
+    `output`, or with `parts` part `part` or the finish (module docstring); returns the figures.
+    Outputs are checked first; their spacing is the input's NGFF scale, else `dataset_spacing`."""
     output = Path(output)
-    _check_request(models, inference, output, probabilities, postprocess, parts, part, finish_only)
+    postprocess = _check_request(models, inference, output, probabilities, postprocess,
+                                 parts, part, finish_only)  # fmt: skip
     norm = check_weights(weights, len(models), weights_from)
     labels = models[0].labels
-    postprocess = check_mask_settings(postprocess, labels, output)
     root = work_folder_of(output)
     check_output_paths(url, _kinds(output, probabilities, labels), root, overwrite, command)
     # Freed activations stay in the heap (no page faults each forward); each tile's memory is
