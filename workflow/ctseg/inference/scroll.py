@@ -147,6 +147,29 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _io_bytes() -> tuple[int, int] | None:
+    """This process's bytes read and written through system calls so far (Linux's
+    /proc/self/io ``rchar`` and ``wchar``: every file, its threads' too, whether or not the
+    page cache served it), or None where the system does not say."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return int(fields["rchar"]), int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _process_figures(io_start: tuple[int, int] | None) -> dict[str, Any]:
+    """This process's peak RSS, and the bytes it read and wrote since `io_start` (None: not
+    known)."""
+    now = _io_bytes()
+    known = now is not None and io_start is not None
+    return {
+        "peak_rss_mb": _peak_rss_mb(),
+        "bytes_read": now[0] - io_start[0] if known else None,  # type: ignore[index]
+        "bytes_written": now[1] - io_start[1] if known else None,  # type: ignore[index]
+    }
+
+
 def _rss_mb() -> float:
     import psutil
 
@@ -235,6 +258,7 @@ def predict_scroll(
     `output`, or with `parts` part `part` or the finish (module docstring); returns the figures.
     Outputs are checked first; their spacing is the input's NGFF scale, else `dataset_spacing`."""
     output = Path(output)
+    io_start = _io_bytes()
     postprocess = _check_request(models, inference, output, probabilities, postprocess,
                                  parts, part, finish_only)  # fmt: skip
     norm = check_weights(weights, len(models), weights_from)
@@ -278,7 +302,7 @@ def predict_scroll(
         k, n = (part, parts) if part is not None else (0, 1)
         summary["part"] = _compute_part(models, works, source, tile_settings, device, k, n, cache)
         if part is not None:
-            return {**summary, "peak_rss_mb": _peak_rss_mb()}
+            return {**summary, **_process_figures(io_start)}
     t0 = time.perf_counter()
     summary["finish"] = [finish(work, parts or 1) for work in works]
     release_heap()
@@ -303,8 +327,7 @@ def predict_scroll(
     probs = _mean_of_members(works, norm, root, block)
     summary["outputs"] = _write_outputs(probs, chunks, block, root, source, output, probabilities,
                                         postprocess, labels, budget, record, spacing)  # fmt: skip
-    summary["finish_seconds"] = time.perf_counter() - t0
-    summary["peak_rss_mb"] = _peak_rss_mb()
+    summary.update(finish_seconds=time.perf_counter() - t0, **_process_figures(io_start))
     remove_path(root)
     return summary
 
