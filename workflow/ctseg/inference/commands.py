@@ -329,11 +329,13 @@ def _in_place_options(p: argparse.ArgumentParser) -> None:
 def _predict_parser(add_parser: AddParser) -> None:
     p = add_parser(
         "predict",
-        help="a trained run's post-processed masks of a folder of new volumes",
+        help="a trained run's post-processed masks (or label maps) of new volumes",
         description="The masks of every volume in --input (<id>.tif/.tiff, or <id>/ of slice "
-        "TIFFs) by the run's models, as <output>/<id>.tif (uint8 0/1). Post-processing: "
-        "<run>/postprocess/tuned.json when it exists and no fixed option is given, else the "
-        "fixed options (their defaults unless given).",
+        "TIFFs), or of one volume read in place, by the run's models, as <output>/<id>.tif "
+        "(uint8 0/1; a multi-class run's: label maps in the dataset's values). "
+        "Post-processing: <run>/postprocess/tuned.json when it exists and no fixed option is "
+        "given (a multi-class run's: each class's settings), else the fixed options (their "
+        "defaults unless given; a multi-class run takes none: its label maps are the argmax).",
     )
     p.add_argument(
         "--run",
