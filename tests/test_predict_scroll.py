@@ -5,6 +5,7 @@ the budget; the mask equals the in-memory mask; the OME-Zarr output is valid; re
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -325,6 +326,70 @@ def test_parts_run_at_once_read_the_volume_for_its_statistics_once(tmp_path):
     assert sorted(s["statistics_bytes_read"] for s in summaries) == [0, 0, data.nbytes]
     assert len({tuple(s["intensity_range"]) for s in summaries}) == 1
     assert tifffile.imread(tmp_path / "m.tif").shape == data.shape
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 7])
+def test_statistics_pieces_merge_to_the_one_pass_range(tmp_path, pieces):
+    """Histograms of z-ranges, empty and saturated slices among them, sum to the whole volume's
+    exactly: the range merged from N pieces is the one pass's, for N up to more than the
+    chunks along z (empty pieces)."""
+    from ctseg.inference.source import intensity_range, statistics_pieces
+    from ctseg.inference.tiled import shared_intensity_range, statistics_piece
+
+    rng = np.random.default_rng(pieces)
+    data = rng.integers(200, 4000, size=(40, 24, 20)).astype(np.uint16)
+    data[3] = 0  # an empty slice (padding): left out
+    data[17:19] = 65535  # saturated slices
+    data[25, :4] = 65535  # saturated voxels
+    path = tmp_path / "v.zarr"
+    create_volume(path, data.shape, np.uint16, (8, 12, 10))[...] = data
+    source = open_source(str(path))
+    ranges = statistics_pieces(source, pieces)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 40
+    assert all(a[1] == b[0] and a[0] % 8 == 0 for a, b in itertools.pairwise(ranges))  # tiled
+    root = tmp_path / "work"
+    read = [statistics_piece(root, source, k, pieces, 2**20) for k in range(pieces)]
+    assert sum(read) == data.nbytes
+    assert [statistics_piece(root, source, k, pieces, 2**20) for k in range(pieces)] == [0] * pieces
+    low, high, how, stats_read = shared_intensity_range(root, source, None, 2**20)
+    assert (low, high) == intensity_range(source, None, 2**20)[:2] and stats_read == 0
+    assert how.startswith(f"merged from the histograms of {pieces} statistics jobs")
+
+
+def test_statistics_jobs_leave_the_parts_nothing_to_read(tmp_path):
+    """The workflow's statistics jobs (`--statistics K`, no model loaded), then the parts and
+    the finish: no part reads the volume for its statistics, and the mask is the one process's
+    bit for bit."""
+    run = save_run(tmp_path / "results" / "tiny")
+    data = volume((40, 48, 40), seed=5)
+    store = zarr_volume(tmp_path / "v.zarr", data, stats=False)
+    common = ["--run", run, "-i", store, "-o", tmp_path / "m.tif", "--memory-budget-mb", "4"]
+    ctseg("predict", *common, "--summary", tmp_path / "whole.json")
+    whole = tifffile.imread(tmp_path / "m.tif")
+    (tmp_path / "m.tif").unlink()
+    for k in range(3):
+        done = ctseg("predict", *common, "--parts", "3", "--statistics", k,
+                     "--summary", tmp_path / f"s{k}.json")  # fmt: skip
+        assert f"statistics {k + 1} of 3 (--statistics {k})" in done.stdout
+    for k in range(3):
+        ctseg("predict", *common, "--parts", "3", "--part", k, "--summary", tmp_path / f"p{k}.json")
+    ctseg("predict", *common, "--parts", "3", "--finish", "--summary", tmp_path / "f.json")
+    np.testing.assert_array_equal(tifffile.imread(tmp_path / "m.tif"), whole)
+    read = {name: json.loads((tmp_path / f"{name}.json").read_text())["statistics_bytes_read"]
+            for name in ("s0", "s1", "s2", "p0", "p1", "p2", "f")}  # fmt: skip
+    assert sum(read[f"s{k}"] for k in range(3)) == data.nbytes
+    assert all(read[k] > 0 for k in ("s0", "s1", "s2"))
+    assert [read[k] for k in ("p0", "p1", "p2", "f")] == [0, 0, 0, 0]
+    first = json.loads((tmp_path / "whole.json").read_text())["intensity_range"]
+    assert json.loads((tmp_path / "f.json").read_text())["intensity_range"] == first
+    # A statistics job checks the outputs as the predict does, before any read.
+    (tmp_path / "theirs.tif").write_bytes(b"not ctseg's")
+    refused = ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "theirs.tif",
+                    "--parts", "2", "--statistics", "0", check=False)  # fmt: skip
+    assert refused.returncode != 0 and "not an output of ctseg" in refused.stderr
+    assert not (tmp_path / ".theirs.tif.predict").exists()
+    refused = ctseg("predict", *common, "--statistics", "0", check=False)
+    assert "goes with --parts N" in refused.stderr.strip().splitlines()[-1]
 
 
 def slow_tiles_env(tmp: Path) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ctseg.cli_types import AddParser, _shape
 from ctseg.io import CtsegError, strict_json
@@ -68,6 +68,9 @@ def cmd_predict(args: argparse.Namespace) -> None:
     from ctseg.postprocess.tuning import load_tuned
 
     inference = _inference_settings(args)
+    if args.statistics is not None:  # no model needed: it may run while the run trains
+        _statistics_in_place(args, inference)
+        return
     run = resolve_run(
         Path(args.run),
         Path(args.experiments_dir),
@@ -144,6 +147,44 @@ def _in_place(args: argparse.Namespace) -> bool:
     return False
 
 
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    import json
+
+    try:
+        return json.loads(args.storage_options) if args.storage_options else None
+    except ValueError as exc:
+        raise CtsegError(f"--storage-options {args.storage_options!r}: not JSON ({exc})") from exc
+
+
+def _statistics_in_place(args: argparse.Namespace, inference: InferenceSettings) -> None:
+    from ctseg.inference.scroll import is_volume_store, predict_statistics
+
+    if not is_volume_store(args.input) or args.parts is None or args.part is not None:
+        raise CtsegError(
+            f"--statistics {args.statistics}: a statistics job of a volume read in place goes "
+            "with --parts N (its pieces), without --part or --finish"
+        )
+    if args.finish:
+        raise CtsegError(f"--statistics {args.statistics} and --finish: give one")
+    summary = predict_statistics(
+        args.input,
+        Path(args.output),
+        args.statistics,
+        args.parts,
+        inference.memory_budget_mb,
+        level=args.level,
+        storage_options=_storage_options(args),
+        overwrite=args.overwrite,
+        command=args.argv,
+    )
+    if args.summary:
+        Path(args.summary).write_text(strict_json(summary, indent=1))
+    print(
+        f"ctseg predict: statistics {args.statistics + 1} of {args.parts} (--statistics "
+        f"{args.statistics}) of {args.input} done ({summary['statistics_bytes_read']} bytes read)"
+    )
+
+
 def _predict_in_place(
     args: argparse.Namespace,
     run: PredictRun,
@@ -151,16 +192,11 @@ def _predict_in_place(
     inference: InferenceSettings,
     postprocess: PostprocessSettings,
 ) -> None:
-    import json
-
     from ctseg.inference.predict import run_spacing
     from ctseg.inference.scroll import predict_scroll
     from ctseg.training.checkpoint import stored_digest
 
-    try:
-        options = json.loads(args.storage_options) if args.storage_options else None
-    except ValueError as exc:
-        raise CtsegError(f"--storage-options {args.storage_options!r}: not JSON ({exc})") from exc
+    options = _storage_options(args)
     summary = predict_scroll(
         run.name,
         models,
@@ -300,6 +336,14 @@ def _in_place_options(p: argparse.ArgumentParser) -> None:
     whole.add_argument("--part", type=int, default=None, help="compute part K (0..N-1) only")
     whole.add_argument(
         "--finish", action="store_true", help="after every part: blend the seams, write the mask"
+    )
+    whole.add_argument(
+        "--statistics",
+        type=int,
+        default=None,
+        metavar="K",
+        help="count piece K (0..N-1) of the volume's intensity histogram only, for the parts "
+        "to merge (no model is loaded)",
     )
     whole.add_argument(
         "--cache-mb",

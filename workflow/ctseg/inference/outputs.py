@@ -52,6 +52,7 @@ WORK_ENTRIES = (
     "mask.zarr",
     "postprocess",  # the finish's post-processing scratch (scroll._write_outputs)
     "intensity.json",
+    "statistics",  # the statistics jobs' histograms (tiled.statistics_piece)
 )
 
 

@@ -77,6 +77,7 @@ from ctseg.inference.outputs import (
     check_output_paths,
     provenance,
     tiff_description,
+    written_kind,
 )
 from ctseg.inference.run import LoadedModel
 from ctseg.inference.settings import InferenceSettings, Shape3
@@ -89,6 +90,7 @@ from ctseg.inference.tiled import (
     planned_tile,
     run_part,
     shared_intensity_range,
+    statistics_piece,
 )
 from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, remove_path
 from ctseg.labels import LabelSpec
@@ -132,6 +134,40 @@ def work_folder_of(output: Path) -> Path:
     """Where a predict into `output` keeps its tiles until it is finished: beside the output,
     so every part (on every node) and every rerun finds it."""
     return output.with_name(f".{output.name}.predict")
+
+
+def predict_statistics(
+    url: str,
+    output: Path,
+    piece: int,
+    pieces: int,
+    memory_budget_mb: float,
+    *,
+    level: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    command: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Statistics job `piece` of `pieces` of a predict into `output` (module docstring): the
+    histogram of its z-range, kept in the work folder for the process that computes the
+    intensity range; returns the figures. It needs no model: it may run while the run trains.
+    Checked first as the predict is: an existing `output` must be ctseg's, the work folder a
+    predict's, neither inside the input."""
+    output = Path(output)
+    io_start = _io_bytes()
+    root = work_folder_of(output)
+    kind = written_kind(output) if output.exists() else None
+    check_output_paths(url, {"-o": (output, kind or MASK)}, root, overwrite, command)
+    source = open_source(url, level, storage_options)
+    budget = int(memory_budget_mb * 2**20)
+    read = statistics_piece(root, source, piece, pieces, budget)
+    return {
+        "input": source.describe(),
+        "statistics_piece": [piece, pieces],
+        "statistics_bytes_read": read,
+        "work": str(root),
+        **_process_figures(io_start),
+    }
 
 
 def _peak_rss_mb() -> float:

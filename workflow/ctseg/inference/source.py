@@ -525,6 +525,51 @@ def _count_slab(
         histogram.empty_slices += 1
 
 
+def statistics_pieces(source: VolumeSource, pieces: int) -> list[tuple[int, int]]:
+    """The z-ranges of the volume's statistics read in `pieces` jobs: as equal as whole chunks
+    along z allow (a piece may be empty where there are fewer chunks than pieces)."""
+    unit = int(source.chunks[0])
+    nz = int(source.shape[0])
+    units = math.ceil(nz / unit)
+    bounds = [min(nz, (units * k // pieces) * unit) for k in range(pieces + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def _check_countable(source: VolumeSource) -> None:
+    dtype = source.dtype
+    if dtype.kind != "u" or dtype.itemsize not in (1, 2):
+        raise CtsegError(
+            f"{source.url}: dtype {dtype.name} without p0_5/p99_5 attributes: the statistics "
+            "pass counts uint8 or uint16 only; give --intensity-range LOW HIGH"
+        )
+
+
+def count_planes(
+    source: VolumeSource, z0: int, z1: int, memory_budget_bytes: int, desc: str = "statistics"
+) -> Histogram:
+    """The converter's histogram of planes z0..z1-1, read slab by slab within
+    `memory_budget_bytes`: whole planes, or bands of them (`_count_slab`). Histograms of
+    disjoint z-ranges sum (counts, empty slices) to the whole volume's, exactly."""
+    _check_countable(source)
+    dtype = source.dtype
+    histogram = Histogram(dtype, int(memory_budget_bytes * HISTOGRAM_SHARE) // 8)
+    block = _block_plan(
+        source.shape, source.chunks, dtype.itemsize, memory_budget_bytes * SLAB_SHARE
+    )
+    with Progress(total=z1 - z0, unit="slice", desc=f"{desc} {source.url}") as progress:
+        for start in range(z0, z1, block[0]):
+            end = min(start + block[0], z1)
+            _count_slab(source, histogram, start, end, block)
+            progress.update(end - start)
+    return histogram
+
+
+def histogram_range(histogram: Histogram) -> tuple[float, float]:
+    """The normalisation range (p0_5, p99_5) the converter records for these counts."""
+    stats = histogram.stats()
+    return float(stats["p0_5"]), float(stats["p99_5"])
+
+
 def intensity_range(
     source: VolumeSource,
     given: tuple[float, float] | None = None,
@@ -533,10 +578,10 @@ def intensity_range(
     """The normalisation range (p0_5, p99_5) and one line saying where it came from.
 
     `given` (an option) wins; then the array's attributes p0_5 and p99_5, which `ctseg convert`
-    records; else one pass over the whole array, slab by slab within `memory_budget_bytes`,
-    through the converter's histogram, so the range is exactly what `ctseg convert` would record
-    for the same voxels (saturated voxels and empty slices left out alike). The pass needs
-    uint8 or uint16, as the converter does: other dtypes need the range given."""
+    records; else one pass over the whole array (`count_planes`), through the converter's
+    histogram, so the range is exactly what `ctseg convert` would record for the same voxels
+    (saturated voxels and empty slices left out alike). The pass needs uint8 or uint16, as the
+    converter does: other dtypes need the range given."""
     if given is not None:
         low, high = (float(v) for v in given)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
@@ -548,27 +593,11 @@ def intensity_range(
     attrs = source.attributes
     if "p0_5" in attrs and "p99_5" in attrs:
         return float(attrs["p0_5"]), float(attrs["p99_5"]), "the array's attributes p0_5/p99_5"
-    dtype = source.dtype
-    if dtype.kind != "u" or dtype.itemsize not in (1, 2):
-        raise CtsegError(
-            f"{source.url}: dtype {dtype.name} without p0_5/p99_5 attributes: the statistics "
-            "pass counts uint8 or uint16 only; give --intensity-range LOW HIGH"
-        )
-    histogram = Histogram(dtype, int(memory_budget_bytes * HISTOGRAM_SHARE) // 8)
-    nz = source.shape[0]
-    block = _block_plan(
-        source.shape, source.chunks, dtype.itemsize, memory_budget_bytes * SLAB_SHARE
-    )
-    with Progress(total=nz, unit="slice", desc=f"statistics {source.url}") as progress:
-        for z0 in range(0, nz, block[0]):
-            z1 = min(z0 + block[0], nz)
-            _count_slab(source, histogram, z0, z1, block)
-            progress.update(z1 - z0)
-    stats = histogram.stats()
+    histogram = count_planes(source, 0, source.shape[0], memory_budget_bytes)
     voxels = math.prod(source.shape)
     level = "" if source.level is None else f" level {source.level}"
     how = (
         f"computed from all {voxels} voxels of {source.url}{level} (one pass, "
-        f"{voxels * dtype.itemsize / 1e6:.1f} MB read)"
+        f"{voxels * source.dtype.itemsize / 1e6:.1f} MB read)"
     )
-    return float(stats["p0_5"]), float(stats["p99_5"]), how
+    return (*histogram_range(histogram), how)

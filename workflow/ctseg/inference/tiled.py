@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -60,7 +61,14 @@ import zarr
 from ctseg.data.heap import release_heap
 from ctseg.inference.blend import blend_windows, device_input, model_session, output_channels
 from ctseg.inference.settings import InferenceSettings, Shape3
-from ctseg.inference.source import ChunkCache, VolumeSource, intensity_range
+from ctseg.inference.source import (
+    ChunkCache,
+    VolumeSource,
+    count_planes,
+    histogram_range,
+    intensity_range,
+    statistics_pieces,
+)
 from ctseg.inference.tiles import Box, Index, TileGrid, part_tiles, plan_tile
 from ctseg.inference.windows import (
     SIGMA_SCALE,
@@ -78,6 +86,7 @@ from ctseg.postprocess.write import (
     MULTICLASS_VALUE,
     channel_names,
 )
+from ctseg.preprocess.convert import Histogram
 from ctseg.progress import Progress
 from ctseg.store import WEIGHTS_ATTRIBUTE, create_volume
 
@@ -85,6 +94,8 @@ MANIFEST = "manifest.json"
 PROBABILITIES = "probabilities.zarr"
 STATISTICS = "intensity.json"  # the volume's intensity range, computed once per predict
 STATISTICS_WAIT_S = 0.5  # how often a process waiting for another's statistics looks again
+# The histograms of the statistics jobs (`statistics_piece`): piece-<K>-of-<N>.npz each.
+STATISTICS_PIECES = "statistics"
 FORMAT = 1
 DEFAULT_CHUNK = 128  # output chunks along each axis when the input's are outside 16..256
 
@@ -223,6 +234,11 @@ def _identity(
     }
 
 
+def _statistics_identity(source: VolumeSource) -> dict[str, Any]:
+    return {"source": source.url, "level": source.level, "shape": list(source.shape),
+            "dtype": str(source.dtype)}  # fmt: skip
+
+
 def shared_intensity_range(
     root: Path,
     source: VolumeSource,
@@ -231,27 +247,98 @@ def shared_intensity_range(
 ) -> tuple[float, float, str, int]:
     """The normalisation range of `source` (`ctseg.inference.source.intensity_range`), the
     volume read for it at most once over all the processes of one predict: given, or recorded
-    in the array's attributes, it reads nothing; else the first process to need it computes it,
-    under a lock on ``<root>/intensity.json``, and writes it there, and every other part, the
-    finish and a rerun read that file, waiting while another process computes it. Returns the
-    range, where it came from, and the bytes of the volume this process read for it."""
+    in the array's attributes, it reads nothing; else the first process to need it writes it
+    to ``<root>/intensity.json``, under a lock on it, and every other part, the finish and a
+    rerun read that file, waiting while another process computes it. That first process merges
+    the histograms of the statistics jobs where every piece of them is there
+    (`statistics_piece`), else reads the volume itself. Returns the range, where it came from,
+    and the bytes of the volume this process read for it."""
     if given is not None or {"p0_5", "p99_5"} <= source.attributes.keys():
         return (*intensity_range(source, given, budget_bytes), 0)
     path = Path(root) / STATISTICS
-    identity = {"source": source.url, "level": source.level, "shape": list(source.shape),
-                "dtype": str(source.dtype)}  # fmt: skip
+    identity = _statistics_identity(source)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         try:
             with output_lock(path):
                 if path.exists():
                     return (*_read_statistics(path, identity), 0)
-                low, high, how = intensity_range(source, None, budget_bytes)
+                merged = _merged_pieces(Path(root) / STATISTICS_PIECES, source, identity)
+                read = 0
+                if merged is None:
+                    low, high, how = intensity_range(source, None, budget_bytes)
+                    read = math.prod(source.shape) * source.dtype.itemsize
+                else:
+                    low, high, how = merged
                 record = {**identity, "intensity_range": [low, high], "how": how}
                 _write_atomic(path, strict_json(record, indent=1).encode(), "statistics")
-                return low, high, how, math.prod(source.shape) * source.dtype.itemsize
+                return low, high, how, read
         except OutputBusy:  # another process of this predict is computing them
             time.sleep(STATISTICS_WAIT_S)
+
+
+def statistics_piece(
+    root: Path, source: VolumeSource, piece: int, pieces: int, budget_bytes: int
+) -> int:
+    """The histogram of piece `piece` of `pieces` of the volume's planes (`statistics_pieces`),
+    written to ``<root>/statistics/piece-<K>-of-<N>.npz`` for the process that computes the
+    range (`shared_intensity_range`) to merge; returns the bytes of the volume read (0: the
+    piece was there already, or the range needs no pass)."""
+    if {"p0_5", "p99_5"} <= source.attributes.keys():
+        return 0
+    if not 0 <= piece < pieces:
+        raise CtsegError(f"--statistics {piece}: expected 0 <= piece < --parts {pieces}")
+    identity = _statistics_identity(source)
+    folder = Path(root) / STATISTICS_PIECES
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"piece-{piece}-of-{pieces}.npz"
+    with output_lock(path):
+        if path.exists():
+            _read_piece(path, identity)  # one of another input is refused
+            return 0
+        z0, z1 = statistics_pieces(source, pieces)[piece]
+        histogram = count_planes(source, z0, z1, budget_bytes, f"statistics {piece + 1}/{pieces}")
+        data = io.BytesIO()
+        np.savez(data, counts=histogram.counts, empty=histogram.empty,
+                 empty_slices=histogram.empty_slices, z=[z0, z1],
+                 identity=json.dumps(identity))  # fmt: skip
+        _write_atomic(path, data.getvalue(), "statistics")
+    return (z1 - z0) * math.prod(source.shape[1:]) * source.dtype.itemsize
+
+
+def _read_piece(path: Path, identity: dict[str, Any]) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        piece = {key: data[key] for key in data.files}
+    was = _changes(json.loads(str(piece["identity"])), identity)
+    if was:
+        raise CtsegError(
+            f"{path}: the statistics of another input are kept here ({was}); finish that "
+            f"predict, or remove {path.parent.parent} to start again"
+        )
+    return piece
+
+
+def _merged_pieces(
+    folder: Path, source: VolumeSource, identity: dict[str, Any]
+) -> tuple[float, float, str] | None:
+    """The range of the statistics jobs' histograms summed, where every piece of N is in
+    `folder` (their z-ranges tile the volume); None where none is complete."""
+    found: dict[int, set[int]] = {}
+    for path in folder.glob("piece-*-of-*.npz"):
+        k, n = (int(v) for v in path.stem.removeprefix("piece-").split("-of-"))
+        found.setdefault(n, set()).add(k)
+    complete = [n for n, ks in found.items() if ks == set(range(n))]
+    if not complete:
+        return None
+    n = max(complete)
+    histogram = Histogram(source.dtype, 1)
+    for k in range(n):
+        piece = _read_piece(folder / f"piece-{k}-of-{n}.npz", identity)
+        histogram.counts += piece["counts"]
+        histogram.empty += piece["empty"]
+        histogram.empty_slices += int(piece["empty_slices"])
+    how = f"merged from the histograms of {n} statistics jobs over {source.url}"
+    return (*histogram_range(histogram), how)
 
 
 def _changes(recorded: dict[str, Any], identity: dict[str, Any]) -> str:
