@@ -1,5 +1,6 @@
 """The scroll target (workflow/rules/scroll.smk): config scroll.volume, a Zarr array read in
-place, predicted by `ctseg predict` in scroll.parts jobs (rule scroll_part) and a finish (rule
+place, its statistics counted in scroll.parts jobs (rule scroll_statistics), predicted by `ctseg
+predict` in scroll.parts jobs (rule scroll_part) and a finish (rule
 scroll_finish), through the shipped SLURM profile on a real one-node cluster
 (tests/slurm_cluster.py, as tests/test_slurm_cluster.py runs it).
 
@@ -104,10 +105,12 @@ def test_a_dry_run_plans_a_job_per_part_and_a_finish_and_says_what_is_missing(tm
     assert missing.returncode != 0 and f"{NAME}.zarr" in missing.stdout + missing.stderr
     write_volume(tmp_path / f"{NAME}.zarr")
     out = run_snakemake(workdir, "-n", "-p", "scroll").stdout
+    assert len(re.findall(r"^rule scroll_statistics:$", out, re.M)) == PARTS, out
     assert len(re.findall(r"^rule scroll_part:$", out, re.M)) == PARTS, out
     assert len(re.findall(r"^rule scroll_finish:$", out, re.M)) == 1, out
     for k in range(PARTS):
         assert f"--parts {PARTS} --part {k} --summary results/{RUN}/scroll/{NAME}/part-" in out
+        assert f"--parts {PARTS} --statistics {k} --summary results/{RUN}/scroll/{NAME}/st" in out
     assert f"-o results/{RUN}/scroll/{NAME}.zarr --parts {PARTS} --finish " in out
     assert "rule train_model:" in out  # no last.pt: the run is trained first
     # A cross-validation predicts the scroll with every fold's model in each part.
@@ -232,14 +235,18 @@ def test_parts_on_slurm_one_killed_and_resumed_give_the_single_process_mask(
                 child.wait()
     text = log.read_text()
 
-    # The jobs: the three parts, the killed one twice, then the finish; each asked for a GPU.
+    # The jobs: three statistics jobs without a GPU, the three parts, the killed one twice,
+    # then the finish, each with a GPU.
     submitted = re.findall(
         r"Job \d+ has been submitted with SLURM jobid (\d+) .*?/rule_(\w+?)/", text
     )
-    assert sorted(rule for _, rule in submitted) == ["scroll_finish"] + ["scroll_part"] * 4, text
-    for job_id, _ in submitted:
+    assert sorted(rule for _, rule in submitted) == (
+        ["scroll_finish"] + ["scroll_part"] * 4 + ["scroll_statistics"] * 3
+    ), text
+    for job_id, rule in submitted:
         job = cluster.job(job_id)
-        assert re.search(r"gpu[:=]1$", job.get("TresPerJob", "")), job  # gres:gpu:1 (22.05)
+        gpu = re.search(r"gpu[:=]1$", job.get("TresPerJob", ""))  # gres:gpu:1 (22.05)
+        assert bool(gpu) == (rule != "scroll_statistics"), job
     assert cluster.job(first)["JobState"] in ("FAILED", "CANCELLED"), cluster.job(first)
 
     # The killed part's second job went on from the tiles of its first; the others ran once.
@@ -266,6 +273,15 @@ def test_parts_on_slurm_one_killed_and_resumed_give_the_single_process_mask(
     assert np.array_equal(ours, theirs)
     summary = json.loads((scroll / NAME / "summary.json").read_text())
     assert summary["outputs"]["foreground_voxels"] == int(ours.sum()), summary
+    # The statistics jobs read the volume once between them; no part and not the finish did.
+    read = [
+        json.loads((scroll / NAME / f"{kind}-{k}-of-{PARTS}.json").read_text())
+        for kind in ("statistics", "part")
+        for k in range(PARTS)
+    ]
+    assert sum(r["statistics_bytes_read"] for r in read[:PARTS]) == int(np.prod(SHAPE))
+    assert [r["statistics_bytes_read"] for r in read[PARTS:]] == [0] * PARTS
+    assert summary["statistics_bytes_read"] == 0
     print(
         f"\nscroll on SLURM: {cluster_seconds:.0f} s to the end of the cluster run, "
         f"{time.monotonic() - started:.0f} s in all"

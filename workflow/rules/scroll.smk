@@ -1,13 +1,14 @@
 # A whole scroll: config scroll.volume (a Zarr array or OME-Zarr group; a path, s3:// or
 # https://), read in place by `ctseg predict` with the run scroll.run (default: the first of
 # `experiment`; an experiment, a fold, a cross-validation <exp>.cv or an ensemble: every model of
-# it in each part), split into scroll.parts jobs of one GPU each, then finished into one
-# OME-Zarr mask, results/<run>/scroll/<name>.zarr. The parts keep their tiles
-# in the work folder beside it, results/<run>/scroll/.<name>.zarr.predict/, which no rule
-# declares: Snakemake never deletes it, so a killed or failed part, run again, goes on from the
-# tiles it finished; the finish removes it. Both rules pass --overwrite: the mask lies in
-# results/, which Snakemake replaces when it reruns a job; a path ctseg did not write is still
-# refused.
+# it in each part), its intensity histogram counted in scroll.parts statistics jobs (no GPU, no
+# model: they may run while the run trains) that the first part merges, then split into
+# scroll.parts jobs of one GPU each, then finished into one OME-Zarr mask,
+# results/<run>/scroll/<name>.zarr. The parts keep their tiles in the work folder beside it,
+# results/<run>/scroll/.<name>.zarr.predict/, which no rule declares: Snakemake never deletes it,
+# so a killed or failed part, run again, goes on from the tiles it finished; the finish removes
+# it. Every rule passes --overwrite: the mask lies in results/, which Snakemake replaces when it
+# reruns a job; a path ctseg did not write is still refused.
 import re
 import shlex
 
@@ -23,6 +24,9 @@ SCROLL_OPTIONS = " ".join(
 )
 SCROLL_BUDGET = SCROLL["memory_budget_mb"] or config["infer"]["memory_budget_mb"]
 SCROLL_MASK = f"{ROOT}/{{exp}}/scroll/{{name}}.zarr"
+SCROLL_VOLUME_INPUT = (
+    SCROLL["volume"] if SCROLL["volume"] and "://" not in SCROLL["volume"] else []
+)
 if SCROLL["volume"] and not re.fullmatch(ID_REGEX, SCROLL_NAME):
     refuse(
         f"config scroll.name: the volume's name {SCROLL_NAME!r} is no file name; set "
@@ -44,8 +48,47 @@ rule scroll:
         and SCROLL_MASK.format(exp=SCROLL_RUN, name=SCROLL_NAME),
 
 
+rule scroll_statistics:
+    input:
+        # A local volume (a URL is read where it is).
+        volume=SCROLL_VOLUME_INPUT,
+    output:
+        # The job's figures; its histogram is kept in the work folder for the parts to merge.
+        summary=f"{ROOT}/{{exp}}/scroll/{{name}}/statistics-{{k}}-of-{{n}}.json",
+    log:
+        f"{ROOT}/logs/scroll/{{exp}}_{{name}}_statistics-{{k}}-of-{{n}}.log",
+    benchmark:
+        bench("{exp}", "scroll/{name}/statistics-{k}-of-{n}")
+    wildcard_constraints:
+        exp=ANY_RUN,
+        name=re.escape(SCROLL_NAME) if SCROLL["volume"] else "(?!)",
+        k=r"\d+",
+        n=r"\d+",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        # No GPU and no model: it reads its z-range under the memory budget.
+        mem_mb=int(1000 + SCROLL_BUDGET),
+    params:
+        run=lambda wildcards: run_dir(wildcards.exp),
+        volume=SCROLL["volume"],
+        mask=lambda wildcards: SCROLL_MASK.format(**wildcards),
+        options=SCROLL_OPTIONS,
+        budget=SCROLL_BUDGET,
+    shell:
+        "ctseg predict --run {params.run:q} -i {params.volume:q} -o {params.mask:q} "
+        "--parts {wildcards.n} --statistics {wildcards.k} --summary {output.summary:q} "
+        "{params.options} --memory-budget-mb {params.budget} --overwrite > {log:q} 2>&1"
+
+
 rule scroll_part:
     input:
+        # The volume's intensity histogram in pieces, one job each, merged by the first part.
+        statistics=lambda wildcards: [
+            f"{ROOT}/{wildcards.exp}/scroll/{wildcards.name}/statistics-{k}-of-{wildcards.n}.json"
+            for k in range(int(wildcards.n))
+        ],
         # Each model's last.pt or best.pt (config infer.weights), an ensemble's tuned weights.
         weights=lambda wildcards: [
             predicting_weights(r) for r in trained_runs(wildcards.exp)
@@ -55,11 +98,7 @@ rule scroll_part:
         # finish applies, before its GPU hours.
         settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
         # A local volume (a URL is read where it is).
-        volume=(
-            SCROLL["volume"]
-            if SCROLL["volume"] and "://" not in SCROLL["volume"]
-            else []
-        ),
+        volume=SCROLL_VOLUME_INPUT,
     output:
         # The part's figures (tiles computed and resumed, read amplification, seconds).
         summary=f"{ROOT}/{{exp}}/scroll/{{name}}/part-{{k}}-of-{{n}}.json",
