@@ -7,6 +7,7 @@ in-memory path and MONAI, in the same run.
     python bench/scroll.py --section2-size large --skip-monai --parts 1   # ~5 min: see below
     python bench/scroll.py --device cuda --threads 0 --window 64 \\
         --fits-shape 192,320,320 --large-shape 256,512,512       # a GPU: voxels/s per GPU
+    python bench/scroll.py --scaling [--z 64 192 --parts 1 4 16]  # bench/scroll_scaling.py
 
 Three sections, each a table and a ``RESULT`` line:
 
@@ -794,8 +795,18 @@ def main() -> None:
         default=None,
         help="cProfile section 2's tiled child into FILE; print its top",
     )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead: the scaling over parts (bench/scroll_scaling.py; its options follow)",
+    )
     parser.add_argument("--one", default=None, choices=sorted(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    if "--scaling" in sys.argv[1:]:  # its own options (--parts among them) follow
+        import scroll_scaling
+
+        scroll_scaling.main([a for a in sys.argv[1:] if a != "--scaling"])
+        return
     args = parser.parse_args()
 
     if args.one:
