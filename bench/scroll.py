@@ -108,7 +108,7 @@ TARGET_RATIO = 0.9  # section 2: tiled voxels/s / in-memory voxels/s
 # clamped) and ctseg (starts spread evenly) place their windows alike, and section 1 compares
 # implementations, not grids.
 # The section 2 volume is about the smallest whose budget holds a tile of one chunk (the window)
-# with its halo: 21 bytes a voxel of (2 x window)^3 in the tiles' half of the budget.
+# with its halo: 22 bytes a voxel of (2 x window)^3 in the tiles' half of the budget.
 SIZES = {
     "full": (24, (72, 132, 132), (96, 160, 160)),
     "quick": (16, (48, 80, 80), (64, 112, 112)),

@@ -169,6 +169,51 @@ def test_tiles_and_parts_give_the_in_memory_probabilities_bit_for_bit(tmp_path, 
         assert info["skipped_windows"] > 0
 
 
+def test_the_next_tile_is_read_on_a_thread_while_a_tile_runs(tmp_path, monkeypatch):
+    """run_part reads tile i + 1's input on its read-ahead thread while tile i computes, and the
+    probabilities are those of the held volume."""
+    import threading
+
+    import ctseg.inference.tiled as tiled_module
+    from ctseg.inference.source import ChunkCache
+
+    events: list[tuple[str, int]] = []
+    read, run_tile = ChunkCache.read, tiled_module._run_tile
+
+    def logged_read(self, box):
+        events.append(("read", threading.current_thread().name.startswith("ctseg-read-ahead")))
+        return read(self, box)
+
+    def slow_tile(*args, **kwargs):
+        events.append(("tile", 0))
+        time.sleep(0.2)  # time for the thread to start the next read
+        shared = run_tile(*args, **kwargs)
+        events.append(("done", 0))
+        return shared
+
+    monkeypatch.setattr(ChunkCache, "read", logged_read)
+    monkeypatch.setattr(tiled_module, "_run_tile", slow_tile)
+    store = zarr_volume(tmp_path / "v.zarr", volume((40, 48, 40), seed=4))
+    model = unet()
+    settings = InferenceSettings(window=(16, 16, 16), batch_size=3, device="cpu",
+                                 memory_budget_mb=0.9)  # fmt: skip
+    work, probs = tiled(model, store, tmp_path / "work", settings)
+    tiles = len(work.grid.tiles())
+    kinds = [kind for kind, _ in events]
+    assert tiles >= 3 and kinds.count("read") == tiles == kinds.count("tile")
+    assert all(on_thread for kind, on_thread in events if kind == "read")
+    # Each read after the first starts while the tile before it runs: after its start and
+    # before its end.
+    starts, ends, reads = ([j for j, k in enumerate(kinds) if k == kind]
+                           for kind in ("tile", "done", "read"))  # fmt: skip
+    assert reads[0] < starts[0]
+    assert all(starts[i - 1] < reads[i] < ends[i - 1] for i in range(1, tiles)), kinds
+    reference = tmp_path / "ref.zarr"
+    held = InferenceSettings(window=(16, 16, 16), batch_size=3, device="cpu", device_budget_mb=64)
+    infer_volume(model, store, reference, held)
+    np.testing.assert_array_equal(probs, open_volume(reference)[...])
+
+
 def test_a_killed_run_resumes_and_changed_settings_are_refused(tmp_path, monkeypatch):
     import ctseg.inference.tiled as tiled_module
 

@@ -36,7 +36,9 @@ Parts
 final the chunks only its tiles meet; `finish` checks every tile is done, then makes the seams'
 chunks final from the spills. One process is `run_part(0, 1)` then `finish`. Parts of one volume
 may run at once (on GPUs of one node or on nodes sharing the folder): each part holds a lock on
-its own name, and they write disjoint files.
+its own name, and they write disjoint files. Within a part, the next tile's input is read and
+decoded on a thread while the current tile runs, so the device does not wait on the store
+(`working_bytes_per_voxel` counts that second input).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,11 +151,12 @@ def output_chunks(source: VolumeSource) -> Shape3:
 
 
 def working_bytes_per_voxel(itemsize: int, channels: int) -> int:
-    """Bytes a tile holds per voxel of its extent: the raw input, its float32 copy on the
-    device, and for every channel the int64 sums on the device and the int64 of its seams'
-    chunks copied to the host (at most all of it). Its final chunks are divided on the device
-    one at a time, so their float copies count one chunk, not the tile."""
-    return itemsize + 4 + 16 * channels
+    """Bytes a tile holds per voxel of its extent: the raw input and the next tile's, read
+    ahead (`run_part`), its float32 copy on the device, and for every channel the int64 sums on
+    the device and the int64 of its seams' chunks copied to the host (at most all of it). Its
+    final chunks are divided on the device one at a time, so their float copies count one
+    chunk, not the tile."""
+    return 2 * itemsize + 4 + 16 * channels
 
 
 def store_attributes(
@@ -544,7 +548,7 @@ def _run_tile(
     model: torch.nn.Module,
     work: Work,
     tile: Index,
-    reader: ChunkCache,
+    raw: np.ndarray,
     low: float,
     high: float,
     settings: InferenceSettings,
@@ -555,12 +559,11 @@ def _run_tile(
     counts: _Counts,
     writer: str,
 ) -> list[Index]:
-    """Compute `tile`, write what it alone makes final and spill the rest; returns its shared
-    chunks."""
+    """Compute `tile` from its input `raw`, write what it alone makes final and spill the rest;
+    returns its shared chunks."""
     grid = work.grid
     extent = grid.extent(tile)
     origin = [lo for lo, _ in extent]
-    raw = reader.read(_input_box(grid, tile))
     every = [
         tuple(c - o for c, o in zip(corner, origin, strict=True)) for corner in grid.corners(tile)
     ]
@@ -646,14 +649,26 @@ def run_part(
     t0 = time.perf_counter()
     bar = Progress(total=n_windows, unit="window", desc=desc or f"part {part + 1}/{parts}",
                    file=sys.stderr)  # fmt: skip
+    # The next tile's input is read and decoded on a thread while this tile runs: the reader
+    # is used by that one thread only, one read at a time.
+    inputs = [_input_box(grid, t) for t in todo]
     try:
-        with _holding(work, writer), model_session(model, settings, device):
+        with (
+            _holding(work, writer),
+            model_session(model, settings, device),
+            ThreadPoolExecutor(1, thread_name_prefix="ctseg-read-ahead") as ahead,
+        ):
             _remove_temporaries(work.folder, writer)
-            for tile in todo:
+            pending = ahead.submit(reader.read, inputs[0]) if todo else None
+            for i, tile in enumerate(todo):
+                raw = pending.result()  # type: ignore[union-attr]
+                if i + 1 < len(todo):
+                    pending = ahead.submit(reader.read, inputs[i + 1])
                 shared = _run_tile(
-                    model, work, tile, reader, low, high, settings, device, out, norms, bar,
+                    model, work, tile, raw, low, high, settings, device, out, norms, bar,
                     counts, writer,
                 )  # fmt: skip
+                del raw
                 counts.tiles += 1
                 if tile != todo[-1]:
                     release_heap()  # the tile's buffers, before the next tile's
