@@ -202,12 +202,12 @@ def test_the_next_tile_is_read_on_a_thread_while_a_tile_runs(tmp_path, monkeypat
     kinds = [kind for kind, _ in events]
     assert tiles >= 3 and kinds.count("read") == tiles == kinds.count("tile")
     assert all(on_thread for kind, on_thread in events if kind == "read")
-    # Each read after the first starts while the tile before it runs: after its start and
-    # before its end.
+    # Each read after the first starts before the tile before it ends (it is handed to the
+    # thread just before that tile starts: which of the two logs first is the threads' race).
     starts, ends, reads = ([j for j, k in enumerate(kinds) if k == kind]
                            for kind in ("tile", "done", "read"))  # fmt: skip
     assert reads[0] < starts[0]
-    assert all(starts[i - 1] < reads[i] < ends[i - 1] for i in range(1, tiles)), kinds
+    assert all(reads[i] < ends[i - 1] for i in range(1, tiles)), kinds
     reference = tmp_path / "ref.zarr"
     held = InferenceSettings(window=(16, 16, 16), batch_size=3, device="cpu", device_budget_mb=64)
     infer_volume(model, store, reference, held)
