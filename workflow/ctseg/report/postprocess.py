@@ -78,7 +78,8 @@ def postprocess_section(tuned_dir: Path | None, src: Sources) -> str:
             out.append(_choice_block(shown))
         if candidates is not None:
             rows = candidates[candidates["class"] == name] if name else candidates
-            out.append(_candidates_block(rows, summary.get("tuned") is False, name))
+            default = ((summary.get("default") or {}).get("settings") or {}).get("threshold")
+            out.append(_candidates_block(rows, summary.get("tuned") is False, name, default))
     out.append(source_line(names))
     return "\n".join(out)
 
@@ -130,7 +131,10 @@ def _choice_block(tuned: Mapping[str, Any]) -> str:
 
 
 def _candidates_block(
-    candidates: pd.DataFrame, kept_defaults: bool = False, class_name: str = ""
+    candidates: pd.DataFrame,
+    kept_defaults: bool = False,
+    class_name: str = "",
+    default_threshold: float | None = None,
 ) -> str:
     columns = [c for c in CANDIDATE_COLUMNS if c in candidates.columns]
     rows = [[fmt(row[c], 4) for c in columns] for row in records(candidates)]
@@ -153,13 +157,14 @@ def _candidates_block(
     return (
         f"<h{level}>Post-processing candidates{of_class}, scored on the tuning volumes</h{level}>"
         + note
-        + _threshold_plot(candidates)
+        + _threshold_plot(candidates, 0.5 if default_threshold is None else default_threshold)
         + table(columns, rows)
     )
 
 
-def _threshold_plot(candidates: pd.DataFrame) -> str:
-    """Mean score against the threshold for the plain thresholds, the other stages as points."""
+def _threshold_plot(candidates: pd.DataFrame, default_threshold: float) -> str:
+    """Mean score against the threshold for the plain thresholds, the other stages as points;
+    the default's threshold dashed (0.5; a class of a label map: 0, its argmax)."""
     needed = {"stage", "threshold", "score"}
     if not needed <= set(candidates.columns) or candidates.empty:
         return ""
@@ -173,7 +178,7 @@ def _threshold_plot(candidates: pd.DataFrame) -> str:
     if "chosen" in candidates and candidates["chosen"].astype(bool).any():
         best = candidates[candidates["chosen"].astype(bool)].iloc[0]
         ax.plot(best["threshold"], best["score"], "*", ms=14, color="#c44e52", label="chosen")
-    ax.axvline(0.5, color="#999", lw=0.8, ls="--")
+    ax.axvline(default_threshold, color="#999", lw=0.8, ls="--", label="default")
     ax.set(xlabel="threshold (hysteresis: low)", ylabel="mean score", xlim=(0, 1))
     ax.legend(fontsize=7)
     return png(fig, "mean competition score of each post-processing candidate")
