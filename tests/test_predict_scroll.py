@@ -435,6 +435,8 @@ def test_statistics_jobs_leave_the_parts_nothing_to_read(tmp_path):
     assert not (tmp_path / ".theirs.tif.predict").exists()
     refused = ctseg("predict", *common, "--statistics", "0", check=False)
     assert "goes with --parts N" in refused.stderr.strip().splitlines()[-1]
+    refused = ctseg("predict", *common, "--parts", "3", "--statistics", "3", check=False)
+    assert "--statistics 3: expected 0 <= piece < --parts 3" in refused.stderr
 
 
 def slow_tiles_env(tmp: Path) -> dict[str, str]:

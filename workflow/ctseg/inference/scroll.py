@@ -153,6 +153,8 @@ def predict_statistics(
     intensity range; returns the figures. It needs no model: it may run while the run trains.
     Checked first as the predict is: an existing `output` must be ctseg's, the work folder a
     predict's, neither inside the input."""
+    if not 0 <= piece < pieces:  # before any read, and whether or not there is work to do
+        raise CtsegError(f"--statistics {piece}: expected 0 <= piece < --parts {pieces}")
     output = Path(output)
     io_start = _io_bytes()
     root = work_folder_of(output)

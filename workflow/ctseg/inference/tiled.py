@@ -290,8 +290,6 @@ def statistics_piece(
     piece was there already, or the range needs no pass)."""
     if {"p0_5", "p99_5"} <= source.attributes.keys():
         return 0
-    if not 0 <= piece < pieces:
-        raise CtsegError(f"--statistics {piece}: expected 0 <= piece < --parts {pieces}")
     identity = _statistics_identity(source)
     folder = Path(root) / STATISTICS_PIECES
     folder.mkdir(parents=True, exist_ok=True)
