@@ -250,7 +250,9 @@ def test_a_batch_dropped_at_once_frees_its_slot_in_time(scratch, monkeypatch):
     """With one batch in flight per worker, a loop that drops each batch needs two slots a
     worker: the one being filled and the one the caller has just been handed. The slot comes
     back at the next batch's arrival, before the worker starts its next batch but one; any
-    reference the loader itself kept to the batch would hold it one batch longer (3 slots)."""
+    reference the loader itself kept to the batch would hold it one batch longer (3 slots).
+    A worker slow to pick up its next index may find the slot already back and use one slot
+    only (seen on a loaded 2-core CI machine), so the bound is at most 2, not exactly 2."""
     slots = spy_slots(monkeypatch)
     loader = build_loader(dataset(scratch, length=60), {**PHASE, "prefetch_factor": 1}, seed=0)
     batches = iter(loader)
@@ -258,7 +260,7 @@ def test_a_batch_dropped_at_once_frees_its_slot_in_time(scratch, monkeypatch):
         next(batches)  # dropped at once (a loop variable would keep it until the next one)
     assert len(slots) == 20
     per_worker = {w: {s for s in slots if s[0] == w} for w in (0, 1)}
-    assert {w: len(s) for w, s in per_worker.items()} == {0: 2, 1: 2}
+    assert all(1 <= len(s) <= 2 for s in per_worker.values()), per_worker
 
 
 def test_persistent_workers_keep_their_slots_across_epochs(scratch):
