@@ -101,20 +101,29 @@ def structures(shape: tuple[int, ...] = SHAPE) -> np.ndarray:
     return p
 
 
-def check(probs: np.ndarray, settings: PostprocessSettings, block: tuple[int, ...]) -> None:
+def check(
+    probs: np.ndarray,
+    settings: PostprocessSettings,
+    block: tuple[int, ...],
+    ranges: tuple[int, ...] = (1, 3),
+) -> None:
+    """The blockwise mask and counts are `binary_mask`'s, with its jobs over each number of
+    z-ranges."""
     expected, expected_counts = binary_mask(probs, settings)
-    out = np.full(probs.shape, 7, np.uint8)  # every voxel must be written
-    counts = blockwise_mask(probs, out, settings, block=block)
-    assert np.array_equal(out, expected), (settings.label(), block, int((out != expected).sum()))
-    assert counts == expected_counts
+    for n in ranges:
+        out = np.full(probs.shape, 7, np.uint8)  # every voxel must be written
+        counts = blockwise_mask(probs, out, settings, block=block, ranges=n)
+        where = (settings.label(), block, n)
+        assert np.array_equal(out, expected), (*where, int((out != expected).sum()))
+        assert counts == expected_counts, where
 
 
 @pytest.mark.parametrize("name", SETTINGS)
 def test_identical_to_the_whole_volume(name: str) -> None:
     settings = SETTINGS[name]
     for probs in (noise(SHAPE, 0), structures()):
-        for block in HALO_BLOCKS if name in HALO_SETTINGS else BLOCKS:
-            check(probs, settings, block)
+        for k, block in enumerate(HALO_BLOCKS if name in HALO_SETTINGS else BLOCKS):
+            check(probs, settings, block, ranges=((1, 3), (2,), (4,))[k % 3])
 
 
 def test_the_noise_has_holes_to_plug_and_patch() -> None:
@@ -143,7 +152,7 @@ def test_random_volumes_settings_and_blocks() -> None:
             closing_radius=int(rng.choice([0, 1, 2])),
         )
         block = tuple(int(rng.choice([1, int(rng.integers(2, 7)), n])) for n in shape)
-        check(probs, settings, block)
+        check(probs, settings, block, ranges=(int(rng.integers(1, 5)),))
 
 
 def test_the_structures_need_the_merge() -> None:
@@ -194,7 +203,9 @@ def test_a_component_across_many_blocks() -> None:
     settings = PostprocessSettings(threshold=0.4, hysteresis_high=0.8, min_component_voxels=50)
     assert binary_mask(p, settings)[1]["foreground_voxels"] >= 50
     for block in ((2, 2, 2), (3, 5, 4)):
-        check(p, settings, block)
+        # One range per layer of blocks: the helix crosses every range's planes; more ranges
+        # than layers: some ranges hold no block.
+        check(p, settings, block, ranges=(1, 2, 5, 24 // block[0], 30))
 
 
 def test_array_likes_and_the_scratch_folder(tmp_path: Path) -> None:
@@ -374,3 +385,67 @@ def test_bad_blocks() -> None:
         blockwise_mask(probs, out, PostprocessSettings(), block=(0, 2, 2))
     with pytest.raises(CtsegError, match=r"output shape \(4, 4, 3\) != input \(4, 4, 4\)"):
         blockwise_mask(probs, out[..., :3], PostprocessSettings(), block=(2, 2, 2))
+
+
+def run_as_jobs(probs, out, settings, block, folder, ranges, order=reversed) -> dict[str, int]:
+    """Every job of `BlockwiseJobs` in a fresh object of its own (as separate processes see
+    the folder), the ranges of each round in `order`."""
+    plan = blockwise.BlockwiseJobs(probs, out, settings, block, folder, ranges)
+    for name, kind in plan.rounds:
+        for k in order(range(ranges)):
+            blockwise.BlockwiseJobs(probs, out, settings, block, folder, ranges).run_range(name, k)
+        if kind == blockwise.COMPONENTS:
+            blockwise.BlockwiseJobs(probs, out, settings, block, folder, ranges).merge(name)
+    return plan.counts()
+
+
+def test_jobs_in_separate_processes_any_order_and_resumed(tmp_path: Path, monkeypatch) -> None:
+    """Jobs over 4 z-ranges, each with its own state and in reverse order, give the mask; a
+    job killed part way (its result not written) runs again to the same bits; a job run twice
+    does nothing the second time."""
+    probs, settings, block = structures(), SETTINGS["everything"], (4, 5, 6)
+    expected, expected_counts = binary_mask(probs, settings)
+    out = np.zeros(SHAPE, np.uint8)
+    assert run_as_jobs(probs, out, settings, block, tmp_path / "a", 4) == expected_counts
+    assert np.array_equal(out, expected)
+
+    # Killed: the fill round's first range stops after one block, its faces half written.
+    folder, out = tmp_path / "b", np.zeros(SHAPE, np.uint8)
+    calls = {"n": 0}
+    real = blockwise._border
+
+    def dies(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(blockwise, "_border", dies)
+    plan = blockwise.BlockwiseJobs(probs, out, settings, block, folder, 4)
+    with pytest.raises(KeyboardInterrupt):
+        plan.run()
+    assert not plan.done("fill", 0) and not (folder / "fill" / "merge.npz").exists()
+    monkeypatch.setattr(blockwise, "_border", real)
+    plan = blockwise.BlockwiseJobs(probs, out, settings, block, folder, 4)
+    plan.run()
+    assert np.array_equal(out, expected) and plan.counts() == expected_counts
+    stamps = {p: p.stat().st_mtime_ns for p in folder.rglob("range-*")}
+    plan.run()  # every job is done: nothing is written again
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("range-*")} == stamps
+
+
+def test_jobs_refuse_out_of_order_and_another_plan(tmp_path: Path) -> None:
+    probs, settings = structures(), SETTINGS["all_3d"]
+    out = np.zeros(SHAPE, np.uint8)
+    plan = blockwise.BlockwiseJobs(probs, out, settings, (4, 4, 4), tmp_path, 3)
+    assert [name for name, _ in plan.rounds] == ["binarise", "fill", "filled", "closed"]
+    with pytest.raises(CtsegError, match="'binarise' is not merged yet") as info:
+        plan.run_range("fill", 0)
+    assert "\n" not in str(info.value)
+    plan.run_range("binarise", 0)
+    with pytest.raises(CtsegError, match=r"ranges \[1, 2\] are not done"):
+        plan.merge("binarise")
+    with pytest.raises(CtsegError, match="range 3: expected 0 <= range < 3"):
+        plan.run_range("binarise", 3)
+    with pytest.raises(CtsegError, match="holds the post-processing of another plan"):
+        blockwise.BlockwiseJobs(probs, out, settings, (4, 4, 4), tmp_path, 2)

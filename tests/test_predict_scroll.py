@@ -339,9 +339,23 @@ def test_predict_in_place_matches_the_tiff_path_in_parts_and_as_ome_zarr(tmp_pat
           "--summary", tmp_path / "p1.json")  # fmt: skip
     assert json.loads((tmp_path / "p1.json").read_text())["part"]["tiles_resumed"] >= 1
     ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--part", "2")
+    # The post-processing's component rounds as jobs of their own, a z-range each (the last
+    # first) and a merge; the finish does the rounds left and makes no seam final again.
+    asked = ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--post", "x",
+                  "--part", "0", check=False)  # fmt: skip
+    rounds = "filter, fill, filled, plugged, patched, closed"
+    assert asked.returncode and f"rounds are {rounds}; give one" in asked.stderr
+    for name in ("filter", "fill"):
+        for k in (2, 1, 0):
+            ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--post", name,
+                  "--part", k, "--summary", tmp_path / "post.json")  # fmt: skip
+            assert json.loads((tmp_path / "post.json").read_text())["post"]["range"] == k
+        ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--post", name)
     ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--finish",
           "--summary", tmp_path / "f.json")  # fmt: skip
     np.testing.assert_array_equal(tifffile.imread(out), reference)
+    finished = json.loads((tmp_path / "f.json").read_text())
+    assert finished["finish"] == [] and finished["outputs"]["post_rounds"] == rounds.split(", ")
     # The volume was read for its statistics once over all the processes: by the first part.
     figures = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("p0", "p1", "f")]
     assert [f["statistics_bytes_read"] for f in figures] == [data.nbytes, 0, 0]
@@ -586,7 +600,7 @@ def test_a_multiclass_run_writes_its_tuned_label_map_as_the_folder_predict_does(
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--part", "1"], "--part and --finish go with --parts N"),
+        (["--part", "1"], "--part, --post and --finish go with --parts N"),
         (["--parts", "3"], "--parts 3: give --part K (0..2) or --finish"),
         (["--parts", "3", "--part", "3"], "--part 3: expected 0 <= part < --parts 3"),
         (

@@ -19,7 +19,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,27 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def made_once(path: str | Path, make: Callable[[Path], None]) -> Path:
+    """The directory `path` (a zarr store), made by `make` at a temporary name and renamed into
+    place, unless a process beside this one made it first: then that one is kept (a directory
+    is never renamed over one that holds files) and this one removed. Parallel jobs that all
+    need one store make it once, whole."""
+    path = Path(path)
+    if path.exists():
+        return path
+    tmp = _temporary_sibling(path)
+    try:
+        make(tmp)
+        os.rename(tmp, path)
+    except OSError:
+        if not path.exists():
+            raise
+    finally:
+        with contextlib.suppress(OSError):
+            remove_path(tmp)
+    return path
 
 
 @contextlib.contextmanager

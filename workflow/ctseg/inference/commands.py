@@ -133,6 +133,7 @@ def _in_place(args: argparse.Namespace) -> bool:
         for name, value in (
             ("--level", args.level),
             ("--parts", args.parts),
+            ("--post", args.post),
             ("--cache-mb", args.cache_mb),
             ("--intensity-range", args.intensity_range),
             ("--storage-options", args.storage_options),
@@ -164,8 +165,9 @@ def _statistics_in_place(args: argparse.Namespace, inference: InferenceSettings)
             f"--statistics {args.statistics}: a statistics job of a volume read in place goes "
             "with --parts N (its pieces), without --part or --finish"
         )
-    if args.finish:
-        raise CtsegError(f"--statistics {args.statistics} and --finish: give one")
+    if args.finish or args.post is not None:
+        other = "--finish" if args.finish else f"--post {args.post}"
+        raise CtsegError(f"--statistics {args.statistics} and {other}: give one")
     summary = predict_statistics(
         args.input,
         Path(args.output),
@@ -214,6 +216,7 @@ def _predict_in_place(
         parts=args.parts,
         part=args.part,
         finish_only=args.finish,
+        post=args.post,
         cache_mb=args.cache_mb,
         given_range=tuple(args.intensity_range) if args.intensity_range else None,
         overwrite=args.overwrite,
@@ -221,6 +224,12 @@ def _predict_in_place(
     )
     if args.summary:
         Path(args.summary).write_text(strict_json(summary, indent=1))
+    if args.post is not None:
+        post = summary["post"]
+        where = "its merge" if args.part is None else f"range {args.part} of {args.parts}"
+        print(f"ctseg predict: post-processing round {args.post}, {where}, done "
+              f"({post['seconds']:.1f} s)")  # fmt: skip
+        return
     if args.part is not None:
         # Counted from 1, as the log's progress line counts it; --part takes it from 0.
         print(f"ctseg predict: part {args.part + 1} of {args.parts} (--part {args.part}) of "
@@ -336,6 +345,14 @@ def _in_place_options(p: argparse.ArgumentParser) -> None:
     whole.add_argument("--part", type=int, default=None, help="compute part K (0..N-1) only")
     whole.add_argument(
         "--finish", action="store_true", help="after every part: blend the seams, write the mask"
+    )
+    whole.add_argument(
+        "--post",
+        default=None,
+        metavar="ROUND",
+        help="after every part: post-process z-range --part K of the mask in round ROUND, or "
+        "without --part merge the round's ranges (a component round); --finish does what is "
+        "left (docs/whole-scrolls.md)",
     )
     whole.add_argument(
         "--statistics",

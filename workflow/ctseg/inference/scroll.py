@@ -52,7 +52,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
+import json
+import os
 import resource
 import sys
 import time
@@ -92,10 +95,10 @@ from ctseg.inference.tiled import (
     shared_intensity_range,
     statistics_piece,
 )
-from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, remove_path
+from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, made_once, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
-from ctseg.postprocess.blockwise import blockwise_mask
+from ctseg.postprocess.blockwise import COMPONENTS, BlockwiseJobs
 from ctseg.postprocess.classes import (
     ClassSettings,
     MaskSettings,
@@ -223,6 +226,7 @@ def _check_request(
     parts: int | None,
     part: int | None,
     finish_only: bool,
+    post: str | None = None,
 ) -> MaskSettings:
     """The post-processing the mask applies (`check_mask_settings`), after checking the request
     before any read: a request the predict cannot do is one line."""
@@ -241,12 +245,14 @@ def _check_request(
     applied = check_mask_settings(postprocess, labels, output)
     if probabilities is not None and probabilities.suffix != ".zarr":
         raise CtsegError(f"{probabilities}: --probabilities here is an OME-Zarr <name>.zarr")
-    if parts is None and (part is not None or finish_only):
-        raise CtsegError("--part and --finish go with --parts N")
+    if parts is None and (part is not None or finish_only or post is not None):
+        raise CtsegError("--part, --post and --finish go with --parts N")
     if parts is not None:
         if parts < 1:
             raise CtsegError(f"--parts {parts}: expected a positive number")
-        if (part is None) == (not finish_only):
+        if post is not None and finish_only:
+            raise CtsegError(f"--post {post} and --finish: give one")
+        if post is None and (part is None) == (not finish_only):
             raise CtsegError(f"--parts {parts}: give --part K (0..{parts - 1}) or --finish")
         if part is not None and not 0 <= part < parts:
             raise CtsegError(f"--part {part}: expected 0 <= part < --parts {parts}")
@@ -286,6 +292,7 @@ def predict_scroll(
     parts: int | None = None,
     part: int | None = None,
     finish_only: bool = False,
+    post: str | None = None,
     cache_mb: float | None = None,
     given_range: tuple[float, float] | None = None,
     dataset_spacing: tuple[float, float, float] | None = None,
@@ -298,7 +305,7 @@ def predict_scroll(
     output = Path(output)
     io_start = _io_bytes()
     postprocess = _check_request(models, inference, output, probabilities, postprocess,
-                                 parts, part, finish_only)  # fmt: skip
+                                 parts, part, finish_only, post)  # fmt: skip
     norm = check_weights(weights, len(models), weights_from)
     labels = models[0].labels
     root = work_folder_of(output)
@@ -336,37 +343,29 @@ def predict_scroll(
         "work": str(root),
         "rss_before_mb": rss_before,
     }
-    if not finish_only:
+    if not finish_only and post is None:
         k, n = (part, parts) if part is not None else (0, 1)
         summary["part"] = _compute_part(models, works, source, tile_settings, device, k, n, cache)
         if part is not None:
             return {**summary, **_process_figures(io_start)}
     t0 = time.perf_counter()
-    summary["finish"] = [finish(work, parts or 1) for work in works]
-    release_heap()
     spacing, spacing_from = _spacing(source, dataset_spacing)
-    record = functools.partial(
-        provenance,
-        run=run_name,
-        weights_sha256=list(weights_sha256),
-        weights=norm,
-        inference=settings.as_dict(),
-        postprocess=postprocess.as_dict(),
-        labels=labels.to_dict(),
-        source={
-            "url": source.url,
-            "level": source.level,
-            "intensity_range": [low, high],
-            "spacing": spacing,
-            "spacing_from": spacing_from,
-        },
-    )
-    chunks: Shape3 = tuple(works[0].manifest["chunks"])  # type: ignore[assignment]
-    probs = _mean_of_members(works, norm, root, block)
-    summary["outputs"] = _write_outputs(probs, chunks, block, root, source, output, probabilities,
-                                        postprocess, labels, budget, record, spacing)  # fmt: skip
+    source_record = {"url": source.url, "level": source.level, "intensity_range": [low, high],
+                     "spacing": spacing, "spacing_from": spacing_from}  # fmt: skip
+    record = functools.partial(provenance, run=run_name, weights_sha256=list(weights_sha256),
+                               weights=norm, inference=settings.as_dict(),
+                               postprocess=postprocess.as_dict(), labels=labels.to_dict(),
+                               source=source_record)  # fmt: skip
+    made = _Finishing(works, norm, root, block, parts or 1, postprocess, labels, source, output,
+                      record, spacing)  # fmt: skip
+    if post is not None:
+        summary["post"] = made.post_job(post, part)
+    else:
+        summary["finish"] = made.seams()
+        release_heap()
+        summary["outputs"] = made.outputs(probabilities, budget)
+        remove_path(root)
     summary.update(finish_seconds=time.perf_counter() - t0, **_process_figures(io_start))
-    remove_path(root)
     return summary
 
 
@@ -441,27 +440,6 @@ def _merged_parts(done: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _mean_of_members(
-    works: Sequence[Work], weights: Sequence[float], root: Path, block: Shape3
-) -> zarr.Array:
-    """The probabilities the mask is made of: the one model's, or the weighted mean of the
-    models' (`ctseg.inference.ensemble.weighted_mean`, block by block: the same values as the
-    folder predict's `ensemble_volume` writes, which averages voxel by voxel too)."""
-    members = [work.probabilities() for work in works]
-    if len(members) == 1:
-        return members[0]
-    first = members[0]
-    mean = create_volume(root / "probabilities.zarr", first.shape, np.float16, first.chunks,
-                         write_empty_chunks=False)  # fmt: skip
-    lead = (slice(None),) * (first.ndim - 3)
-    for box in _blocks(tuple(int(s) for s in first.shape[-3:]), block):  # type: ignore[arg-type]
-        where = (*lead, *box)
-        shape = (*first.shape[:-3], *(b.stop - b.start for b in box))
-        mean[where] = weighted_mean(lambda i, where=where: np.asarray(members[i][where]),
-                                    weights, shape)  # fmt: skip
-    return mean
-
-
 def _with_budget(
     settings: InferenceSettings, memory_budget_mb: float, left_by_cache: int
 ) -> InferenceSettings:
@@ -487,95 +465,219 @@ def _part_line(done: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- outputs
-def _blocks(shape: Shape3, block: Shape3) -> Iterator[tuple[slice, slice, slice]]:
+def _blocks(
+    shape: Shape3, block: Shape3, z_range: tuple[int, int] | None = None
+) -> Iterator[tuple[slice, slice, slice]]:
+    """The blocks of a volume, z-major; with `z_range`, those starting in [start, stop)."""
     ranges = [range(0, s, b) for s, b in zip(shape, block, strict=True)]
+    if z_range is not None:
+        ranges[0] = range(z_range[0], z_range[1], block[0])
     for corner in itertools.product(*ranges):
         yield tuple(  # type: ignore[misc]
             slice(c, min(c + b, s)) for c, b, s in zip(corner, block, shape, strict=True)
         )
 
 
-def _write_mask(
-    probs: zarr.Array,
-    out: Any,
-    postprocess: MaskSettings,
-    labels: LabelSpec,
-    block: Shape3,
-    scratch: Path,
-) -> dict[str, Any]:
-    shape: Shape3 = tuple(int(s) for s in probs.shape[-3:])  # type: ignore[assignment]
-    if labels.is_binary:
-        return blockwise_mask(probs, out, postprocess, block, scratch)
-    assert isinstance(postprocess, ClassSettings)  # check_mask_settings made it one
-    names = channel_names(labels)
-    counts = np.zeros(len(names), dtype=np.int64)
-    masks, steps = blockwise_class_masks(probs, postprocess, block, scratch)
-    for box in _blocks(shape, block):
-        stored = join_block(np.asarray(probs[(slice(None), *box)]), postprocess, masks, box)
-        out[box] = labels.from_stored(stored)
-        counts += np.bincount(stored.ravel(), minlength=len(names))
-    return {
-        "classes": labels.n_classes,
-        "class_settings": postprocess.as_dict()["classes"],
-        "class_steps": steps,
-        "class_voxels": {name: int(n) for name, n in zip(names, counts, strict=True)},
-        "foreground_voxels": int(counts[1:].sum()),
-    }
+class _Finishing:
+    """What comes after the tiles, for the finish and the post-processing jobs (``--post``):
+    the final probabilities of a z-range (its seams, the members' weighted mean), the mask's
+    store and its post-processing's jobs (`ctseg.postprocess.blockwise.BlockwiseJobs`, over
+    as many z-ranges as there are parts) in the work folder, then the outputs renamed into
+    place. The store and the jobs' folder are named by a digest of the mask's record, the
+    block and the parts: a finish of other settings starts its own."""
 
+    def __init__(
+        self,
+        works: Sequence[Work],
+        weights: Sequence[float],
+        root: Path,
+        block: Shape3,
+        parts: int,
+        postprocess: MaskSettings,
+        labels: LabelSpec,
+        source: VolumeSource,
+        output: Path,
+        record: Callable[[str], dict[str, Any]],
+        spacing: tuple[float, ...] | None,
+    ) -> None:
+        self.works, self.weights, self.root, self.block = works, weights, root, block
+        self.postprocess, self.labels, self.source, self.output = (
+            postprocess,
+            labels,
+            source,
+            output,
+        )
+        self.record, self.spacing, self.shape = record, spacing, source.shape
+        self.parts = parts
+        self.chunks: Shape3 = tuple(works[0].manifest["chunks"])  # type: ignore[assignment]
+        self.mask_record = record(MASK if labels.is_binary else LABEL_MAP)
+        plan = {"mask": self.mask_record, "block": list(block), "parts": parts,
+                "output": output.suffix}  # fmt: skip
+        digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+        self.folder = root / "postprocess" / digest
+        self.probs = self._probabilities()
+        self.store = made_once(self.folder / "mask.zarr", self._make_store)
+        level = zarr.open_array(self.store / "0" if self._ome() else self.store, mode="r+")
+        self.out = level
+        self.jobs = (
+            BlockwiseJobs(self.probs, level, postprocess, block, self.folder / "jobs", parts)
+            if labels.is_binary
+            else None
+        )
 
-def _write_outputs(
-    probs: zarr.Array,
-    chunks: Shape3,
-    block: Shape3,
-    folder: Path,
-    source: VolumeSource,
-    output: Path,
-    probabilities: Path | None,
-    postprocess: MaskSettings,
-    labels: LabelSpec,
-    budget: int,
-    record: Callable[[str], dict[str, Any]],
-    spacing: tuple[float, ...] | None,
-) -> dict[str, Any]:
-    """The mask (or label map) of `probs` and the probabilities asked for, in blocks of whole
-    `chunks`, each with `record` of its kind (`ctseg.inference.outputs.provenance`) and the
-    voxel `spacing` as its scale; the stores they pass through are made in the work `folder`.
-    A mask or label map is an NGFF label image (its classes' names and colours), a multi-class
-    run's probabilities an image with a channel per class."""
-    shape: Shape3 = source.shape
-    scratch = folder / "postprocess"
-    done: dict[str, Any] = {"mask": str(output)}
-    mask_record = record(MASK if labels.is_binary else LABEL_MAP)
-    names = channel_names(labels)
-    colours = label_colors(len(names))
-    if labels.is_binary:  # a mask holds 0 and 1 whatever the dataset's foreground value
-        classes = {0: LabelClass(names[0], colours[0]), 1: LabelClass(names[1], colours[1])}
-    else:
-        classes = {labels.labels[n]: LabelClass(n, c) for n, c in zip(names, colours, strict=True)}
-    if output.suffix in OME_SUFFIXES:
-        with fresh_output(output, what=f"write the mask of {source.url}") as tmp:
-            group = create_image(tmp, shape, np.uint8, chunks, spacing=spacing,
-                                 name="mask" if labels.is_binary else "labels",
-                                 label_values=classes,
-                                 attributes={PROVENANCE_KEY: mask_record})  # fmt: skip
-            done.update(_write_mask(probs, group["0"], postprocess, labels, block, scratch))
-            build_pyramid(group, "mode", budget // 4)
-    else:
-        mask = create_volume(folder / "mask.zarr", shape, np.uint8, chunks)
-        done.update(_write_mask(probs, mask, postprocess, labels, block, scratch))
-        with fresh_output(output, what=f"write the mask of {source.url}") as tmp:
-            pages = (np.asarray(mask[z]) for z in range(shape[0]))
-            tifffile.imwrite(tmp, pages, shape=shape, dtype=np.uint8, photometric="minisblack",
-                             description=tiff_description(mask_record), metadata=None)  # fmt: skip
-    if probabilities is not None:
+    def _ome(self) -> bool:
+        return self.output.suffix in OME_SUFFIXES
+
+    def _make_store(self, path: Path) -> None:
+        """An NGFF label image (its classes' names and colours) for an OME-Zarr output, a plain
+        array for a TIFF's."""
+        if not self._ome():
+            create_volume(path, self.shape, np.uint8, self.chunks)
+            return
+        names = channel_names(self.labels)
+        colours = label_colors(len(names))
+        if self.labels.is_binary:  # a mask holds 0 and 1 whatever the dataset's foreground value
+            classes = {0: LabelClass(names[0], colours[0]), 1: LabelClass(names[1], colours[1])}
+        else:
+            classes = {
+                self.labels.labels[n]: LabelClass(n, c) for n, c in zip(names, colours, strict=True)
+            }
+        create_image(path, self.shape, np.uint8, self.chunks, spacing=self.spacing,
+                     name="mask" if self.labels.is_binary else "labels", label_values=classes,
+                     attributes={PROVENANCE_KEY: self.mask_record})  # fmt: skip
+
+    def _probabilities(self) -> zarr.Array:
+        """The one model's probabilities, or the store of the models' weighted mean."""
+        members = [work.probabilities() for work in self.works]
+        if len(members) == 1:
+            return members[0]
+        first = members[0]
+        path = made_once(self.root / "probabilities.zarr", lambda tmp: create_volume(
+            tmp, first.shape, np.float16, first.chunks, write_empty_chunks=False))  # fmt: skip
+        return zarr.open_array(path, mode="r+")
+
+    def _z_range(self, k: int) -> tuple[int, int]:
+        layers = -(-self.shape[0] // self.block[0])
+        return tuple(  # type: ignore[return-value]
+            min(n * layers // self.parts * self.block[0], self.shape[0]) for n in (k, k + 1)
+        )
+
+    def seams(self, k: int | None = None) -> list[dict[str, Any]]:
+        """Make the probabilities of z-range `k` (None: all) final: each model's seams (every
+        tile must be done), then the weighted mean of the models (`ctseg.inference.ensemble.
+        weighted_mean`, block by block: the folder predict's arithmetic). Each range once: a
+        marker records it."""
+        ranges = range(self.parts) if k is None else [k]
+        done = []
+        for r in ranges:
+            marker = self.root / "postprocess" / f"probabilities-{r}-of-{self.parts}.done"
+            if marker.exists():
+                continue
+            z_range = self._z_range(r)
+            done.append([finish(work, self.parts, z_range) for work in self.works])
+            if len(self.works) > 1:
+                self._mean(z_range)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        return [figures for per_range in done for figures in per_range]
+
+    def _mean(self, z_range: tuple[int, int]) -> None:
+        members = [work.probabilities() for work in self.works]
+        lead = (slice(None),) * (self.probs.ndim - 3)
+        for box in _blocks(self.shape, self.block, z_range):
+            where = (*lead, *box)
+            shape = (*self.probs.shape[:-3], *(b.stop - b.start for b in box))
+            self.probs[where] = weighted_mean(
+                lambda i, where=where: np.asarray(members[i][where]), self.weights, shape
+            )
+
+    def post_job(self, name: str, k: int | None) -> dict[str, Any]:
+        """Post-processing job `name` (a round of `BlockwiseJobs.rounds`): its range `k`, after
+        making that range's probabilities final; or with `k` None its merge."""
+        if self.jobs is None:
+            raise CtsegError(
+                f"--post {name}: a label map is post-processed by --finish; --post is for a "
+                "binary mask"
+            )
+        rounds = dict(self.jobs.rounds)
+        if name not in rounds:
+            raise CtsegError(
+                f"--post {name}: these settings' post-processing rounds are "
+                f"{', '.join(rounds)}; give one of them"
+            )
+        t0 = time.perf_counter()
+        if k is None:
+            if rounds[name] != COMPONENTS:
+                raise CtsegError(
+                    f"--post {name}: only a component round has a merge; give --part K"
+                )
+            self.jobs.merge(name)
+        else:
+            self.seams(k)
+            self.jobs.run_range(name, k)
+        return {"round": name, "range": k, "seconds": time.perf_counter() - t0}
+
+    def outputs(self, probabilities: Path | None, budget: int) -> dict[str, Any]:
+        """The mask (or label map), then the probabilities asked for; each renamed into place
+        whole, with its record (`ctseg.inference.outputs.provenance`) and the voxel spacing as
+        its scale. A multi-class run's probabilities are an image with a channel per class."""
+        done: dict[str, Any] = {"mask": str(self.output)}
+        if self.jobs is not None:
+            self.jobs.run()
+            done.update(self.jobs.counts(), post_rounds=[name for name, _ in self.jobs.rounds])
+        else:
+            done.update(self._label_map())
+        if self._ome():
+            build_pyramid(zarr.open_group(self.store, mode="r+"), "mode", budget // 4)
+        # The jobs' results go first: were the mask lost in the rename below, a rerun would
+        # make it again rather than find every job done.
+        remove_path(self.folder / "jobs")
+        with fresh_output(self.output, what=f"write the mask of {self.source.url}") as tmp:
+            if self._ome():
+                os.replace(self.store, tmp)
+            else:
+                pages = (np.asarray(self.out[z]) for z in range(self.shape[0]))
+                tifffile.imwrite(tmp, pages, shape=self.shape, dtype=np.uint8,
+                                 photometric="minisblack", metadata=None,
+                                 description=tiff_description(self.mask_record))  # fmt: skip
+        if probabilities is not None:
+            self._write_probabilities(probabilities, budget)
+            done["probabilities"] = str(probabilities)
+        return done
+
+    def _label_map(self) -> dict[str, Any]:
+        """A multi-class run's label map block by block, each class's settings applied as the
+        binary ones are (`ctseg.postprocess.classes.blockwise_class_masks`)."""
+        postprocess, labels = self.postprocess, self.labels
+        assert isinstance(postprocess, ClassSettings)  # check_mask_settings made it one
+        names = channel_names(labels)
+        counts = np.zeros(len(names), dtype=np.int64)
+        scratch = self.folder / "classes"
+        masks, steps = blockwise_class_masks(self.probs, postprocess, self.block, scratch)
+        for box in _blocks(self.shape, self.block):
+            stored = join_block(
+                np.asarray(self.probs[(slice(None), *box)]), postprocess, masks, box
+            )
+            self.out[box] = labels.from_stored(stored)
+            counts += np.bincount(stored.ravel(), minlength=len(names))
+        remove_path(scratch)
+        return {
+            "classes": labels.n_classes,
+            "class_settings": postprocess.as_dict()["classes"],
+            "class_steps": steps,
+            "class_voxels": {name: int(n) for name, n in zip(names, counts, strict=True)},
+            "foreground_voxels": int(counts[1:].sum()),
+        }
+
+    def _write_probabilities(self, probabilities: Path, budget: int) -> None:
+        names = channel_names(self.labels)
         with fresh_output(probabilities, what="write the probabilities") as tmp:
-            group = create_image(tmp, shape, np.float16, chunks, spacing=spacing,
+            group = create_image(tmp, self.shape, np.float16, self.chunks, spacing=self.spacing,
                                  name="probabilities",
-                                 channels=None if labels.is_binary else names,
-                                 attributes={PROVENANCE_KEY: record(PROBABILITIES)})  # fmt: skip
-            lead = (slice(None),) * (probs.ndim - 3)  # a multi-class store's channels
-            for box in _blocks(shape, block):
-                group["0"][(*lead, *box)] = probs[(*lead, *box)]
+                                 channels=None if self.labels.is_binary else names,
+                                 attributes={PROVENANCE_KEY: self.record(PROBABILITIES)},
+                                 )  # fmt: skip
+            lead = (slice(None),) * (self.probs.ndim - 3)  # a multi-class store's channels
+            for box in _blocks(self.shape, self.block):
+                group["0"][(*lead, *box)] = self.probs[(*lead, *box)]
             build_pyramid(group, "mean", budget // 4)
-        done["probabilities"] = str(probabilities)
-    return done

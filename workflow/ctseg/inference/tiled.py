@@ -719,9 +719,10 @@ def _region_bytes(grid: TileGrid, tiles: Sequence[Index], itemsize: int) -> int:
     return int(voxels) * itemsize
 
 
-def finish(work: Work, parts: int = 1) -> dict[str, Any]:
+def finish(work: Work, parts: int = 1, z_range: tuple[int, int] | None = None) -> dict[str, Any]:
     """Make the seams final: every tile must be done (else one line naming the parts to run);
-    then every shared chunk not yet final is summed from its spills."""
+    then every shared chunk not yet final (with `z_range`, every one starting in [start, stop)
+    along z) is summed from its spills."""
     grid = work.grid
     tiles = grid.tiles()
     missing: dict[int, int] = {}
@@ -741,6 +742,8 @@ def finish(work: Work, parts: int = 1) -> dict[str, Any]:
     with _holding(work, "finish"):
         _remove_temporaries(work.folder, "finish")
         for chunk in grid.all_chunks():
+            if z_range is not None and not z_range[0] <= chunk[0] * grid.chunks[0] < z_range[1]:
+                continue
             if work.chunk_done(chunk).exists():
                 continue
             contributors = grid.contributors(chunk)

@@ -11,13 +11,17 @@ volume and any block shape (blocks that do not divide the shape, blocks one voxe
   ``min_component_voxels`` (26-connected) and ``fill_holes`` (the background's 6-connected
   components that do not reach the volume's border): components are labelled per block, merged
   across block faces, edges and corners from the pairs of touching voxels on them (a union-find:
-  `scipy.sparse.csgraph.connected_components` over the global component ids), with each
+  `scipy.sparse.csgraph.connected_components` over the components' node ids), with each
   component's voxel count and flag (holds a seed voxel; touches the volume's border) summed over
   its blocks; a later pass labels each block again (the same labels: the labelling is
   deterministic) and keeps, drops or fills whole components by the merged tables. Hysteresis
   3D and the component filter share one pass (a kept hysteresis component is a whole component
   of prob > threshold); hysteresis along z, then the component filter, then the cavity fill
   each need their own.
+* The passes run as jobs over z-ranges of the blocks (`BlockwiseJobs`): each component pass
+  merges within its range, writes the node ids on the range's first and last z-planes, and a
+  small merge joins the ranges from those planes alone; so the passes can run in parallel
+  processes (``ctseg predict --post``), and `blockwise_mask` runs them one after another.
 * ``plug_holes_max_area``, ``patch_holes_max_area`` and ``closing_radius``: each reads the whole
   mask of the step before, so that mask is written to a uint8 zarr array in `scratch_dir` (on
   disk, compressed; a temporary directory by default; removed once the step has read it), and
@@ -49,19 +53,22 @@ than a block, and the slab holds (b + 2h)^2 b voxels where the grown block would
 
 Memory: one block of probabilities and the block's masks and labels; for the plugging and the
 patching one grown slab and one grown slice's labels; for the closing the grown block; the
-component tables (a count, a flag and a merged id per component per block), the touching pairs
-found on the block faces, and the label planes on the faces of two layers of blocks along z
-(what the next blocks merge with). `post_block` picks a block of whole chunks whose working set,
-halos included, fits the post-processing's part of the memory budget.
+component tables of one z-range (a node id, a merged id, a count and a flag per component per
+block), the touching pairs found on the block faces, and the node ids on the faces of two
+layers of blocks along z (what the next blocks merge with). `post_block` picks a block of
+whole chunks whose working set, halos included, fits the post-processing's part of the memory
+budget.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
+import json
 import math
-import shutil
+import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -74,7 +81,7 @@ from scipy import ndimage
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from ctseg.io import CtsegError
+from ctseg.io import CtsegError, made_once, remove_path
 from ctseg.postprocess.masks import (
     PATCH_RING,
     PostprocessSettings,
@@ -148,7 +155,7 @@ def _working_set(block: Sequence[int], shape: Sequence[int], settings: Postproce
     chunks zarr decodes at once (up to its ``async.concurrency``)."""
     sizes = [min(b, n) for b, n in zip(block, shape, strict=True)]
     voxels = math.prod(sizes)
-    chunk = [min(n, max(b, SCRATCH_MIN_CHUNK)) for b, n in zip(sizes, shape, strict=True)]
+    chunk = scratch_chunks(sizes, shape)
 
     def beside(read: Sequence[int]) -> int:
         """The block's result, and the chunks zarr decodes at once for a read of this shape."""
@@ -238,143 +245,6 @@ def _blocks(shape: tuple[int, ...], block: tuple[int, ...]) -> Iterator[tuple[In
         )
 
 
-def _label(binary: np.ndarray, connectivity: int) -> np.ndarray:
-    """Component ids (0 outside `binary`) of one block; the same ids for the same block."""
-    if connectivity == 8:
-        ids, _ = ndimage.label(binary, structure=_Z_SLICE_8)
-        return ids
-    return cc3d.connected_components(binary, connectivity=connectivity)
-
-
-def _shifted(length: int, shift: int) -> tuple[slice, slice]:
-    """The slices of two aligned lines whose positions p and p + shift both lie in [0, length)."""
-    return slice(max(0, -shift), length - max(0, shift)), slice(
-        max(0, shift), length - max(0, -shift)
-    )
-
-
-class _Components:
-    """Components of a binary volume, labelled block by block and merged across blocks.
-
-    `add` is called for every block in `_blocks` order (the binary block, and a same-shaped
-    bool array of the voxels that flag their component); `finish` merges; then `keep` (from a
-    choice over the merged counts and flags) and `mask` give a block's voxels in the chosen
-    components."""
-
-    def __init__(self, connectivity: int) -> None:
-        self.connectivity = connectivity
-        self.offsets = _OFFSETS[connectivity]
-        self.start: dict[Index, int] = {}  # the global id before a block's first component
-        self.next_id = 1  # global ids start at 1: 0 is outside every component
-        self.counts: Any = []  # per block while adding, then per merged component
-        self.flags: Any = []
-        self.merged = np.zeros(1, np.int64)
-        self.pairs: list[np.ndarray] = []
-        self.faces: dict[Index, tuple[dict[tuple[int, int], np.ndarray], int]] = {}
-        self.layer = -1
-
-    def add(self, index: Index, binary: np.ndarray, flagged: np.ndarray | None) -> None:
-        ids = _label(binary, self.connectivity)
-        count = int(ids.max()) if ids.size else 0
-        start = self.next_id - 1
-        self.start[index] = start
-        self.next_id += count
-        self.counts.append(np.bincount(ids.ravel(), minlength=count + 1)[1:])
-        flag = np.zeros(count + 1, bool)
-        if flagged is not None:
-            flag[ids[flagged]] = True
-        self.flags.append(flag[1:])
-        if index[0] != self.layer:  # a new layer of blocks: the one before last is done
-            self.layer = index[0]
-            self.faces = {k: v for k, v in self.faces.items() if k[0] >= self.layer - 1}
-        for d in _EARLIER:
-            other = tuple(i + s for i, s in zip(index, d, strict=True))
-            if other in self.faces:
-                self._merge_faces(ids, start, d, *self.faces[other])  # type: ignore[arg-type]
-        # What later blocks merge with: the layers on this block's faces (copies, not views, so
-        # the block's labels go), keyed by (axis, -1 for the last layer, +1 for the first).
-        self.faces[index] = (
-            {
-                (axis, side): np.ascontiguousarray(
-                    ids[(slice(None),) * axis + (slice(-1, None) if side < 0 else slice(0, 1),)]
-                )
-                for axis in range(3)
-                for side in (-1, 1)
-            },
-            start,
-        )
-
-    def _merge_faces(
-        self,
-        ids: np.ndarray,
-        start: int,
-        d: tuple[int, ...],
-        other: dict[tuple[int, int], np.ndarray],
-        other_start: int,
-    ) -> None:
-        """The pairs of global ids of touching voxels, one in this block and one in the block
-        at offset `d` (earlier): on an axis where d is -1, this block's first layer touches the
-        other's last; where +1, its last the other's first; where 0, they run side by side."""
-        mine = tuple(slice(0, 1) if s < 0 else slice(-1, None) if s > 0 else slice(None) for s in d)
-        theirs = tuple(
-            slice(-1, None) if s < 0 else slice(0, 1) if s > 0 else slice(None) for s in d
-        )
-        axis = next(a for a, s in enumerate(d) if s != 0)
-        theirs = theirs[:axis] + (slice(None),) + theirs[axis + 1 :]  # the face is that layer
-        a, b = ids[mine], other[(axis, d[axis])][theirs]
-        if not a.any() or not b.any():
-            return
-        for offset in self.offsets:
-            if any(s != 0 and o != s for o, s in zip(offset, d, strict=True)):
-                continue
-            cut_a, cut_b = [], []
-            for o, s, n in zip(offset, d, a.shape, strict=True):
-                if s != 0:
-                    cut_a.append(slice(None))
-                    cut_b.append(slice(None))
-                else:
-                    sa, sb = _shifted(n, o)
-                    cut_a.append(sa)
-                    cut_b.append(sb)
-            pa, pb = a[tuple(cut_a)], b[tuple(cut_b)]
-            both = (pa > 0) & (pb > 0)
-            if both.any():
-                found = np.stack(
-                    [pa[both].astype(np.int64) + start, pb[both].astype(np.int64) + other_start],
-                    axis=1,
-                )
-                self.pairs.append(np.unique(found, axis=0))
-
-    def finish(self) -> None:
-        """Merge the components that touch across blocks: `counts` and `flags` then hold each
-        merged component's voxel count and flag."""
-        self.faces = {}
-        total = self.next_id
-        pairs = np.concatenate(self.pairs) if self.pairs else np.zeros((0, 2), np.int64)
-        self.pairs = []
-        graph = coo_matrix(
-            (np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(total, total)
-        )
-        _, self.merged = connected_components(graph, directed=False)
-        counts = np.concatenate([np.zeros(1, np.int64), *self.counts])
-        flags = np.concatenate([np.zeros(1, bool), *self.flags])
-        size = int(self.merged.max()) + 1
-        self.counts = np.bincount(self.merged, weights=counts, minlength=size)
-        self.flags = np.bincount(self.merged, weights=flags, minlength=size) > 0
-
-    def keep(self, chosen: np.ndarray) -> np.ndarray:
-        """Per global id, whether its merged component is `chosen` (bool per merged one)."""
-        keep = np.asarray(chosen, bool)[self.merged]
-        keep[0] = False
-        return keep
-
-    def mask(self, index: Index, binary: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """The bool mask of the block's voxels in components that `keep` keeps."""
-        ids = _label(binary, self.connectivity).astype(np.int64)
-        ids[ids > 0] += self.start[index]
-        return keep[ids]
-
-
 def _border(block: Block, shape: tuple[int, ...]) -> np.ndarray:
     """bool: the block's voxels on a face of the volume."""
     sizes = tuple(s.stop - s.start for s in block)
@@ -444,129 +314,6 @@ def _plugged(plane: np.ndarray, max_area: int) -> np.ndarray:
     return slice_holes(plane, max_area) > 0
 
 
-def _memo(stage: Stage) -> Stage:
-    """`stage`, computed once per block (a block's value is the same in every pass)."""
-    last: dict[str, Any] = {}
-
-    def cached(index: Index, sl: Block, p: np.ndarray) -> np.ndarray:
-        if last.get("index") != index:
-            last["index"], last["value"] = index, stage(index, sl, p)
-        return last["value"]
-
-    return cached
-
-
-def _components(
-    probs: Any,
-    block: tuple[int, ...],
-    connectivity: int,
-    source: Stage,
-    flagged: Callable[[Block, np.ndarray], np.ndarray] | None = None,
-) -> _Components:
-    """One pass over the blocks: the merged components of the mask `source` gives."""
-    parts = _Components(connectivity)
-    for index, sl in _blocks(probs.shape, block):
-        p = np.asarray(probs[sl])
-        parts.add(index, source(index, sl, p), None if flagged is None else flagged(sl, p))
-    parts.finish()
-    return parts
-
-
-def _stages(
-    probs: Any, settings: PostprocessSettings, block: tuple[int, ...]
-) -> tuple[Stage, Stage, Stage, Stage]:
-    """The masks after thresholding, binarising (hysteresis), the component filter and the
-    cavity fill, each as a function of (block index, slices, the block's probabilities) to the
-    block's bool mask; the component passes they need are done here."""
-    shape = tuple(int(n) for n in probs.shape)
-    t, high = settings.threshold, settings.hysteresis_high
-    minimum = settings.min_component_voxels
-
-    def components(
-        connectivity: int,
-        source: Stage,
-        flagged: Callable[[Block, np.ndarray], np.ndarray] | None = None,
-    ) -> _Components:
-        return _components(probs, block, connectivity, source, flagged)
-
-    # Each stage: (block index, slices, the block's probabilities) to the bool mask after that
-    # step of binary_mask's, from the stage before and its merged tables.
-    @_memo
-    def plain(index: Index, sl: Block, p: np.ndarray) -> np.ndarray:
-        return p > t
-
-    binarised = filtered = plain
-    if high is not None and settings.hysteresis_mode == "3d":
-        # One labelling for both: a kept hysteresis component is a whole component of
-        # prob > threshold, so the component filter sees the same components.
-        above = components(26, plain, lambda sl, p: p > high)
-        seeded = above.keep(above.flags)
-        large = above.keep(above.flags & (above.counts >= minimum))
-        binarised = _memo(lambda index, sl, p: above.mask(index, plain(index, sl, p), seeded))
-        filtered = binarised
-        if minimum > 0:
-            filtered = _memo(lambda index, sl, p: above.mask(index, plain(index, sl, p), large))
-    else:
-        if high is not None:  # along z
-            in_slice = components(8, plain, lambda sl, p: p > high)
-            seeded = in_slice.keep(in_slice.flags)
-            binarised = _memo(
-                lambda index, sl, p: in_slice.mask(index, plain(index, sl, p), seeded)
-            )
-        filtered = binarised
-        if minimum > 0:
-            sized = components(26, binarised)
-            large = sized.keep(sized.counts >= minimum)
-            filtered = _memo(lambda index, sl, p: sized.mask(index, binarised(index, sl, p), large))
-
-    filled = filtered
-    if settings.fill_holes:
-        # A cavity: a 6-connected component of the background that does not reach the border.
-        outside = components(
-            6, lambda index, sl, p: ~filtered(index, sl, p), lambda sl, p: _border(sl, shape)
-        )
-        cavity = outside.keep(~outside.flags)
-        filled = _memo(
-            lambda index, sl, p: (
-                filtered(index, sl, p) | outside.mask(index, ~filtered(index, sl, p), cavity)
-            )
-        )
-
-    return plain, binarised, filtered, filled
-
-
-def blockwise_mask(
-    probs: Any,
-    out: Any,
-    settings: PostprocessSettings,
-    block: tuple[int, int, int] = (64, 64, 64),
-    scratch_dir: Path | None = None,
-) -> dict[str, int]:
-    """Write `masks.binary_mask(probs, settings)`'s mask into `out`, block by block, and return
-    its counts (the same dict). `probs`: an array-like (Z, Y, X) read a block at a time; `out`:
-    an array-like of the same shape written a block at a time (uint8 0/1); `scratch_dir`: the
-    folder (made if missing) for the masks that plugging, patching and closing read with halos,
-    uint8 zarr arrays chunked by `block` (at least `SCRATCH_MIN_CHUNK` a side), each removed
-    once read (None: a temporary directory).
-    `block`: from `post_block`, to keep the working set within the memory budget."""
-    shape = tuple(int(n) for n in probs.shape)
-    block = tuple(block)  # type: ignore[assignment]
-    _check_block(shape, block)
-    if tuple(out.shape) != shape:
-        raise CtsegError(f"blockwise mask: output shape {tuple(out.shape)} != input {shape}")
-    stages = _stages(probs, settings, block)
-    counts = _write(probs, out, block, scratch_dir, stages, _later_steps(settings, shape))
-    return {
-        "foreground_voxels": counts["closed"],
-        "hysteresis_dropped_voxels": counts["plain"] - counts["binarised"],
-        "removed_voxels": counts["binarised"] - counts["filtered"],
-        "filled_voxels": counts["filled"] - counts["filtered"],
-        "plugged_voxels": counts["plugged"] - counts["filled"],
-        "patched_voxels": counts["patched"] - counts["plugged"],
-        "closed_voxels": counts["closed"] - counts["patched"],
-    }
-
-
 # A step that reads the whole mask of the step before with a halo: (scratch array, the block's
 # slices) to the block's mask after the step.
 HaloStep = Callable[[Any, Block], np.ndarray]
@@ -606,49 +353,518 @@ def _scratch_folder(scratch_dir: Path | None) -> Iterator[Path]:
         yield Path(scratch_dir)
 
 
-def _write(
-    probs: Any,
-    out: Any,
-    block: tuple[int, ...],
-    scratch_dir: Path | None,
-    stages: tuple[Stage, Stage, Stage, Stage],
-    later: list[tuple[str, HaloStep]],
-) -> dict[str, int]:
-    """The last passes: the mask after the cavity fill, then after each of the `later` steps,
-    each to a scratch array the next step reads, the last to `out`; the voxels of each mask (a
-    step that is off: the mask before it)."""
-    shape = tuple(int(n) for n in probs.shape)
-    plain, binarised, filtered, filled = stages
-    counts = dict.fromkeys(("plain", "binarised", "filtered", "filled"), 0)
-    names = ["filled", *(name for name, _ in later)]  # the masks, in the order they are made
-    with contextlib.ExitStack() as stack:
-        folder = stack.enter_context(_scratch_folder(scratch_dir)) if later else None
+def scratch_chunks(block: Sequence[int], shape: Sequence[int]) -> tuple[int, int, int]:
+    """The chunks of the masks the halo steps read: one block along z, so that jobs over
+    z-ranges of blocks never write into one chunk together; at least `SCRATCH_MIN_CHUNK` along
+    y and x (fewer, larger files where blocks are small); never past the volume."""
+    sizes = [block[0], *(max(b, SCRATCH_MIN_CHUNK) for b in block[1:])]
+    return tuple(min(c, n) for c, n in zip(sizes, shape, strict=True))  # type: ignore[return-value]
 
-        def target_for(name: str) -> Any:
-            """`out` for the last mask, a scratch array in `folder` for the others."""
-            if name == names[-1]:
-                return out
-            assert folder is not None
-            chunks = tuple(max(b, SCRATCH_MIN_CHUNK) for b in block)
-            return create_volume(folder / f"{name}.zarr", shape, np.uint8, chunks,
-                                 write_empty_chunks=False)  # fmt: skip
 
-        target = target_for("filled")
-        for index, sl in _blocks(shape, block):
-            p = np.asarray(probs[sl])
-            for name, stage in zip(counts, stages, strict=True):
-                counts[name] += int(np.count_nonzero(stage(index, sl, p)))
-            target[sl] = filled(index, sl, p).view(np.uint8)
-        for before, (name, step) in zip(names[:-1], later, strict=True):
-            source, target = target, target_for(name)
+def _label(binary: np.ndarray, connectivity: int) -> np.ndarray:
+    """Component ids (0 outside `binary`) of one block; the same ids for the same block."""
+    if connectivity == 8:
+        ids, _ = ndimage.label(binary, structure=_Z_SLICE_8)
+        return ids
+    return cc3d.connected_components(binary, connectivity=connectivity)
+
+
+def _shifted(length: int, shift: int) -> tuple[slice, slice]:
+    """The slices of two aligned lines whose positions p and p + shift both lie in [0, length)."""
+    return slice(max(0, -shift), length - max(0, shift)), slice(
+        max(0, shift), length - max(0, -shift)
+    )
+
+
+def _faces(nodes: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """The layers on a block's faces (copies, so the block's arrays go), keyed by (axis, -1 for
+    the last layer, +1 for the first): what later blocks find their touching voxels in."""
+    return {
+        (axis, side): nodes[
+            (slice(None),) * axis + (slice(-1, None) if side < 0 else slice(0, 1),)
+        ].copy()  # a copy, not a view: a view of a z-face would keep the whole block
+        for axis in range(3)
+        for side in (-1, 1)
+    }
+
+
+def _touching(
+    nodes: np.ndarray,
+    other: dict[tuple[int, int], np.ndarray],
+    d: Sequence[int],
+    offsets: Sequence[tuple[int, int, int]],
+) -> np.ndarray:
+    """The pairs (node here, node there) of touching voxels of a block's `nodes` and the
+    `_faces` of the block at offset `d` (earlier): on an axis where d is -1, this block's first
+    layer touches the other's last; where +1, its last the other's first; where 0, they run side
+    by side. `nodes` may be the block's first layer alone where d's first axis is z."""
+    mine = tuple(slice(0, 1) if s < 0 else slice(-1, None) if s > 0 else slice(None) for s in d)
+    theirs = tuple(slice(-1, None) if s < 0 else slice(0, 1) if s > 0 else slice(None) for s in d)
+    axis = next(a for a, s in enumerate(d) if s != 0)
+    theirs = theirs[:axis] + (slice(None),) + theirs[axis + 1 :]  # the face is that layer
+    a, b = nodes[mine], other[(axis, d[axis])][theirs]
+    found: list[np.ndarray] = []
+    if not a.any() or not b.any():
+        return np.zeros((0, 2), np.int64)
+    for offset in offsets:
+        if any(s != 0 and o != s for o, s in zip(offset, d, strict=True)):
+            continue
+        cut_a, cut_b = [], []
+        for o, s, n in zip(offset, d, a.shape, strict=True):
+            sa, sb = (slice(None), slice(None)) if s != 0 else _shifted(n, o)
+            cut_a.append(sa)
+            cut_b.append(sb)
+        pa, pb = a[tuple(cut_a)], b[tuple(cut_b)]
+        both = (pa > 0) & (pb > 0)
+        if both.any():
+            found.append(np.unique(np.stack([pa[both], pb[both]], axis=1), axis=0))
+    return np.concatenate(found) if found else np.zeros((0, 2), np.int64)
+
+
+def _merged(nodes: np.ndarray, pairs: Sequence[np.ndarray]) -> np.ndarray:
+    """The merged component of each of the sorted `nodes` (0, 1, ...), from the `pairs` of
+    nodes that touch (a union-find: connected components of the graph of pairs)."""
+    if not len(nodes):
+        return np.zeros(0, np.int64)
+    both = np.concatenate(pairs) if pairs else np.zeros((0, 2), np.int64)
+    a, b = np.searchsorted(nodes, both[:, 0]), np.searchsorted(nodes, both[:, 1])
+    graph = coo_matrix((np.ones(len(a), np.int8), (a, b)), shape=(len(nodes), len(nodes)))
+    return connected_components(graph, directed=False)[1].astype(np.int64)
+
+
+def _save(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` to a temporary name beside `path`, then renamed onto it: a file that exists is
+    whole (the job's done marker)."""
+    tmp = path.with_name(f".{path.name}.tmp")  # one job writes it: its stale copy is its own
+    write(tmp)
+    os.replace(tmp, path)
+
+
+COMPONENTS, WRITE, HALO = "components", "write", "halo"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+    """A component round's result for one z-range: each node's merged component, and for each
+    decision of the round (`BlockwiseJobs._decisions`) whether it keeps that component."""
+
+    nodes: np.ndarray
+    merged: np.ndarray
+    decisions: dict[str, np.ndarray]
+
+
+class BlockwiseJobs:
+    """`blockwise_mask`'s passes as jobs over `ranges` z-ranges of the blocks, so that the
+    post-processing of a volume too large for one process runs in parallel processes (or
+    SLURM jobs): `rounds` in order, each round's `run_range` for every range (in any order, at
+    once), then its `merge` (a component round's only); `counts` at the end. A job whose result
+    file exists is done and skipped: a killed job run again starts its range afresh.
+
+    - A component round labels each block of its range, merges the components that touch
+      across the range's blocks, and writes its tables (`<round>/range-<k>.npz`) and the node ids
+      on the range's first and last z-planes (`<round>/faces-<k>.zarr`). A node is a block's
+      component, numbered `flat block index * (block voxels + 1) + label`: every job numbers any
+      block's components alike, whatever the other ranges hold.
+    - Its merge joins the components that touch across ranges, from those planes alone, and
+      sums their voxel counts and flags (`<round>/merge.npz`): a component that meets no
+      range's first or last plane is decided by its own range.
+    - The write round writes each block's mask after the cavity fill; each halo round (plug,
+      patch, close) reads the mask of the round before with its halo, across ranges too.
+
+    The folder holds one plan (settings, block, shape, ranges): a job of another plan is an
+    error naming it."""
+
+    def __init__(
+        self,
+        probs: Any,
+        out: Any,
+        settings: PostprocessSettings,
+        block: Sequence[int],
+        folder: Path,
+        ranges: int = 1,
+    ) -> None:
+        self.probs, self.out, self.settings = probs, out, settings
+        self.shape = tuple(int(n) for n in probs.shape)
+        self.block = tuple(int(b) for b in block)
+        _check_block(self.shape, self.block)
+        if tuple(out.shape) != self.shape:
+            raise CtsegError(
+                f"blockwise mask: output shape {tuple(out.shape)} != input {self.shape}"
+            )
+        if ranges < 1:
+            raise CtsegError(f"blockwise mask: ranges={ranges}: expected a positive number")
+        self.grid = _grid(self.shape, self.block)
+        layers = self.grid[0]
+        self.ranges = [(k * layers // ranges, (k + 1) * layers // ranges) for k in range(ranges)]
+        self.folder = Path(folder)
+        self.stride = math.prod(self.block) + 1  # a block's labels are 1..its voxels
+        self.later = dict(_later_steps(settings, self.shape))
+        self.rounds = self._plan()
+        self._loaded: dict[tuple[str, int], _Tables] = {}
+        self._check_plan()
+
+    def _plan(self) -> list[tuple[str, str]]:
+        s = self.settings
+        rounds = []
+        if s.hysteresis_high is not None:
+            rounds.append(("binarise", COMPONENTS))
+        if s.min_component_voxels > 0 and not (
+            s.hysteresis_high is not None and s.hysteresis_mode == "3d"
+        ):  # 3D hysteresis and the filter share a pass: a kept component is a whole one
+            rounds.append(("filter", COMPONENTS))
+        if s.fill_holes:
+            rounds.append(("fill", COMPONENTS))
+        rounds.append(("filled", WRITE))
+        rounds.extend((name, HALO) for name in self.later)
+        return rounds
+
+    def _check_plan(self) -> None:
+        plan = {
+            "settings": self.settings.as_dict(),
+            "block": list(self.block),
+            "shape": list(self.shape),
+            "ranges": len(self.ranges),
+        }
+        path = self.folder / "plan.json"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            _save(path, lambda tmp: tmp.write_text(json.dumps(plan, sort_keys=True)))
+        recorded = json.loads(path.read_text())
+        if recorded != plan:
+            raise CtsegError(
+                f"{path}: this folder holds the post-processing of another plan ({recorded}); "
+                "remove it to start this one"
+            )
+
+    # ------------------------------------------------------------------ the masks, per block
+    def _base(self, index: Index) -> int:
+        return int(np.ravel_multi_index(index, self.grid)) * self.stride
+
+    def _connectivity(self, name: str) -> int:
+        if name == "binarise":
+            return 26 if self.settings.hysteresis_mode == "3d" else 8
+        return {"filter": 26, "fill": 6}[name]
+
+    def _decisions(self, name: str, counts: np.ndarray, flags: np.ndarray) -> dict[str, np.ndarray]:
+        minimum = self.settings.min_component_voxels
+        if name == "binarise":  # seeded: holds a voxel above hysteresis_high
+            decided = {"seeded": flags}
+            if self.settings.hysteresis_mode == "3d" and minimum > 0:
+                decided["large"] = flags & (counts >= minimum)
+            return decided
+        if name == "filter":
+            return {"large": counts >= minimum}
+        return {"cavity": ~flags}  # a background component that does not reach the border
+
+    def _kept(self, name: str, index: Index, binary: np.ndarray) -> dict[str, np.ndarray]:
+        """For each decision of component round `name`, the block's voxels of `binary` in the
+        components it keeps."""
+        tables = self._tables(name, self._range_of(index[0]))
+        ids = _label(binary, self._connectivity(name))
+        inside = ids > 0
+        nodes = ids[inside].astype(np.int64) + self._base(index)
+        merged = tables.merged[np.searchsorted(tables.nodes, nodes)]
+        kept = {}
+        for key, decided in tables.decisions.items():
+            mask = np.zeros(ids.shape, bool)
+            mask[inside] = decided[merged]
+            kept[key] = mask
+        return kept
+
+    def _masks(self, index: Index, p: np.ndarray, upto: str = "filled") -> dict[str, np.ndarray]:
+        """The block's masks after thresholding, binarising (hysteresis), the component filter
+        and the cavity fill, up to `upto`, from the component rounds' tables."""
+        names = [name for name, _ in self.rounds]
+        plain = p > self.settings.threshold
+        masks = {"plain": plain, "binarised": plain, "filtered": plain}
+        if "binarise" in names and upto != "plain":
+            kept = self._kept("binarise", index, plain)
+            masks["binarised"] = masks["filtered"] = kept["seeded"]
+            masks["filtered"] = kept.get("large", kept["seeded"])
+        if "filter" in names and upto in ("filtered", "filled"):
+            masks["filtered"] = self._kept("filter", index, masks["binarised"])["large"]
+        masks["filled"] = masks["filtered"]
+        if "fill" in names and upto == "filled":
+            cavity = self._kept("fill", index, ~masks["filtered"])["cavity"]
+            masks["filled"] = masks["filtered"] | cavity
+        return masks
+
+    def _source(
+        self, name: str, index: Index, sl: Block, p: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """What component round `name` labels in a block, and the voxels flagging their
+        component (None: none)."""
+        if name == "binarise":
+            return self._masks(index, p, "plain")["plain"], p > self.settings.hysteresis_high
+        if name == "filter":
+            return self._masks(index, p, "binarised")["binarised"], None
+        return ~self._masks(index, p, "filtered")["filtered"], _border(sl, self.shape)
+
+    # ------------------------------------------------------------------ the jobs
+    def z_range(self, k: int) -> tuple[int, int]:
+        """The voxels [start, stop) along z of range `k`'s blocks."""
+        z0, z1 = self.ranges[k]
+        return min(z0 * self.block[0], self.shape[0]), min(z1 * self.block[0], self.shape[0])
+
+    def _range_of(self, layer: int) -> int:
+        return next(k for k, (z0, z1) in enumerate(self.ranges) if z0 <= layer < z1)
+
+    def _range_blocks(self, k: int) -> Iterator[tuple[Index, Block]]:
+        z0, z1 = self.ranges[k]
+        for index, sl in _blocks(self.shape, self.block):
+            if z0 <= index[0] < z1:
+                yield index, sl
+
+    def _file(self, name: str, k: int | None) -> Path:
+        kind = dict(self.rounds)[name]
+        stem = "merge" if k is None else f"range-{k}"
+        return self.folder / name / (f"{stem}.npz" if kind == COMPONENTS else f"{stem}.json")
+
+    def done(self, name: str, k: int | None = None) -> bool:
+        """Whether range job `k` of round `name` (None: its merge) has written its result."""
+        if k is None and dict(self.rounds)[name] != COMPONENTS:
+            return True  # only a component round has a merge
+        return self._file(name, k).exists()
+
+    def run_range(self, name: str, k: int) -> None:
+        """Range job `k` of round `name`; every range job and merge of the rounds before must
+        be done."""
+        if not 0 <= k < len(self.ranges):
+            raise CtsegError(f"blockwise mask: range {k}: expected 0 <= range < {len(self.ranges)}")
+        if self.done(name, k):
+            return
+        before = [n for n, _ in self.rounds[: [n for n, _ in self.rounds].index(name)]]
+        for earlier in before:
+            if not self.done(earlier):
+                raise CtsegError(
+                    f"{self.folder}: post-processing round {earlier!r} is not merged yet; run "
+                    f"its jobs and its merge before round {name!r}"
+                )
+        (self.folder / name).mkdir(parents=True, exist_ok=True)
+        kind = dict(self.rounds)[name]
+        if kind == COMPONENTS:
+            self._label_range(name, k)
+        else:
+            self._write_range(name, k)
+
+    def _label_range(self, name: str, k: int) -> None:
+        connectivity = self._connectivity(name)
+        offsets = _OFFSETS[connectivity]
+        z0, z1 = self.ranges[k]
+        planes = create_volume(
+            self.folder / name / f"faces-{k}.zarr", (2, *self.shape[1:]), np.int64,
+            (1, *self.block[1:]), write_empty_chunks=False,
+        )  # fmt: skip
+        nodes, counts, flags, pairs, on_planes = [], [], [], [], []
+        faces: dict[Index, dict[tuple[int, int], np.ndarray]] = {}
+        layer = -1
+        for index, sl in self._range_blocks(k):
+            p = np.asarray(self.probs[sl])
+            binary, flagged = self._source(name, index, sl, p)
+            ids = _label(binary, connectivity)
+            count = int(ids.max()) if ids.size else 0
+            base = self._base(index)
+            block_nodes = np.where(ids > 0, ids.astype(np.int64) + base, 0)
+            nodes.append(np.arange(1, count + 1, dtype=np.int64) + base)
+            counts.append(np.bincount(ids.ravel(), minlength=count + 1)[1:])
+            flag = np.zeros(count + 1, bool)
+            if flagged is not None:
+                flag[ids[flagged]] = True
+            flags.append(flag[1:])
+            if index[0] != layer:  # a new layer of blocks: the one before last is done
+                layer = index[0]
+                faces = {i: f for i, f in faces.items() if i[0] >= layer - 1}
+            for d in _EARLIER:
+                other = tuple(i + s for i, s in zip(index, d, strict=True))
+                if other in faces:
+                    pairs.append(_touching(block_nodes, faces[other], d, offsets))
+            faces[index] = _faces(block_nodes)
+            for row, at in ((0, z0), (1, z1 - 1)):
+                plane = block_nodes[0 if row == 0 else -1]
+                if index[0] == at and plane.any():
+                    planes[row, sl[1], sl[2]] = plane
+                    on_planes.append(np.unique(plane[plane > 0]))
+        all_nodes = np.concatenate(nodes) if nodes else np.zeros(0, np.int64)
+        merged = _merged(all_nodes, pairs)
+        size = int(merged.max()) + 1 if len(merged) else 0
+        summed = np.bincount(merged, weights=np.concatenate(counts or [[]]), minlength=size)
+        flagged_merged = np.bincount(merged, weights=np.concatenate(flags or [[]]), minlength=size)
+        open_nodes = np.unique(np.concatenate(on_planes or [np.zeros(0, np.int64)]))
+        open_merged = merged[np.searchsorted(all_nodes, open_nodes)]
+        opened = np.unique(open_merged)
+        total = summed.astype(np.int64)
+        _save(self._file(name, k), lambda tmp: np.savez(
+            tmp.open("wb"), nodes=all_nodes, merged=merged, counts=total,
+            flags=flagged_merged > 0, open_nodes=open_nodes, open_merged=open_merged,
+            open_ids=opened, open_counts=total[opened], open_flags=(flagged_merged > 0)[opened],
+        ))  # fmt: skip
+
+    def merge(self, name: str) -> None:
+        """The merge of component round `name`, once every range job is done: the components
+        that touch across ranges (on the planes between them), their summed counts and
+        flags."""
+        if self.done(name):
+            return
+        missing = [k for k in range(len(self.ranges)) if not self.done(name, k)]
+        if missing:
+            raise CtsegError(
+                f"{self.folder}: post-processing round {name!r}: ranges {missing} are not done; "
+                "run them before the merge"
+            )
+        offsets = _OFFSETS[self._connectivity(name)]
+        tables = [np.load(self._file(name, k)) for k in range(len(self.ranges))]
+        starts = np.cumsum([0, *(len(t["counts"]) for t in tables)])
+        keys = [starts[k] + t["open_ids"] for k, t in enumerate(tables)]
+
+        def key(k: int, nodes: np.ndarray) -> np.ndarray:
+            t = tables[k]
+            return starts[k] + t["open_merged"][np.searchsorted(t["open_nodes"], nodes)]
+
+        pairs = []
+        filled = [k for k, (z0, z1) in enumerate(self.ranges) if z1 > z0]
+        for lower, upper in itertools.pairwise(filled):
+            for found in self._across(name, lower, upper, offsets):
+                pairs.append(np.stack([key(upper, found[:, 0]), key(lower, found[:, 1])], 1))
+        every = np.concatenate(keys)
+        merged = _merged(every, pairs)  # `every` is sorted: the ranges' ids do not overlap
+        size = int(merged.max()) + 1 if len(merged) else 0
+        counts = np.concatenate([t["open_counts"] for t in tables])
+        flags = np.concatenate([t["open_flags"] for t in tables])
+        total = np.bincount(merged, weights=counts, minlength=size).astype(np.int64)[merged]
+        flagged = (np.bincount(merged, weights=flags, minlength=size) > 0)[merged]
+        for t in tables:
+            t.close()
+        _save(self._file(name, None), lambda tmp: np.savez(
+            tmp.open("wb"), keys=every, counts=total, flags=flagged, starts=starts))  # fmt: skip
+
+    def _across(
+        self, name: str, lower: int, upper: int, offsets: Sequence[tuple[int, int, int]]
+    ) -> Iterator[np.ndarray]:
+        """The pairs (node of `upper`, node of `lower`) touching across the planes between two
+        ranges, block column by block column: each first-layer block of `upper` with the
+        last-layer blocks of `lower` it touches."""
+        below = zarr.open_array(self.folder / name / f"faces-{lower}.zarr", mode="r")
+        above = zarr.open_array(self.folder / name / f"faces-{upper}.zarr", mode="r")
+        columns = dict(_columns(self.shape, self.block))
+        for (iy, ix), (sy, sx) in columns.items():
+            first = np.asarray(above[0:1, sy, sx])
+            if not first.any():
+                continue
+            for d in (d for d in _EARLIER if d[0] == -1):
+                beside = columns.get((iy + d[1], ix + d[2]))
+                if beside is not None:
+                    last = np.asarray(below[(slice(1, 2), *beside)])
+                    found = _touching(first, {(0, -1): last}, d, offsets)
+                    if len(found):
+                        yield found
+
+    def _tables(self, name: str, k: int) -> _Tables:
+        """Range `k`'s tables of component round `name`, its open components' counts and
+        flags those of the merge."""
+        if (name, k) not in self._loaded:
+            with np.load(self._file(name, k)) as t, np.load(self._file(name, None)) as m:
+                counts, flags = t["counts"].copy(), t["flags"].copy()
+                mine = slice(*np.searchsorted(m["keys"], m["starts"][k : k + 2]))
+                ids = m["keys"][mine] - m["starts"][k]
+                counts[ids], flags[ids] = m["counts"][mine], m["flags"][mine]
+                self._loaded[(name, k)] = _Tables(
+                    t["nodes"], t["merged"], self._decisions(name, counts, flags)
+                )
+        return self._loaded[(name, k)]
+
+    def _target(self, name: str) -> Any:
+        """`out` for the last round's mask, a scratch array in the folder for the others (made
+        by the first job to need it: a job beside it finds it made)."""
+        if name == self.rounds[-1][0]:
+            return self.out
+        path = made_once(self.folder / f"{name}.zarr", lambda tmp: create_volume(
+            tmp, self.shape, np.uint8, scratch_chunks(self.block, self.shape),
+            write_empty_chunks=False,
+        ))  # fmt: skip
+        return zarr.open_array(path, mode="r+")
+
+    def _write_range(self, name: str, k: int) -> None:
+        target = self._target(name)
+        counts: dict[str, int] = {}
+        if name == "filled":
+            for index, sl in self._range_blocks(k):
+                masks = self._masks(index, np.asarray(self.probs[sl]))
+                for stage, mask in masks.items():
+                    counts[stage] = counts.get(stage, 0) + int(np.count_nonzero(mask))
+                target[sl] = masks["filled"].view(np.uint8)
+        else:
+            names = [n for n, _ in self.rounds]
+            source = zarr.open_array(self.folder / f"{names[names.index(name) - 1]}.zarr", mode="r")
             counts[name] = 0
-            for _, sl in _blocks(shape, block):
-                result = step(source, sl)
+            for _, sl in self._range_blocks(k):
+                result = self.later[name](source, sl)
                 counts[name] += int(np.count_nonzero(result))
                 target[sl] = result.astype(np.uint8, copy=False)
-            assert folder is not None
-            shutil.rmtree(folder / f"{before}.zarr")  # no later step reads it
-    previous = counts["filled"]
-    for name in ("plugged", "patched", "closed"):
-        previous = counts.setdefault(name, previous)
+        _save(self._file(name, k), lambda tmp: tmp.write_text(json.dumps(counts)))
+
+    def run(self) -> None:
+        """Every job, one after another: one process's whole post-processing. Each scratch mask
+        is removed once the round after it has read it."""
+        names = [n for n, _ in self.rounds]
+        for position, (name, kind) in enumerate(self.rounds):
+            for k in range(len(self.ranges)):
+                self.run_range(name, k)
+            if kind == COMPONENTS:
+                self.merge(name)
+            if kind == HALO and names[position - 1] != names[-1]:
+                remove_path(self.folder / f"{names[position - 1]}.zarr")
+
+    def counts(self) -> dict[str, int]:
+        """`binary_mask`'s counts, summed over the ranges once every job is done."""
+        counts: dict[str, int] = {}
+        for name, _ in self.rounds[self._first_written() :]:
+            for k in range(len(self.ranges)):
+                for stage, n in json.loads(self._file(name, k).read_text()).items():
+                    counts[stage] = counts.get(stage, 0) + n
+        previous = counts["filled"]
+        for name in ("plugged", "patched", "closed"):
+            previous = counts.setdefault(name, previous)
+        return {
+            "foreground_voxels": counts["closed"],
+            "hysteresis_dropped_voxels": counts["plain"] - counts["binarised"],
+            "removed_voxels": counts["binarised"] - counts["filtered"],
+            "filled_voxels": counts["filled"] - counts["filtered"],
+            "plugged_voxels": counts["plugged"] - counts["filled"],
+            "patched_voxels": counts["patched"] - counts["plugged"],
+            "closed_voxels": counts["closed"] - counts["patched"],
+        }
+
+    def _first_written(self) -> int:
+        return [kind for _, kind in self.rounds].index(WRITE)
+
+
+def _columns(
+    shape: tuple[int, ...], block: tuple[int, ...]
+) -> Iterator[tuple[tuple[int, int], tuple[slice, slice]]]:
+    """Every column of blocks along z: its (y, x) index and slices."""
+    for index, sl in _blocks((1, *shape[1:]), (1, *block[1:])):
+        yield index[1:], sl[1:]  # type: ignore[misc]
+
+
+def blockwise_mask(
+    probs: Any,
+    out: Any,
+    settings: PostprocessSettings,
+    block: tuple[int, int, int] = (64, 64, 64),
+    scratch_dir: Path | None = None,
+    ranges: int = 1,
+) -> dict[str, int]:
+    """Write `masks.binary_mask(probs, settings)`'s mask into `out`, block by block, and return
+    its counts (the same dict). `probs`: an array-like (Z, Y, X) read a block at a time; `out`:
+    an array-like of the same shape written a block at a time (uint8 0/1); `scratch_dir`: the
+    folder (made if missing) for the component tables and the masks that plugging, patching and
+    closing read with halos (uint8 zarr arrays, `scratch_chunks`), each removed once read (None:
+    a temporary directory); `ranges`: the z-ranges its jobs run over, one after another (the
+    same mask whatever the number: `BlockwiseJobs`).
+    `block`: from `post_block`, to keep the working set within the memory budget."""
+    with _scratch_folder(scratch_dir) as folder:
+        jobs = BlockwiseJobs(probs, out, settings, block, folder / "jobs", ranges)
+        jobs.run()
+        counts = jobs.counts()
+        remove_path(folder / "jobs")
     return counts
