@@ -864,3 +864,36 @@ def test_build_pyramid_stays_within_its_memory_budget(tmp_path: Path) -> None:
     level1 = ome_zarr.downsample(data, (2, 2, 2), "mean")
     assert np.array_equal(opened["1"][:], level1)
     assert np.array_equal(opened["2"][:], ome_zarr.downsample(level1, (2, 2, 2), "mean"))
+
+
+@pytest.mark.parametrize("spacing", [None, (2.5, 1, 1)])
+def test_a_pyramid_built_in_z_ranges_then_the_rest_is_the_whole_ones(
+    tmp_path: Path, spacing
+) -> None:
+    """Jobs of disjoint z-ranges (each writing the chunks whose voxels all come from its range,
+    no metadata), each run when level 0 is written in its range only, then one call with those
+    ranges done: the same levels, chunk files and metadata as one call; the jobs wrote most
+    chunks of level 1."""
+    data = label_map()
+    groups = {}
+    for name in ("whole", "ranges"):
+        group = ome_zarr.create_image(tmp_path / f"{name}.zarr", SHAPE, np.uint8, (4, 8, 8),
+                                      spacing=spacing)  # fmt: skip
+        groups[name] = group
+    groups["whole"]["0"][...] = data
+    ome_zarr.build_pyramid(groups["whole"], "mode", 50_000)
+    ranges = [(0, 16), (16, 32), (32, 37)]
+    for z_range in ranges:  # a job reading past its range would read zeros there
+        groups["ranges"]["0"][z_range[0] : z_range[1]] = data[z_range[0] : z_range[1]]
+        ome_zarr.build_pyramid(groups["ranges"], "mode", 50_000, z_range=z_range)
+    by_jobs = {i: chunk_files(tmp_path / "ranges.zarr" / str(i)) for i in (1, 2)}
+    assert "type" not in groups["ranges"].attrs["ome"]["multiscales"][0]  # no metadata yet
+    ome_zarr.build_pyramid(groups["ranges"], "mode", 50_000, done=ranges)
+    whole, parted = (zarr.open_group(tmp_path / f"{n}.zarr", mode="r") for n in groups)
+    assert dict(whole.attrs) == dict(parted.attrs)
+    for level in range(1, len(ome_zarr.check_image(tmp_path / "whole.zarr")["levels"])):
+        assert np.array_equal(whole[str(level)][...], parted[str(level)][...]), level
+        assert chunk_files(tmp_path / "whole.zarr" / str(level)) == chunk_files(
+            tmp_path / "ranges.zarr" / str(level)
+        )
+    assert len(by_jobs[1]) > len(chunk_files(tmp_path / "ranges.zarr" / "1")) / 2

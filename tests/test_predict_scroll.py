@@ -345,6 +345,8 @@ def test_predict_in_place_matches_the_tiff_path_in_parts_and_as_ome_zarr(tmp_pat
                   "--part", "0", check=False)  # fmt: skip
     rounds = "filter, fill, filled, plugged, patched, closed"
     assert asked.returncode and f"rounds are {rounds}; give one" in asked.stderr
+    # A part's summary lists them, for a scheduler to make the jobs.
+    assert json.loads((tmp_path / "p0.json").read_text())["post_rounds"] == rounds.split(", ")
     for name in ("filter", "fill"):
         for k in (2, 1, 0):
             ctseg("predict", "--run", run, "-i", store, "-o", out, *parts, "--post", name,
@@ -385,6 +387,42 @@ def test_parts_run_at_once_read_the_volume_for_its_statistics_once(tmp_path):
     assert sorted(s["statistics_bytes_read"] for s in summaries) == [0, 0, data.nbytes]
     assert len({tuple(s["intensity_range"]) for s in summaries}) == 1
     assert tifffile.imread(tmp_path / "m.tif").shape == data.shape
+
+
+def run_at_once(*commands: list) -> None:
+    """`ctseg` commands started together, each to succeed."""
+    running = [subprocess.Popen([str(BIN / "ctseg"), *map(str, c)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True) for c in commands]  # fmt: skip
+    for process in running:
+        _, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-2000:]
+
+
+def test_post_jobs_at_once_write_the_ome_mask_and_its_pyramid_by_range(tmp_path):
+    """Two parts, then each post-processing round's two range jobs started together (and the
+    hysteresis's merge): the range jobs of the last round build their ranges' pyramid chunks,
+    and the finish gives the one-process OME-Zarr mask, every level, bit for bit."""
+    run = save_run(tmp_path / "results" / "tiny")
+    store = zarr_volume(tmp_path / "v.zarr", volume((64, 40, 36), seed=5), stats=False)
+    settings = ["--threshold", "0.4", "--hysteresis-high", "0.7", "--closing-radius", "1",
+                "--memory-budget-mb", "4"]  # fmt: skip
+    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "one.zarr", *settings)
+    common = ["predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", *settings,
+              "--parts", "2"]  # fmt: skip
+    run_at_once(*([*common, "--part", k] for k in (0, 1)))
+    for name in ("binarise", "filled", "closed"):
+        run_at_once(*([*common, "--post", name, "--part", k] for k in (0, 1)))
+        if name == "binarise":
+            ctseg(*common, "--post", name)
+    work_masks = list((tmp_path / ".m.zarr.predict" / "postprocess").glob("*/mask.zarr"))
+    assert len(work_masks) == 1 and any((work_masks[0] / "1").rglob("c/*"))  # by the jobs
+    ctseg(*common, "--finish")
+    one, parted = (zarr.open_group(tmp_path / n, mode="r") for n in ("one.zarr", "m.zarr"))
+    levels = check_image(tmp_path / "one.zarr")["levels"]
+    assert len(levels) > 1 and check_image(tmp_path / "m.zarr")["levels"] == levels
+    for level in range(len(levels)):
+        np.testing.assert_array_equal(one[str(level)][...], parted[str(level)][...])
+    assert one["0"][...].any() and not (tmp_path / ".m.zarr.predict").exists()
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 7])

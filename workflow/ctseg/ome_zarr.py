@@ -384,7 +384,14 @@ def write_level0(group: zarr.Group, box: tuple[slice, slice, slice], data: np.nd
 # --------------------------------------------------------------------------- the pyramid
 
 
-def build_pyramid(group: zarr.Group, method: str, memory_budget_bytes: int) -> None:
+def build_pyramid(
+    group: zarr.Group,
+    method: str,
+    memory_budget_bytes: int,
+    *,
+    z_range: tuple[int, int] | None = None,
+    done: Sequence[tuple[int, int]] = (),
+) -> None:
     """Fill levels 1, 2, ... each from the level above (the module's downsampling), channel by
     channel and block by block: a block is a whole number of the level's chunks (so each output
     chunk is written once) with the voxels above it, read at once, as many chunks as fit
@@ -392,7 +399,11 @@ def build_pyramid(group: zarr.Group, method: str, memory_budget_bytes: int) -> N
     Finally records the method as the multiscales' ``type`` (what NGFF 0.5 asks of a pyramid's
     maker). ``mean`` is refused for a label image.
 
-    Run it once level 0 is complete, in one process: it rewrites the group's metadata.
+    Run it once level 0 is complete, in one process: it rewrites the group's metadata. Or in
+    parts: with `z_range` (level 0's voxels [start, stop) along z, final there), only the chunks
+    of each level whose voxels all come from that range, and no metadata: jobs of disjoint
+    ranges write disjoint chunks, at once; then once with `done` (those ranges), every other
+    chunk and the metadata.
     """
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {', '.join(METHODS)}")
@@ -406,11 +417,28 @@ def build_pyramid(group: zarr.Group, method: str, memory_budget_bytes: int) -> N
         raise ValueError(f"{label}: {method} of a label image; its pyramid is the mode")
     lead = arrays[0].ndim - 3
     channels = [()] if not lead else [(c,) for c in range(arrays[0].shape[0])]
+    depth, factor = arrays[0].shape[lead], 1  # level 0's z, and the level's z-factor to it
+    selected = z_range is not None or bool(done)
+
+    def chosen(rows: slice) -> bool:
+        """Whether this call writes the level's chunk rows `rows` (along z)."""
+        first, last = rows.start * factor, min(rows.stop * factor, depth)
+
+        def inside(r: tuple[int, int]) -> bool:
+            return r[0] <= first and last <= r[1]
+
+        return inside(z_range) if z_range is not None else not any(map(inside, done))
+
     for source, target, step in zip(arrays, arrays[1:], image.steps[1:], strict=False):
         per_voxel = _bytes_per_output_voxel(dtype, step)
         shape, chunks = target.shape[lead:], target.chunks[lead:]
+        factor *= step[0]
         blocks = _block_chunks(shape, chunks, per_voxel, memory_budget_bytes)
+        if selected:  # one row of chunks along z a block: each row is chosen on its own
+            blocks = (1, *blocks[1:])
         for channel, out_box in itertools.product(channels, _boxes(shape, chunks, blocks)):
+            if selected and not chosen(out_box[0]):
+                continue
             in_box = tuple(
                 slice(b.start * f, min(b.stop * f, s))
                 for b, f, s in zip(out_box, step, source.shape[lead:], strict=True)
@@ -419,7 +447,7 @@ def build_pyramid(group: zarr.Group, method: str, memory_budget_bytes: int) -> N
             if block.any():
                 _sparse(target)[(*channel, *out_box)] = downsample(block, step, method)
             del block  # before the next block is read: one block at a time
-    if len(arrays) > 1:
+    if len(arrays) > 1 and z_range is None:
         ome = dict(group.attrs["ome"])  # type: ignore[arg-type]
         multiscale = dict(ome["multiscales"][0])  # type: ignore[index]
         multiscale["type"] = method

@@ -98,7 +98,7 @@ from ctseg.inference.tiled import (
 from ctseg.io import CtsegError, disk_full_is_an_error, fresh_output, made_once, remove_path
 from ctseg.labels import LabelSpec
 from ctseg.ome_zarr import LabelClass, build_pyramid, create_image, label_colors
-from ctseg.postprocess.blockwise import COMPONENTS, BlockwiseJobs
+from ctseg.postprocess.blockwise import COMPONENTS, BlockwiseJobs, post_rounds, z_ranges
 from ctseg.postprocess.classes import (
     ClassSettings,
     MaskSettings,
@@ -342,6 +342,8 @@ def predict_scroll(
         "models": len(models),
         "work": str(root),
         "rss_before_mb": rss_before,
+        # What `--post` runs between the parts and the finish (none: the finish does a label map)
+        "post_rounds": [name for name, _ in post_rounds(postprocess)] if labels.is_binary else [],
     }
     if not finish_only and post is None:
         k, n = (part, parts) if part is not None else (0, 1)
@@ -357,13 +359,13 @@ def predict_scroll(
                                postprocess=postprocess.as_dict(), labels=labels.to_dict(),
                                source=source_record)  # fmt: skip
     made = _Finishing(works, norm, root, block, parts or 1, postprocess, labels, source, output,
-                      record, spacing)  # fmt: skip
+                      record, spacing, budget)  # fmt: skip
     if post is not None:
         summary["post"] = made.post_job(post, part)
     else:
         summary["finish"] = made.seams()
         release_heap()
-        summary["outputs"] = made.outputs(probabilities, budget)
+        summary["outputs"] = made.outputs(probabilities)
         remove_path(root)
     summary.update(finish_seconds=time.perf_counter() - t0, **_process_figures(io_start))
     return summary
@@ -499,7 +501,9 @@ class _Finishing:
         output: Path,
         record: Callable[[str], dict[str, Any]],
         spacing: tuple[float, ...] | None,
+        budget: int,
     ) -> None:
+        self.budget = budget
         self.works, self.weights, self.root, self.block = works, weights, root, block
         self.postprocess, self.labels, self.source, self.output = (
             postprocess,
@@ -509,6 +513,7 @@ class _Finishing:
         )
         self.record, self.spacing, self.shape = record, spacing, source.shape
         self.parts = parts
+        self.ranges = z_ranges(self.shape, block, parts)  # the post-processing jobs' z-ranges
         self.chunks: Shape3 = tuple(works[0].manifest["chunks"])  # type: ignore[assignment]
         self.mask_record = record(MASK if labels.is_binary else LABEL_MAP)
         plan = {"mask": self.mask_record, "block": list(block), "parts": parts,
@@ -556,12 +561,6 @@ class _Finishing:
             tmp, first.shape, np.float16, first.chunks, write_empty_chunks=False))  # fmt: skip
         return zarr.open_array(path, mode="r+")
 
-    def _z_range(self, k: int) -> tuple[int, int]:
-        layers = -(-self.shape[0] // self.block[0])
-        return tuple(  # type: ignore[return-value]
-            min(n * layers // self.parts * self.block[0], self.shape[0]) for n in (k, k + 1)
-        )
-
     def seams(self, k: int | None = None) -> list[dict[str, Any]]:
         """Make the probabilities of z-range `k` (None: all) final: each model's seams (every
         tile must be done), then the weighted mean of the models (`ctseg.inference.ensemble.
@@ -573,7 +572,7 @@ class _Finishing:
             marker = self.root / "postprocess" / f"probabilities-{r}-of-{self.parts}.done"
             if marker.exists():
                 continue
-            z_range = self._z_range(r)
+            z_range = self.ranges[r]
             done.append([finish(work, self.parts, z_range) for work in self.works])
             if len(self.works) > 1:
                 self._mean(z_range)
@@ -615,9 +614,20 @@ class _Finishing:
         else:
             self.seams(k)
             self.jobs.run_range(name, k)
+            if name == self.jobs.rounds[-1][0]:  # the range's mask is final: its pyramid
+                self._range_pyramid(k)
         return {"round": name, "range": k, "seconds": time.perf_counter() - t0}
 
-    def outputs(self, probabilities: Path | None, budget: int) -> dict[str, Any]:
+    def _range_pyramid(self, k: int) -> None:
+        """The pyramid levels' chunks that range `k` of the mask alone makes (`build_pyramid`
+        with its z-range), once: a marker records it."""
+        marker = self.folder / "jobs" / f"pyramid-{k}.done"  # goes with the jobs' results
+        if self._ome() and not marker.exists():
+            group = zarr.open_group(self.store, mode="r+")
+            build_pyramid(group, "mode", self.budget // 4, z_range=self.ranges[k])
+            marker.touch()
+
+    def outputs(self, probabilities: Path | None) -> dict[str, Any]:
         """The mask (or label map), then the probabilities asked for; each renamed into place
         whole, with its record (`ctseg.inference.outputs.provenance`) and the voxel spacing as
         its scale. A multi-class run's probabilities are an image with a channel per class."""
@@ -627,8 +637,13 @@ class _Finishing:
             done.update(self.jobs.counts(), post_rounds=[name for name, _ in self.jobs.rounds])
         else:
             done.update(self._label_map())
-        if self._ome():
-            build_pyramid(zarr.open_group(self.store, mode="r+"), "mode", budget // 4)
+        if self._ome() and self.jobs is not None:  # the ranges' chunks, then the rest
+            for k in range(self.parts):
+                self._range_pyramid(k)
+            group = zarr.open_group(self.store, mode="r+")
+            build_pyramid(group, "mode", self.budget // 4, done=self.ranges)
+        elif self._ome():
+            build_pyramid(zarr.open_group(self.store, mode="r+"), "mode", self.budget // 4)
         # The jobs' results go first: were the mask lost in the rename below, a rerun would
         # make it again rather than find every job done.
         remove_path(self.folder / "jobs")
@@ -641,7 +656,7 @@ class _Finishing:
                                  photometric="minisblack", metadata=None,
                                  description=tiff_description(self.mask_record))  # fmt: skip
         if probabilities is not None:
-            self._write_probabilities(probabilities, budget)
+            self._write_probabilities(probabilities, self.budget)
             done["probabilities"] = str(probabilities)
         return done
 

@@ -443,6 +443,44 @@ def _save(path: Path, write: Callable[[Path], None]) -> None:
 COMPONENTS, WRITE, HALO = "components", "write", "halo"
 
 
+def _layer_ranges(layers: int, ranges: int) -> list[tuple[int, int]]:
+    """The layers of blocks [start, stop) along z of each of `ranges` z-ranges: as equal as
+    they can be (a range may hold none where there are fewer layers than ranges)."""
+    return [(k * layers // ranges, (k + 1) * layers // ranges) for k in range(ranges)]
+
+
+def z_ranges(shape: Sequence[int], block: Sequence[int], ranges: int) -> list[tuple[int, int]]:
+    """The voxels [start, stop) along z of each z-range of `BlockwiseJobs` (its blocks')."""
+    layers = -(-int(shape[0]) // int(block[0]))
+    return [
+        (min(a * block[0], shape[0]), min(b * block[0], shape[0]))
+        for a, b in _layer_ranges(layers, ranges)
+    ]
+
+
+def post_rounds(settings: PostprocessSettings) -> list[tuple[str, str]]:
+    """The rounds of `BlockwiseJobs` under `settings`, in order, each with its kind: the
+    component passes the settings need, the write of the mask after them, the halo steps."""
+    s = settings
+    rounds = []
+    if s.hysteresis_high is not None:
+        rounds.append(("binarise", COMPONENTS))
+    if s.min_component_voxels > 0 and not (
+        s.hysteresis_high is not None and s.hysteresis_mode == "3d"
+    ):  # 3D hysteresis and the filter share a pass: a kept component is a whole one
+        rounds.append(("filter", COMPONENTS))
+    if s.fill_holes:
+        rounds.append(("fill", COMPONENTS))
+    rounds.append(("filled", WRITE))
+    later = (
+        ("plugged", s.plug_holes_max_area),
+        ("patched", s.patch_holes_max_area),
+        ("closed", s.closing_radius),
+    )
+    rounds.extend((name, HALO) for name, on in later if on > 0)
+    return rounds
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tables:
     """A component round's result for one z-range: each node's merged component, and for each
@@ -494,29 +532,13 @@ class BlockwiseJobs:
         if ranges < 1:
             raise CtsegError(f"blockwise mask: ranges={ranges}: expected a positive number")
         self.grid = _grid(self.shape, self.block)
-        layers = self.grid[0]
-        self.ranges = [(k * layers // ranges, (k + 1) * layers // ranges) for k in range(ranges)]
+        self.ranges = _layer_ranges(self.grid[0], ranges)
         self.folder = Path(folder)
         self.stride = math.prod(self.block) + 1  # a block's labels are 1..its voxels
         self.later = dict(_later_steps(settings, self.shape))
-        self.rounds = self._plan()
+        self.rounds = post_rounds(settings)
         self._loaded: dict[tuple[str, int], _Tables] = {}
         self._check_plan()
-
-    def _plan(self) -> list[tuple[str, str]]:
-        s = self.settings
-        rounds = []
-        if s.hysteresis_high is not None:
-            rounds.append(("binarise", COMPONENTS))
-        if s.min_component_voxels > 0 and not (
-            s.hysteresis_high is not None and s.hysteresis_mode == "3d"
-        ):  # 3D hysteresis and the filter share a pass: a kept component is a whole one
-            rounds.append(("filter", COMPONENTS))
-        if s.fill_holes:
-            rounds.append(("fill", COMPONENTS))
-        rounds.append(("filled", WRITE))
-        rounds.extend((name, HALO) for name in self.later)
-        return rounds
 
     def _check_plan(self) -> None:
         plan = {
@@ -601,11 +623,6 @@ class BlockwiseJobs:
         return ~self._masks(index, p, "filtered")["filtered"], _border(sl, self.shape)
 
     # ------------------------------------------------------------------ the jobs
-    def z_range(self, k: int) -> tuple[int, int]:
-        """The voxels [start, stop) along z of range `k`'s blocks."""
-        z0, z1 = self.ranges[k]
-        return min(z0 * self.block[0], self.shape[0]), min(z1 * self.block[0], self.shape[0])
-
     def _range_of(self, layer: int) -> int:
         return next(k for k, (z0, z1) in enumerate(self.ranges) if z0 <= layer < z1)
 
