@@ -5,30 +5,35 @@ process, as the volume grows (`python bench/scroll.py --scaling`, or this file).
     python bench/scroll_scaling.py --z 32 64 --parts 1 4   # ~1 min: a smoke run
 
 For each volume (uint8, no recorded intensity range, chunks of 16) and each part count N, the
-predict runs as the workflow's `scroll` target runs it, each step its own `ctseg predict`
-process, one after another: N statistics jobs (`--parts N --statistics K`), N parts
-(`--part K`), one finish (`--finish`), with post-processing that needs the whole volume
-(hysteresis, the component filter, hole filling, a closing). The network is a cheap one (a
-two-level U-Net of 4 and 8 filters, window 16): the pipeline's own work shows. Each process's
-wall seconds are timed here; its bytes come from its `--summary` (`statistics_bytes_read`,
-and `bytes_read` / `bytes_written`: /proc/self/io over the predict).
+predict runs as jobs, each its own `ctseg predict` process, one after another: N statistics
+jobs (`--parts N --statistics K`), N parts (`--part K`), then for each post-processing round
+the first part's summary lists, N range jobs (`--post ROUND --part K`) and, for a component
+round, its merge (`--post ROUND`), then one finish (`--finish`). The post-processing needs the
+whole volume (hysteresis, the component filter, hole filling, a closing). The network is a
+cheap one (a two-level U-Net of 4 and 8 filters, window 16): the pipeline's own work shows.
+Each process's wall seconds are timed here; its bytes come from its `--summary`
+(`statistics_bytes_read`, and `bytes_read` / `bytes_written`: /proc/self/io over the predict).
 
 It prints a table per volume and
 
     RESULT scroll_scaling stats_reads=<x> serial_fraction=<x> projected_hours=<x>
-        masks_identical=<bool> finish_hours=<x> parts=<N> z=<Z>   (one line)
+        masks_identical=<bool> ... finish_hours=<x> parts=<N> z=<Z>   (one line)
 
 * ``stats_reads``: the volume's reads for statistics, summed over every process of the largest
   volume at the most parts (1.0: read once);
-* ``serial_fraction``: the bytes the finish (the one serial process) read and wrote, over the
-  volume's probability bytes (float16, 2 a voxel), same run;
+* ``serial_fraction``: the bytes the serial steps (the merges and the finish) read and wrote,
+  over the volume's probability bytes (float16, 2 a voxel), at the most parts, as the slope
+  between the smallest and the largest volume: what grows with the volume (a process's
+  constant start-up, the weights and modules it reads, does not; ``serial_mb`` gives the
+  largest volume's raw figure);
 * ``projected_hours``: a 10^12-voxel volume on ``--gpus`` GPUs (8) at ``--gpu-rate`` voxels/s
   per GPU (36 M: exp001_full's model on one H200, BENCHMARKS.md), from the per-voxel costs
   measured here as slopes between the smallest and the largest volume (the processes' start-up
-  cancels out; the statistics' and the parts' from the 1-part runs, the finish's at the most
-  parts): the statistics jobs and the parts' own work (the cheap network's CPU forwards
-  included: an upper bound of a part's host work) spread over the GPUs, the real network at the
-  GPU rate, and the finish serial (``statistics_hours``, ``parts_hours``, ``finish_hours``);
+  cancels out; the statistics', the parts' and the post jobs' from the 1-part runs, the serial
+  steps' at the most parts): the statistics jobs, the parts' own work (the cheap network's CPU
+  forwards included: an upper bound of a part's host work) and the post jobs spread over as
+  many nodes as GPUs, the real network at the GPU rate, the merges and the finish serial
+  (``statistics_hours``, ``parts_hours``, ``post_hours``, ``merge_hours``, ``finish_hours``);
 * ``masks_identical``: every part count's mask equals the 1-part mask, bit for bit, for every
   volume.
 """
@@ -54,6 +59,7 @@ CHUNK = 16
 YX = 96
 BUDGET_MB = 8  # a few tiles per part at these sizes
 VOXELS = 1e12  # a scroll (PHerc. Paris 4 at 7.91 um is about 0.9e12)
+COMPONENT_ROUNDS = ("binarise", "filter", "fill")  # the rounds with a merge
 POSTPROCESS = ["--threshold", "0.4", "--hysteresis-high", "0.6", "--min-component-voxels",
                "16", "--fill-holes", "--closing-radius", "1"]  # fmt: skip
 
@@ -112,10 +118,16 @@ def predict_in_parts(run: Path, volume: Path, parts: int, out: Path) -> dict:
               "--parts", parts, "--overwrite", *POSTPROCESS]  # fmt: skip
     jobs = [("statistics", ["--statistics", k]) for k in range(parts)]
     jobs += [("part", ["--part", k]) for k in range(parts)]
-    jobs += [("finish", ["--finish"])]
     figures: dict[str, dict[str, float]] = {}
-    for kind, extra in jobs:
+    while jobs:
+        kind, extra = jobs.pop(0)
         seconds, summary = ctseg([*common, *extra], out.with_suffix(f".{kind}.json"))
+        if extra == ["--part", 0]:  # the post-processing's rounds, then the finish
+            for name in summary["post_rounds"]:
+                jobs += [("post", ["--post", name, "--part", k]) for k in range(parts)]
+                if name in COMPONENT_ROUNDS:
+                    jobs += [("merge", ["--post", name])]
+            jobs += [("finish", ["--finish"])]
         fields = ("processes", "seconds", "stats_bytes", "bytes_read", "bytes_written")
         row = figures.setdefault(kind, dict.fromkeys(fields, 0.0))
         row["processes"] += 1
@@ -180,16 +192,30 @@ def main(argv: list[str] | None = None) -> None:
     most, small, large = max(args.parts), min(args.z), max(args.z)
     at = figures[most][large]
     stats_reads = sum(r["stats_bytes"] for r in at.values()) / voxels[large]
-    serial = (at["finish"]["bytes_read"] + at["finish"]["bytes_written"]) / (2 * voxels[large])
-    # The statistics' and the parts' work per voxel from one process each (the least start-up
-    # noise: the work itself does not change with the split); the finish's at the most parts.
+    serial_kinds = [kind for kind in ("merge", "finish") if kind in at]
+
+    def serial_bytes(z: int) -> float:
+        return sum(
+            figures[most][z][k]["bytes_read"] + figures[most][z][k]["bytes_written"]
+            for k in serial_kinds
+        )
+
+    # What the serial steps move per byte of probabilities as the volume grows: their constant
+    # start-up (the weights, metadata, the modules a process imports late) does not grow with a
+    # scroll, and at these sizes it would hide what does.
+    serial = (serial_bytes(large) - serial_bytes(small)) / (2 * (voxels[large] - voxels[small]))
+    # The statistics', the parts' and the post jobs' work per voxel from one process each (the
+    # least start-up noise: the work itself does not change with the split); the serial
+    # steps' (the merges, the finish) at the most parts.
     per_voxel = {kind: slope(figures[1], kind, small, large, voxels) for kind in at}
-    per_voxel["finish"] = slope(figures[most], "finish", small, large, voxels)
+    for kind in serial_kinds:
+        per_voxel[kind] = slope(figures[most], kind, small, large, voxels)
     hours = {
         "statistics": per_voxel["statistics"] * VOXELS / args.gpus / 3600,
         "parts": (VOXELS / (args.gpus * args.gpu_rate) + per_voxel["part"] * VOXELS / args.gpus)
         / 3600,
-        "finish": per_voxel["finish"] * VOXELS / 3600,
+        "post": per_voxel["post"] * VOXELS / args.gpus / 3600,
+        **{kind: max(0.0, per_voxel[kind]) * VOXELS / 3600 for kind in serial_kinds},
     }
     print(f"\nprojected for {VOXELS:.0e} voxels on {args.gpus} GPUs at {args.gpu_rate:.3g} "
           "voxels/s each (per-voxel seconds from the slope z "
@@ -197,8 +223,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{k} {h:.2f} h" for k, h in hours.items()))  # fmt: skip
     print(
         f"RESULT scroll_scaling stats_reads={stats_reads:.3f} serial_fraction={serial:.3f} "
+        f"serial_mb={serial_bytes(large) / 1e6:.2f} "
         f"projected_hours={sum(hours.values()):.2f} masks_identical={identical} "
         f"statistics_hours={hours['statistics']:.2f} parts_hours={hours['parts']:.2f} "
+        f"post_hours={hours['post']:.2f} merge_hours={hours.get('merge', 0.0):.2f} "
         f"finish_hours={hours['finish']:.2f} parts={most} z={large}"
     )
     print(f"(whole run {time.perf_counter() - started:.0f} s)")

@@ -269,7 +269,7 @@ def edited_profile(
             f'  slurm_partition: "{cpu_partition}"\n  # Host',
             1,
         ),
-        ('    slurm_partition: "CHANGE_ME"', f'    slurm_partition: "{gpu_partition}"', 4),
+        ('    slurm_partition: "CHANGE_ME"', f'    slurm_partition: "{gpu_partition}"', 3),
     ]
     if max_threads is not None:
         edits.append(
@@ -282,7 +282,7 @@ def edited_profile(
     # What was changed, and nothing else.
     assert edited["default-resources"]["slurm_account"] == account
     assert edited["default-resources"]["slurm_partition"] == cpu_partition
-    for rule in ("train_model", "train_trial", "scroll_part", "scroll_finish"):
+    for rule in ("train_model", "train_trial", "scroll_part"):
         assert edited["set-resources"][rule]["slurm_partition"] == gpu_partition
         edited["set-resources"][rule]["slurm_partition"] = shipped["set-resources"][rule][
             "slurm_partition"

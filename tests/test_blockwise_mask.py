@@ -449,3 +449,37 @@ def test_jobs_refuse_out_of_order_and_another_plan(tmp_path: Path) -> None:
         plan.run_range("binarise", 3)
     with pytest.raises(CtsegError, match="holds the post-processing of another plan"):
         blockwise.BlockwiseJobs(probs, out, settings, (4, 4, 4), tmp_path, 2)
+
+
+def _make_jobs(folder: Path, start) -> None:
+    start.wait()
+    blockwise.BlockwiseJobs(structures(), np.zeros(SHAPE, np.uint8), SETTINGS["fill"],
+                            (4, 4, 4), folder, 3)  # fmt: skip
+
+
+def test_jobs_started_at_once_share_the_folder(tmp_path: Path, monkeypatch) -> None:
+    """Eight processes open the jobs of one folder at the same moment (a round's range jobs
+    on a cluster), on a slow disk (each file written takes 50 ms more): each finds the plan
+    whole, none fails."""
+    import multiprocessing
+    import time
+
+    write_text = Path.write_text
+
+    def slowly(self, *args, **kwargs):
+        written = write_text(self, *args, **kwargs)
+        time.sleep(0.05)
+        return written
+
+    monkeypatch.setattr(Path, "write_text", slowly)  # the forked processes inherit it
+    context = multiprocessing.get_context("fork")
+    for attempt in range(4):
+        start = context.Barrier(8)
+        folder = tmp_path / str(attempt)
+        processes = [context.Process(target=_make_jobs, args=(folder, start)) for _ in range(8)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(60)
+        assert [process.exitcode for process in processes] == [0] * 8
+        assert sorted(p.name for p in folder.iterdir()) == ["plan.json"]

@@ -32,7 +32,6 @@ def test_every_placeholder_is_found_where_the_profile_has_it() -> None:
         "set-resources: train_trial: slurm_partition",
         "set-resources: train_model: slurm_partition",
         "set-resources: scroll_part: slurm_partition",
-        "set-resources: scroll_finish: slurm_partition",
     ]
     edited = {**PROFILE["default-resources"], "slurm_account": "proj01", "slurm_partition": ""}
     assert placeholders(edited, {"train_model": {"slurm_partition": "gpu", "runtime": 60}}) == []

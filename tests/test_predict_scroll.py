@@ -264,6 +264,44 @@ def test_finish_before_every_part_is_one_line_naming_the_parts(tmp_path):
         finish_work(work, 3)
 
 
+def test_the_seams_of_two_z_ranges_are_made_final_at_once(tmp_path, monkeypatch):
+    """Two post jobs make their ranges' seams final at the same time: while one is held inside
+    its range (a seam chunk half done), the other's range finishes; then both ranges together
+    give the one finish's probabilities."""
+    import threading
+
+    import ctseg.inference.tiled as tiled_module
+
+    store = zarr_volume(tmp_path / "v.zarr", volume((48, 32, 32)))
+    settings = InferenceSettings(window=(16, 16, 16), device="cpu", memory_budget_mb=0.9)
+    source = open_source(str(store))
+    works = {}
+    for name in ("ranges", "whole"):
+        works[name] = open_work(tmp_path / name, source, settings, CPU, LOW, HIGH)
+        for k in range(3):
+            run_part(unet(), works[name], source, settings, CPU, k, 3)
+    finish_work(works["whole"], 3)
+    inside, release = threading.Event(), threading.Event()
+    real = tiled_module._finalise_shared
+
+    def held(work, chunk, *args):
+        if chunk[0] * 16 < 24:  # the first range's: wait inside it
+            inside.set()
+            assert release.wait(60)
+        return real(work, chunk, *args)
+
+    monkeypatch.setattr(tiled_module, "_finalise_shared", held)
+    first = threading.Thread(target=finish_work, args=(works["ranges"], 3, (0, 24)))
+    first.start()
+    assert inside.wait(60)
+    finish_work(works["ranges"], 3, (24, 48))  # not refused while the first runs
+    release.set()
+    first.join(60)
+    np.testing.assert_array_equal(
+        works["ranges"].probabilities()[...], works["whole"].probabilities()[...]
+    )
+
+
 # ----------------------------------------------------------------------------- the command
 def save_run(run_dir: Path, patch=(16, 16, 16), filters=(4, 8)) -> Path:
     torch.manual_seed(0)
@@ -423,6 +461,32 @@ def test_post_jobs_at_once_write_the_ome_mask_and_its_pyramid_by_range(tmp_path)
     for level in range(len(levels)):
         np.testing.assert_array_equal(one[str(level)][...], parted[str(level)][...])
     assert one["0"][...].any() and not (tmp_path / ".m.zarr.predict").exists()
+
+
+def test_the_finish_and_post_jobs_run_without_the_parts_gpu(tmp_path):
+    """Parts whose manifest records a GPU with autocast (as on a GPU node): a part run again
+    on this CPU is refused, naming the device; a post job and the finish, which compute no
+    tile, take the recorded device and run here."""
+    run = save_run(tmp_path / "results" / "tiny")
+    store = zarr_volume(tmp_path / "v.zarr", volume((32, 24, 24), seed=6), stats=False)
+    common = ["predict", "--run", run, "-i", store, "-o", tmp_path / "m.zarr", "--parts", "2",
+              "--memory-budget-mb", "4"]  # fmt: skip
+    run_at_once(*([*common, "--part", k] for k in (0, 1)))
+    manifest = tmp_path / ".m.zarr.predict" / "manifest.json"
+    recorded = json.loads(manifest.read_text())
+    assert (recorded["device_type"], recorded["amp"]) == ("cpu", False)
+    manifest.write_text(json.dumps({**recorded, "device_type": "cuda", "amp": True}))
+    again = ctseg(*common, "--part", "0", check=False)
+    error = again.stderr.strip().splitlines()[-1]
+    assert again.returncode and error.startswith("ctseg predict: error:") and "device_type" in error
+    ctseg(*common, "--post", "filled", "--part", "1")
+    ctseg(*common, "--finish")
+    ctseg("predict", "--run", run, "-i", store, "-o", tmp_path / "one.zarr",
+          "--memory-budget-mb", "4")  # fmt: skip
+    np.testing.assert_array_equal(
+        zarr.open_group(tmp_path / "m.zarr", mode="r")["0"][...],
+        zarr.open_group(tmp_path / "one.zarr", mode="r")["0"][...],
+    )
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 7])

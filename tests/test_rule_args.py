@@ -84,3 +84,30 @@ def test_postprocess_options_fixed_and_tuned() -> None:
 def test_overlay_options() -> None:
     args = rule_args.overlay_args(["a", "b"], "img/{id}.zarr", "lab/{id}.zarr")
     assert args == "--overlay a 'img/a.zarr' 'lab/a.zarr' --overlay b 'img/b.zarr' 'lab/b.zarr'"
+
+
+def test_a_scrolls_post_rounds_from_the_config_or_tuned_json(tmp_path: Path) -> None:
+    """The rounds of rule scroll_post: the fixed values' (a threshold alone: the write), each
+    step's in order (z-hysteresis and the filter apart), tuned.json's, none for a label map."""
+    import json
+
+    fixed = dict(shipped_config()["infer"], postprocess="fixed")
+    assert rule_args.post_rounds(fixed, None, True) == [("filled", "write")]
+    on = dict(fixed, hysteresis_high=0.8, hysteresis_mode="z", min_component_voxels=8,
+              fill_holes=True, plug_holes_max_area=4, closing_radius=1)  # fmt: skip
+    assert [name for name, _ in rule_args.post_rounds(on, None, True)] == [
+        "binarise", "filter", "fill", "filled", "plugged", "closed"
+    ]  # fmt: skip
+    shared = dict(on, hysteresis_mode="3d")  # 3D hysteresis and the filter share a pass
+    assert [name for name, _ in rule_args.post_rounds(shared, None, True)][:2] == [
+        "binarise", "fill"
+    ]  # fmt: skip
+    tuned = tmp_path / "tuned.json"
+    settings = {"threshold": 0.3, "hysteresis_high": None, "min_component_voxels": 64,
+                "fill_holes": False, "patch_holes_max_area": 256}  # fmt: skip
+    tuned.write_text(json.dumps({"settings": settings}))
+    infer = dict(fixed, postprocess="tuned")
+    assert rule_args.post_rounds(infer, str(tuned), True) == [
+        ("filter", "components"), ("filled", "write"), ("patched", "halo")
+    ]  # fmt: skip
+    assert rule_args.post_rounds(infer, str(tuned), False) == []

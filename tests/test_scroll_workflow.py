@@ -1,7 +1,8 @@
 """The scroll target (workflow/rules/scroll.smk): config scroll.volume, a Zarr array read in
 place, its statistics counted in scroll.parts jobs (rule scroll_statistics), predicted by `ctseg
-predict` in scroll.parts jobs (rule scroll_part) and a finish (rule
-scroll_finish), through the shipped SLURM profile on a real one-node cluster
+predict` in scroll.parts jobs (rule scroll_part), post-processed in z-range jobs (rule
+scroll_post) and finished (rule scroll_finish), through the shipped SLURM profile on a real
+one-node cluster
 (tests/slurm_cluster.py, as tests/test_slurm_cluster.py runs it).
 
 The run is a random two-level U-Net saved as a trained run's last.pt (as tests/test_predict.py
@@ -113,6 +114,19 @@ def test_a_dry_run_plans_a_job_per_part_and_a_finish_and_says_what_is_missing(tm
         assert f"--parts {PARTS} --statistics {k} --summary results/{RUN}/scroll/{NAME}/st" in out
     assert f"-o results/{RUN}/scroll/{NAME}.zarr --parts {PARTS} --finish " in out
     assert "rule train_model:" in out  # no last.pt: the run is trained first
+    # The post-processing's one round (a threshold: the mask's write), a job per z-range.
+    assert len(re.findall(r"^rule scroll_post:$", out, re.M)) == PARTS, out
+    for k in range(PARTS):
+        assert f"--parts {PARTS} --post filled --part {k} --summary" in out
+    # Hysteresis and a closing: a component round with its merge, the write, the closing.
+    rounds = run_snakemake(
+        workdir, "-n", "-p", "scroll", "--config",
+        "infer={postprocess: fixed, hysteresis_high: 0.8, closing_radius: 1}",
+    ).stdout  # fmt: skip
+    assert len(re.findall(r"^rule scroll_post:$", rounds, re.M)) == 3 * PARTS + 1, rounds
+    assert f"--parts {PARTS} --post binarise  --summary" in rounds  # the merge: no --part
+    for name in ("binarise", "filled", "closed"):
+        assert f"--parts {PARTS} --post {name} --part {PARTS - 1} --summary" in rounds
     # A cross-validation predicts the scroll with every fold's model in each part.
     cv = run_snakemake(
         workdir, "-n", "-p", "scroll", "--config",
@@ -235,18 +249,19 @@ def test_parts_on_slurm_one_killed_and_resumed_give_the_single_process_mask(
                 child.wait()
     text = log.read_text()
 
-    # The jobs: three statistics jobs without a GPU, the three parts, the killed one twice,
-    # then the finish, each with a GPU.
+    # The jobs: three statistics jobs, the three parts (the killed one twice), the
+    # post-processing's one round in three z-range jobs, then the finish; only the parts on a
+    # GPU.
     submitted = re.findall(
         r"Job \d+ has been submitted with SLURM jobid (\d+) .*?/rule_(\w+?)/", text
     )
     assert sorted(rule for _, rule in submitted) == (
-        ["scroll_finish"] + ["scroll_part"] * 4 + ["scroll_statistics"] * 3
+        ["scroll_finish"] + ["scroll_part"] * 4 + ["scroll_post"] * 3 + ["scroll_statistics"] * 3
     ), text
     for job_id, rule in submitted:
         job = cluster.job(job_id)
         gpu = re.search(r"gpu[:=]1$", job.get("TresPerJob", ""))  # gres:gpu:1 (22.05)
-        assert bool(gpu) == (rule != "scroll_statistics"), job
+        assert bool(gpu) == (rule == "scroll_part"), job
     assert cluster.job(first)["JobState"] in ("FAILED", "CANCELLED"), cluster.job(first)
 
     # The killed part's second job went on from the tiles of its first; the others ran once.

@@ -182,6 +182,41 @@ def postprocess_args(infer: Mapping[str, Any], settings: str | None) -> str:
     return " ".join(o for o in options if o)
 
 
+# The keys of config infer that are post-processing settings (`ctseg.postprocess.masks`).
+POSTPROCESS_KEYS = (
+    "threshold",
+    "hysteresis_high",
+    "hysteresis_mode",
+    "min_component_voxels",
+    "fill_holes",
+    "plug_holes_max_area",
+    "patch_holes_max_area",
+    "closing_radius",
+)
+
+
+def post_rounds(
+    infer: Mapping[str, Any], settings: str | None, binary: bool
+) -> list[tuple[str, str]]:
+    """The rounds of `ctseg predict --post` for a scroll's mask, each with its kind (a
+    ``components`` round has a merge job): from tuned.json (`settings`) when infer.postprocess
+    is tuned, else from config infer's fixed values; none for a label map (`binary` false),
+    which its finish post-processes."""
+    from pathlib import Path
+
+    from ctseg.postprocess.blockwise import post_rounds as rounds
+    from ctseg.postprocess.masks import settings_from_mapping
+    from ctseg.postprocess.tuning import load_tuned
+
+    if not binary:
+        return []
+    if infer["postprocess"] == "tuned":
+        chosen = load_tuned(Path(str(settings)))
+    else:
+        chosen = settings_from_mapping({k: infer[k] for k in POSTPROCESS_KEYS}, "config infer")
+    return rounds(chosen)  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------------------------- report
 def overlay_args(ids: Sequence[str], image_store: str, label_store: str) -> str:
     """--overlay ID IMAGE LABEL for each volume (`image_store`, `label_store`: patterns with

@@ -1,4 +1,5 @@
-rule tune_postprocess:
+# A checkpoint: a scroll's post-processing jobs are the rounds tuned.json's settings need.
+checkpoint tune_postprocess:
     input:
         probabilities=lambda wildcards: [
             tune_probability(wildcards.exp, i) for i in tune_ids(wildcards.exp)

@@ -3,8 +3,9 @@
 # `experiment`; an experiment, a fold, a cross-validation <exp>.cv or an ensemble: every model of
 # it in each part), its intensity histogram counted in scroll.parts statistics jobs (no GPU, no
 # model: they may run while the run trains) that the first part merges, then split into
-# scroll.parts jobs of one GPU each, then finished into one OME-Zarr mask,
-# results/<run>/scroll/<name>.zarr. The parts keep their tiles in the work folder beside it,
+# scroll.parts jobs of one GPU each, then post-processed in rounds of scroll.parts z-range jobs
+# (and a merge after each component round; no GPU), then finished into one OME-Zarr mask,
+# results/<run>/scroll/<name>.zarr (no GPU). The parts keep their tiles in the work folder beside it,
 # results/<run>/scroll/.<name>.zarr.predict/, which no rule declares: Snakemake never deletes it,
 # so a killed or failed part, run again, goes on from the tiles it finished; the finish removes
 # it. Every rule passes --overwrite: the mask lies in results/, which Snakemake replaces when it
@@ -145,14 +146,65 @@ rule scroll_part:
         "--device-budget-mb {params.device_budget} {params.settings} --overwrite > {log:q} 2>&1"
 
 
+rule scroll_post:
+    input:
+        # The round before (its merge, or its every range), or every part before the first.
+        waits_on=scroll_post_waits_on,
+        weights=lambda wildcards: [
+            predicting_weights(r) for r in trained_runs(wildcards.exp)
+        ],
+        ensemble_weights=lambda wildcards: ensemble_weights_file(wildcards.exp),
+        settings=lambda wildcards: postprocess_settings_file(wildcards.exp),
+    output:
+        # The job's figures; its results are in the work folder.
+        summary=f"{ROOT}/{{exp}}/scroll/{{name}}/post-{{round}}-{{which}}-of-{{n}}.json",
+    log:
+        f"{ROOT}/logs/scroll/{{exp}}_{{name}}_post-{{round}}-{{which}}-of-{{n}}.log",
+    benchmark:
+        bench("{exp}", "scroll/{name}/post-{round}-{which}-of-{n}")
+    wildcard_constraints:
+        exp=ANY_RUN,
+        name=re.escape(SCROLL_NAME) if SCROLL["volume"] else "(?!)",
+        round=r"[a-z]+",
+        which=r"\d+|merge",
+        n=r"\d+",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        # No GPU: the post-processing of one z-range (or a merge of small tables).
+        mem_mb=int(2000 + SCROLL_BUDGET),
+    params:
+        run=lambda wildcards: run_dir(wildcards.exp),
+        volume=SCROLL["volume"],
+        mask=lambda wildcards: SCROLL_MASK.format(**wildcards),
+        # A range job names its range; a merge none.
+        part=lambda wildcards: (
+            "" if wildcards.which == "merge" else f"--part {wildcards.which}"
+        ),
+        options=SCROLL_OPTIONS,
+        overlap=config["infer"]["overlap"],
+        batch=config["infer"]["batch_size"],
+        tta="--tta-flips" if config["infer"]["tta_flips"] else "",
+        budget=SCROLL_BUDGET,
+        device_budget=config["infer"]["device_budget_mb"],
+        settings=lambda wildcards, input: rule_args.postprocess_args(
+            config["infer"], input.settings
+        ),
+        weights=config["infer"]["weights"],
+    shell:
+        "ctseg predict --run {params.run:q} -i {params.volume:q} -o {params.mask:q} "
+        "--parts {wildcards.n} --post {wildcards.round} {params.part} "
+        "--summary {output.summary:q} --weights {params.weights} {params.options} "
+        "--overlap {params.overlap} --batch-size {params.batch} {params.tta} "
+        "--memory-budget-mb {params.budget} --device-budget-mb {params.device_budget} "
+        "{params.settings} --overwrite > {log:q} 2>&1"
+
+
 rule scroll_finish:
     input:
-        parts=expand(
-            f"{ROOT}/{{exp}}/scroll/{{name}}/part-{{k}}-of-{{n}}.json",
-            k=range(SCROLL["parts"]),
-            n=SCROLL["parts"],
-            allow_missing=True,
-        ),
+        # The last post-processing round's every range (or every part, for a label map).
+        waits_on=scroll_post_waits_on,
         weights=lambda wildcards: [
             predicting_weights(r) for r in trained_runs(wildcards.exp)
         ],
@@ -173,8 +225,7 @@ rule scroll_finish:
         "../../environment.yml"
     threads: 2
     resources:
-        # On the parts' kind of device: the work folder records it, and the finish checks it.
-        gpu=1,
+        # No GPU: it computes no tile (the work folder records the parts' device).
         mem_mb=int(2000 + SCROLL_BUDGET),
     params:
         run=lambda wildcards: run_dir(wildcards.exp),

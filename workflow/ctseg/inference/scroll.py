@@ -328,8 +328,11 @@ def predict_scroll(
     low, high, how, stats_read = shared_intensity_range(root, source, given_range, budget)
     print(f"predict: {source.describe()}\npredict: intensity range {low:g}..{high:g}, {how}",
           file=sys.stderr)  # fmt: skip
+    computes = not finish_only and post is None  # the others run where the parts ran or not
     works = [
-        open_work(folder, source, tile_settings, device, low, high, sha, labels, share)
+        open_work(
+            folder, source, tile_settings, device, low, high, sha, labels, share, computes=computes
+        )  # fmt: skip
         for folder, sha in zip(folders, weights_sha256, strict=True)
     ]
     summary: dict[str, Any] = {

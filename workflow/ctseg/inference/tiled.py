@@ -209,6 +209,10 @@ class Work:
         return zarr.open_array(str(self.store), mode="r+")
 
 
+# What the tiles' arithmetic depends on beside the settings: the device type and autocast.
+DEVICE_KEYS = ("device_type", "amp")
+
+
 def _identity(
     source: VolumeSource,
     settings: InferenceSettings,
@@ -398,15 +402,21 @@ def open_work(
     labels: LabelSpec | None = None,
     budget_from: str | None = None,
     store: Path | None = None,
+    computes: bool = True,
 ) -> Work:
     """The work folder of this predict: made (manifest, empty probability store) by the first
     run, checked against the manifest by every later one. The first run's tile fits
     ``settings.memory_budget_mb`` (on a GPU also ``device_budget_mb``); `budget_from` says
     where that budget comes from, for the refusal of one too small. The probabilities go to
-    `store` (default ``probabilities.zarr`` in the folder)."""
+    `store` (default ``probabilities.zarr`` in the folder). A process that computes no tile
+    (`computes` false: the finish, a post-processing job) takes the device type and autocast
+    the parts recorded: it may run on a node without their GPU."""
     folder = Path(folder)
     store = folder / PROBABILITIES if store is None else Path(store)
     identity = _identity(source, settings, device, low, high, weights_sha256, labels)
+    if not computes and (folder / MANIFEST).exists():
+        recorded = json.loads((folder / MANIFEST).read_text())
+        identity.update({key: recorded[key] for key in DEVICE_KEYS if key in recorded})
     win = settings.checked_window()
     starts = tuple(
         tuple(window_starts(s, w, settings.overlap)) for s, w in zip(source.shape, win, strict=True)
@@ -739,8 +749,11 @@ def finish(work: Work, parts: int = 1, z_range: tuple[int, int] | None = None) -
     out = work.probabilities()
     norms = _Norms(grid)
     made = 0
-    with _holding(work, "finish"):
-        _remove_temporaries(work.folder, "finish")
+    # The jobs of z-ranges run at once, each under its own name (ended by "-", so that no
+    # range's name begins another's: `_remove_temporaries` matches by prefix).
+    writer = "finish" if z_range is None else f"seams-{z_range[0]}-{z_range[1]}-"
+    with _holding(work, writer):
+        _remove_temporaries(work.folder, writer)
         for chunk in grid.all_chunks():
             if z_range is not None and not z_range[0] <= chunk[0] * grid.chunks[0] < z_range[1]:
                 continue
@@ -749,6 +762,6 @@ def finish(work: Work, parts: int = 1, z_range: tuple[int, int] | None = None) -
             contributors = grid.contributors(chunk)
             if len(contributors) == 1:
                 continue  # written final by its tile
-            _finalise_shared(work, chunk, out, norms, "finish")
+            _finalise_shared(work, chunk, out, norms, writer)
             made += 1
     return {"seam_chunks_final": made}

@@ -549,8 +549,12 @@ class BlockwiseJobs:
         }
         path = self.folder / "plan.json"
         self.folder.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            _save(path, lambda tmp: tmp.write_text(json.dumps(plan, sort_keys=True)))
+        if not path.exists():  # the jobs of a round start at once: the first one's is kept
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(plan, sort_keys=True))
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+            tmp.unlink()
         recorded = json.loads(path.read_text())
         if recorded != plan:
             raise CtsegError(
@@ -712,7 +716,7 @@ class BlockwiseJobs:
         total = summed.astype(np.int64)
         _save(self._file(name, k), lambda tmp: np.savez(
             tmp.open("wb"), nodes=all_nodes, merged=merged, counts=total,
-            flags=flagged_merged > 0, open_nodes=open_nodes, open_merged=open_merged,
+            flags=flagged_merged > 0, size=size, open_nodes=open_nodes, open_merged=open_merged,
             open_ids=opened, open_counts=total[opened], open_flags=(flagged_merged > 0)[opened],
         ))  # fmt: skip
 
@@ -730,7 +734,7 @@ class BlockwiseJobs:
             )
         offsets = _OFFSETS[self._connectivity(name)]
         tables = [np.load(self._file(name, k)) for k in range(len(self.ranges))]
-        starts = np.cumsum([0, *(len(t["counts"]) for t in tables)])
+        starts = np.cumsum([0, *(int(t["size"]) for t in tables)])  # not the whole counts
         keys = [starts[k] + t["open_ids"] for k, t in enumerate(tables)]
 
         def key(k: int, nodes: np.ndarray) -> np.ndarray:
@@ -758,22 +762,31 @@ class BlockwiseJobs:
         self, name: str, lower: int, upper: int, offsets: Sequence[tuple[int, int, int]]
     ) -> Iterator[np.ndarray]:
         """The pairs (node of `upper`, node of `lower`) touching across the planes between two
-        ranges, block column by block column: each first-layer block of `upper` with the
-        last-layer blocks of `lower` it touches."""
+        ranges: `upper`'s first plane against `lower`'s last, a band of block rows at a time
+        (each plane read once, its rows beside a band twice)."""
+        steps = [(o[1], o[2]) for o in offsets if o[0] == -1]  # the in-plane shifts across z
+        if not steps:
+            return  # within z-slices only: nothing touches across ranges
         below = zarr.open_array(self.folder / name / f"faces-{lower}.zarr", mode="r")
         above = zarr.open_array(self.folder / name / f"faces-{upper}.zarr", mode="r")
-        columns = dict(_columns(self.shape, self.block))
-        for (iy, ix), (sy, sx) in columns.items():
-            first = np.asarray(above[0:1, sy, sx])
+        height, width = self.shape[1], self.shape[2]
+        for y0 in range(0, height, self.block[1]):
+            y1 = min(y0 + self.block[1], height)
+            first = np.asarray(above[0, y0:y1])
             if not first.any():
                 continue
-            for d in (d for d in _EARLIER if d[0] == -1):
-                beside = columns.get((iy + d[1], ix + d[2]))
-                if beside is not None:
-                    last = np.asarray(below[(slice(1, 2), *beside)])
-                    found = _touching(first, {(0, -1): last}, d, offsets)
-                    if len(found):
-                        yield found
+            l0, l1 = max(0, y0 - 1), min(height, y1 + 1)
+            last = np.asarray(below[1, l0:l1])
+            for dy, dx in steps:  # first[y, x] touches last[y + dy, x + dx]
+                rows = slice(max(0, l0 - y0 - dy), min(y1 - y0, l1 - y0 - dy))
+                if rows.start >= rows.stop:
+                    continue
+                beside = slice(rows.start + y0 + dy - l0, rows.stop + y0 + dy - l0)
+                mine, theirs = _shifted(width, dx)
+                a, b = first[rows, mine], last[beside, theirs]
+                both = (a > 0) & (b > 0)
+                if both.any():
+                    yield np.unique(np.stack([a[both], b[both]], axis=1), axis=0)
 
     def _tables(self, name: str, k: int) -> _Tables:
         """Range `k`'s tables of component round `name`, its open components' counts and
@@ -853,14 +866,6 @@ class BlockwiseJobs:
 
     def _first_written(self) -> int:
         return [kind for _, kind in self.rounds].index(WRITE)
-
-
-def _columns(
-    shape: tuple[int, ...], block: tuple[int, ...]
-) -> Iterator[tuple[tuple[int, int], tuple[slice, slice]]]:
-    """Every column of blocks along z: its (y, x) index and slices."""
-    for index, sl in _blocks((1, *shape[1:]), (1, *block[1:])):
-        yield index[1:], sl[1:]  # type: ignore[misc]
 
 
 def blockwise_mask(
