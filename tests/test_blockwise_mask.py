@@ -401,8 +401,8 @@ def run_as_jobs(probs, out, settings, block, folder, ranges, order=reversed) -> 
 
 def test_jobs_in_separate_processes_any_order_and_resumed(tmp_path: Path, monkeypatch) -> None:
     """Jobs over 4 z-ranges, each with its own state and in reverse order, give the mask; a
-    job killed part way (its result not written) runs again to the same bits; a job run twice
-    does nothing the second time."""
+    job killed part way (its result not written), a range job or a merge, runs again to the
+    same bits; a job run twice does nothing the second time."""
     probs, settings, block = structures(), SETTINGS["everything"], (4, 5, 6)
     expected, expected_counts = binary_mask(probs, settings)
     out = np.zeros(SHAPE, np.uint8)
@@ -432,6 +432,26 @@ def test_jobs_in_separate_processes_any_order_and_resumed(tmp_path: Path, monkey
     stamps = {p: p.stat().st_mtime_ns for p in folder.rglob("range-*")}
     plan.run()  # every job is done: nothing is written again
     assert {p: p.stat().st_mtime_ns for p in folder.rglob("range-*")} == stamps
+
+    # Killed: a merge, in its union-find; it leaves no result, and its rerun gives the mask.
+    folder, out = tmp_path / "c", np.zeros(SHAPE, np.uint8)
+    real_merged = blockwise._merged
+
+    def dies_in_the_merge(nodes, pairs):
+        if len(pairs):
+            raise KeyboardInterrupt
+        return real_merged(nodes, pairs)
+
+    plan = blockwise.BlockwiseJobs(probs, out, settings, block, folder, 4)
+    for k in range(4):
+        plan.run_range("binarise", k)
+    monkeypatch.setattr(blockwise, "_merged", dies_in_the_merge)
+    with pytest.raises(KeyboardInterrupt):
+        plan.merge("binarise")
+    assert not plan.done("binarise")
+    monkeypatch.setattr(blockwise, "_merged", real_merged)
+    blockwise.BlockwiseJobs(probs, out, settings, block, folder, 4).run()
+    assert np.array_equal(out, expected)
 
 
 def test_jobs_refuse_out_of_order_and_another_plan(tmp_path: Path) -> None:
