@@ -48,10 +48,11 @@ def jobs(text: str) -> list[str]:
     found, current = [], []
     for line in text.splitlines():
         line = line.strip()
-        if line.startswith("rule ") or line.startswith("localrule "):
+        if line.startswith(("rule ", "localrule ", "checkpoint ", "localcheckpoint ")):
             if current:
                 found.append("\n".join(current))
-            current = [line.removeprefix("local")]
+            # A checkpoint is a rule whose jobs its dependants' plans are made after.
+            current = ["rule " + line.removeprefix("local").split(" ", 1)[1]]
         elif current and line.startswith(KEYS[1:]):
             current.append(" ".join(line.split()))
     if current:

@@ -8,6 +8,7 @@ import yaml
 
 from ctseg import rule_args
 from ctseg.config import load_config
+from ctseg.postprocess.commands import configured_rounds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,14 +93,14 @@ def test_a_scrolls_post_rounds_from_the_config_or_tuned_json(tmp_path: Path) -> 
     import json
 
     fixed = dict(shipped_config()["infer"], postprocess="fixed")
-    assert rule_args.post_rounds(fixed, None, True) == [("filled", "write")]
+    assert configured_rounds(fixed, None, True) == [("filled", "write")]
     on = dict(fixed, hysteresis_high=0.8, hysteresis_mode="z", min_component_voxels=8,
               fill_holes=True, plug_holes_max_area=4, closing_radius=1)  # fmt: skip
-    assert [name for name, _ in rule_args.post_rounds(on, None, True)] == [
+    assert [name for name, _ in configured_rounds(on, None, True)] == [
         "binarise", "filter", "fill", "filled", "plugged", "closed"
     ]  # fmt: skip
     shared = dict(on, hysteresis_mode="3d")  # 3D hysteresis and the filter share a pass
-    assert [name for name, _ in rule_args.post_rounds(shared, None, True)][:2] == [
+    assert [name for name, _ in configured_rounds(shared, None, True)][:2] == [
         "binarise", "fill"
     ]  # fmt: skip
     tuned = tmp_path / "tuned.json"
@@ -107,7 +108,27 @@ def test_a_scrolls_post_rounds_from_the_config_or_tuned_json(tmp_path: Path) -> 
                 "fill_holes": False, "patch_holes_max_area": 256}  # fmt: skip
     tuned.write_text(json.dumps({"settings": settings}))
     infer = dict(fixed, postprocess="tuned")
-    assert rule_args.post_rounds(infer, str(tuned), True) == [
+    assert configured_rounds(infer, str(tuned), True) == [
         ("filter", "components"), ("filled", "write"), ("patched", "halo")
     ]  # fmt: skip
-    assert rule_args.post_rounds(infer, str(tuned), False) == []
+    assert configured_rounds(infer, str(tuned), False) == []
+
+
+def test_what_a_scroll_post_job_and_the_finish_wait_on() -> None:
+    rounds = [("binarise", "components"), ("filled", "write"), ("closed", "halo")]
+    waits = rule_args.post_waits_on
+    at = {"n": "2"}
+    assert waits("s", rounds, 9, {**at, "round": "binarise", "which": "1"}) == [
+        "s/part-0-of-2.json", "s/part-1-of-2.json"
+    ]  # fmt: skip
+    assert waits("s", rounds, 9, {**at, "round": "binarise", "which": "merge"}) == [
+        "s/post-binarise-0-of-2.json", "s/post-binarise-1-of-2.json"
+    ]  # fmt: skip
+    assert waits("s", rounds, 9, {**at, "round": "filled", "which": "0"}) == [
+        "s/post-binarise-merge-of-2.json"
+    ]  # fmt: skip
+    assert waits("s", rounds, 9, {**at, "round": "closed", "which": "0"}) == [
+        "s/post-filled-0-of-2.json", "s/post-filled-1-of-2.json"
+    ]  # fmt: skip
+    assert waits("s", rounds, 2, {}) == ["s/post-closed-0-of-2.json", "s/post-closed-1-of-2.json"]
+    assert waits("s", [], 2, {}) == ["s/part-0-of-2.json", "s/part-1-of-2.json"]  # label map

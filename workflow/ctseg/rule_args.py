@@ -182,39 +182,26 @@ def postprocess_args(infer: Mapping[str, Any], settings: str | None) -> str:
     return " ".join(o for o in options if o)
 
 
-# The keys of config infer that are post-processing settings (`ctseg.postprocess.masks`).
-POSTPROCESS_KEYS = (
-    "threshold",
-    "hysteresis_high",
-    "hysteresis_mode",
-    "min_component_voxels",
-    "fill_holes",
-    "plug_holes_max_area",
-    "patch_holes_max_area",
-    "closing_radius",
-)
-
-
-def post_rounds(
-    infer: Mapping[str, Any], settings: str | None, binary: bool
-) -> list[tuple[str, str]]:
-    """The rounds of `ctseg predict --post` for a scroll's mask, each with its kind (a
-    ``components`` round has a merge job): from tuned.json (`settings`) when infer.postprocess
-    is tuned, else from config infer's fixed values; none for a label map (`binary` false),
-    which its finish post-processes."""
-    from pathlib import Path
-
-    from ctseg.postprocess.blockwise import post_rounds as rounds
-    from ctseg.postprocess.masks import settings_from_mapping
-    from ctseg.postprocess.tuning import load_tuned
-
-    if not binary:
-        return []
-    if infer["postprocess"] == "tuned":
-        chosen = load_tuned(Path(str(settings)))
-    else:
-        chosen = settings_from_mapping({k: infer[k] for k in POSTPROCESS_KEYS}, "config infer")
-    return rounds(chosen)  # type: ignore[arg-type]
+def post_waits_on(
+    scroll: str, rounds: Sequence[tuple[str, str]], parts: int, wildcards: Mapping[str, str]
+) -> list[str]:
+    """What rule scroll_post's job waits on (its `wildcards`: ``round``, ``which`` a range or
+    ``merge``, ``n`` the parts), or with no round the finish (`parts` then): a merge its round's
+    every range; a range job the round before's merge (a component round) or its every range,
+    before the first round every part; the finish the last round's every range (every part
+    where there is no round). `scroll`: the folder of the scroll's summaries."""
+    round_name, which = wildcards.get("round"), wildcards.get("which")
+    parts = int(wildcards.get("n", parts))
+    if which == "merge":
+        return [f"{scroll}/post-{round_name}-{k}-of-{parts}.json" for k in range(parts)]
+    names = [name for name, _ in rounds]
+    at = names.index(round_name) if round_name is not None else len(names)
+    if at == 0:
+        return [f"{scroll}/part-{k}-of-{parts}.json" for k in range(parts)]
+    before, kind = rounds[at - 1]
+    if kind == "components":
+        return [f"{scroll}/post-{before}-merge-of-{parts}.json"]
+    return [f"{scroll}/post-{before}-{k}-of-{parts}.json" for k in range(parts)]
 
 
 # ----------------------------------------------------------------------------- report

@@ -10,6 +10,7 @@ from ctseg import layout, planned_runs, rule_args
 from ctseg.config import check_configured_phase, load_phases, settings_used
 from ctseg.network.terms import check_terms
 from ctseg.planned_runs import TrainingPlans, dataset_runs, default_runs, load_records
+from ctseg.postprocess.commands import configured_rounds
 from ctseg.preprocess.demo_data import demo_dataset
 from ctseg.preprocess.stage import expand_scratch
 from ctseg.report.runs import scored_runs
@@ -212,35 +213,14 @@ def postprocess_settings_file(run):
     return f"{tuned_dir(run)}/tuned.json"
 
 
-def scroll_post_rounds(run):
-    """The post-processing rounds of run's scroll mask and their kinds: from tuned.json once
-    rule tune_postprocess (a checkpoint) has written it, else from config infer; none for a
-    label map (its finish does them)."""
-    settings = None
-    if config["infer"]["postprocess"] == "tuned" and dataset_plan().labels.is_binary:
-        settings = checkpoints.tune_postprocess.get(exp=run).output.settings
-    return rule_args.post_rounds(
-        config["infer"], settings, dataset_plan().labels.is_binary
-    )
-
-
 def scroll_post_waits_on(wildcards):
-    """What a post job of round wildcards.round waits on, or the finish (no round) after every
-    round: the round before's merge (a component round) or its every range; before the first
-    round, every part. A merge waits on its own round's ranges."""
-    scroll = f"{ROOT}/{wildcards.exp}/scroll/{wildcards.name}"
-    n = int(wildcards.get("n", SCROLL["parts"]))
-    if wildcards.get("which") == "merge":
-        return [f"{scroll}/post-{wildcards.round}-{k}-of-{n}.json" for k in range(n)]
-    rounds = scroll_post_rounds(wildcards.exp)
-    names = [name for name, _ in rounds]
-    at = names.index(wildcards.round) if "round" in wildcards.keys() else len(rounds)
-    if at == 0:
-        return [f"{scroll}/part-{k}-of-{n}.json" for k in range(n)]
-    before, kind = rounds[at - 1]
-    if kind == "components":
-        return [f"{scroll}/post-{before}-merge-of-{n}.json"]
-    return [f"{scroll}/post-{before}-{k}-of-{n}.json" for k in range(n)]
+    """What a scroll_post job, or the finish, waits on (rounds: a checkpoint's tuned.json)."""
+    binary, exp, infer = dataset_plan().labels.is_binary, wildcards.exp, config["infer"]
+    tuned = binary and infer["postprocess"] == "tuned"
+    got = checkpoints.tune_postprocess.get(exp=exp).output.settings if tuned else None
+    scroll = f"{ROOT}/{exp}/scroll/{wildcards.name}"
+    rounds = configured_rounds(infer, got, binary)
+    return rule_args.post_waits_on(scroll, rounds, SCROLL["parts"], wildcards)
 
 
 def overlay_ids(count=3):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ctseg.cli_types import AddParser
 from ctseg.io import CtsegError, strict_json
@@ -244,3 +244,36 @@ def add_commands(add_parser: AddParser, names: Iterable[str] = PARSERS) -> None:
     """Adds the subcommands `names` (by default all of this stage's) with `add_parser`."""
     for name in names:
         PARSERS[name](add_parser)
+
+
+# The keys of config infer that are post-processing settings (`ctseg.postprocess.masks`).
+CONFIG_KEYS = (
+    "threshold",
+    "hysteresis_high",
+    "hysteresis_mode",
+    "min_component_voxels",
+    "fill_holes",
+    "plug_holes_max_area",
+    "patch_holes_max_area",
+    "closing_radius",
+)
+
+
+def configured_rounds(
+    infer: Mapping[str, Any], settings: str | None, binary: bool
+) -> list[tuple[str, str]]:
+    """The rounds of `ctseg predict --post` for a scroll's mask, each with its kind (a
+    ``components`` round has a merge job): from tuned.json (`settings`) when infer.postprocess
+    is tuned, else from config infer's fixed values; none for a label map (`binary` false),
+    which its finish post-processes."""
+    from ctseg.postprocess.blockwise import post_rounds
+    from ctseg.postprocess.masks import settings_from_mapping
+    from ctseg.postprocess.tuning import load_tuned
+
+    if not binary:
+        return []
+    if infer["postprocess"] == "tuned":
+        chosen = load_tuned(Path(str(settings)))
+    else:
+        chosen = settings_from_mapping({k: infer[k] for k in CONFIG_KEYS}, "config infer")
+    return post_rounds(chosen)  # type: ignore[arg-type]
