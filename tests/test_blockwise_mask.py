@@ -467,6 +467,14 @@ def test_jobs_refuse_out_of_order_and_another_plan(tmp_path: Path) -> None:
         plan.merge("binarise")
     with pytest.raises(CtsegError, match="range 3: expected 0 <= range < 3"):
         plan.run_range("binarise", 3)
+    # A halo round reads the round before across ranges: every range of it must be written.
+    for name in ("binarise", "fill"):
+        for k in range(3):
+            plan.run_range(name, k)
+        plan.merge(name)
+    plan.run_range("filled", 0)
+    with pytest.raises(CtsegError, match=r"round 'filled' has ranges \[1, 2\] not done"):
+        plan.run_range("closed", 0)
     with pytest.raises(CtsegError, match="holds the post-processing of another plan"):
         blockwise.BlockwiseJobs(probs, out, settings, (4, 4, 4), tmp_path, 2)
 

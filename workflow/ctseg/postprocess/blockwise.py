@@ -654,12 +654,20 @@ class BlockwiseJobs:
             raise CtsegError(f"blockwise mask: range {k}: expected 0 <= range < {len(self.ranges)}")
         if self.done(name, k):
             return
-        before = [n for n, _ in self.rounds[: [n for n, _ in self.rounds].index(name)]]
-        for earlier in before:
+        before = self.rounds[: [n for n, _ in self.rounds].index(name)]
+        for earlier, kind in before:
             if not self.done(earlier):
                 raise CtsegError(
                     f"{self.folder}: post-processing round {earlier!r} is not merged yet; run "
                     f"its jobs and its merge before round {name!r}"
+                )
+            # A halo round reads the round before across ranges: never a range not yet written
+            # (its absent chunks would read as zeros).
+            missing = [r for r in range(len(self.ranges)) if not self.done(earlier, r)]
+            if kind != COMPONENTS and missing:
+                raise CtsegError(
+                    f"{self.folder}: post-processing round {earlier!r} has ranges {missing} "
+                    f"not done; run them before round {name!r}"
                 )
         (self.folder / name).mkdir(parents=True, exist_ok=True)
         kind = dict(self.rounds)[name]
